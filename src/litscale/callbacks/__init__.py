@@ -1,0 +1,5 @@
+"""Lightning callbacks: throughput and the run summary."""
+
+from litscale.callbacks.throughput import ThroughputCallback
+
+__all__ = ["ThroughputCallback"]

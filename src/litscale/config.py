@@ -1,0 +1,224 @@
+"""Validation of a composed config, before any process or process group exists.
+
+The schema is the code itself: every ``_target_`` is a typed keyword-only constructor, so a
+node's keys and values are checked against that constructor's signature (with the ranges
+of ``litscale.constraints``). Keys that are not constructor arguments (``seed``,
+``ckpt_path``, the precision group) are described by the dataclasses below. Cross-group
+rules (task pairing, devices vs the machine, precision vs accelerator) follow.
+
+Every problem is a ``ConfigError`` whose message is one line naming the key, the bad value
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from litscale.errors import ConfigError
+from litscale.typecheck import (
+    check_value,
+    describe,
+    forwards_unknown_kwargs,
+    locate_target,
+    signature_annotations,
+)
+
+__all__ = ["ConfigError", "validate"]
+
+
+@dataclass
+class RunSchema:
+    """Top-level keys of ``conf/train.yaml`` that are not groups."""
+
+    name: str
+    seed: int
+    ckpt_path: str | None
+
+
+@dataclass
+class PrecisionSchema:
+    """A ``precision/`` option: the Lightning precision and the dtypes strategies derive from it."""
+
+    lightning: Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true"]
+    param_dtype: Literal["float32", "bfloat16", "float16"]
+    compute_dtype: Literal["float32", "bfloat16", "float16"]
+    reduce_dtype: Literal["float32", "bfloat16", "float16"]
+
+
+# Groups whose value is one object built from `_target_` / a dict of named objects.
+TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression")
+NAMED_TARGET_GROUPS = ("logger", "callbacks")
+CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")
+
+
+def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
+    """Raise ``ConfigError`` for the first problem found in a composed config.
+
+    ``choices`` maps group -> chosen option name (Hydra's runtime choices), used to name
+    options in messages; without it messages fall back to key paths.
+    """
+    choices = choices or {}
+    check_schema("", cfg, RunSchema)
+    check_schema("precision", cfg.precision, PrecisionSchema)
+    for group in TARGET_GROUPS:
+        if cfg.get(group) is not None and "_target_" in cfg[group]:
+            check_target_node(group, cfg[group])
+    for group in NAMED_TARGET_GROUPS:
+        for name, node in (cfg.get(group) or {}).items():
+            if isinstance(node, DictConfig) and "_target_" in node:
+                check_target_node(f"{group}.{name}", node)
+    check_task_pairing(cfg, choices)
+    check_devices(cfg, choices)
+    check_data_paths(cfg)
+
+
+def check_schema(prefix: str, node: DictConfig, schema: type) -> None:
+    """Check the keys of ``node`` that ``schema`` (a dataclass) describes."""
+    annotations = signature_annotations(schema)
+    for field in fields(schema):
+        if field.name in node:
+            _check_key(prefix, node, field.name, annotations[field.name])
+
+
+def check_target_node(path: str, node: DictConfig) -> None:
+    """Check a node's keys and values against its ``_target_``'s signature, recursively."""
+    target = locate_target(node["_target_"], path)
+    annotations, accepts_any = signature_annotations(target), forwards_unknown_kwargs(target)
+    for key in node:
+        if key.startswith("_") and key.endswith("_"):
+            continue
+        value = node._get_node(key)
+        if isinstance(value, DictConfig) and "_target_" in value:
+            check_target_node(f"{path}.{key}", value)
+        elif key in annotations:
+            _check_key(path, node, key, annotations[key])
+        elif not accepts_any:
+            allowed = ", ".join(sorted(annotations)) or "no keys"
+            raise ConfigError(
+                f"{path}.{key} is not an argument of {node['_target_']}; allowed: {allowed}"
+            )
+
+
+def _check_key(prefix: str, node: DictConfig, key: str, annotation: Any) -> None:
+    full_key = f"{prefix}.{key}" if prefix else key
+    if OmegaConf.is_missing(node, key):
+        raise ConfigError(f"{full_key} is required: expected {describe(annotation)}")
+    value = node[key]
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    problem = check_value(value, annotation)
+    if problem:
+        raise ConfigError(f"{full_key}={_show(value)} is not valid: expected {problem}")
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def check_task_pairing(cfg: DictConfig, choices: dict[str, str]) -> None:
+    """A model trains on data of its task: a causal LM on token data, a classifier on images."""
+    model_task = getattr(locate_target(cfg.model._target_, "model"), "task", None)
+    data_task = cfg.data.get("task") or getattr(locate_target(cfg.data._target_, "data"), "task", None)
+    if model_task and data_task and model_task != data_task:
+        model, data = choices.get("model", cfg.model._target_), choices.get("data", cfg.data._target_)
+        suggestion = {
+            "classification": "data=digits (or experiment=digits_mlp / digits_resnet)",
+            "causal_lm": "data=stdlib_code, data=text_files or data=synthetic",
+        }[model_task]
+        raise ConfigError(
+            f"model={model} trains on {model_task} data but data={data} provides {data_task}; "
+            f"use {suggestion}"
+        )
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """``auto`` -> ``gpu`` when CUDA is visible, else ``cpu``; ``cuda`` is spelled ``gpu``."""
+    if accelerator == "auto":
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    return "gpu" if accelerator == "cuda" else accelerator
+
+
+def machine_device_count(accelerator: str) -> int:
+    if accelerator == "gpu":
+        import torch
+
+        return torch.cuda.device_count()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def count_devices(devices: Any, available: int, accelerator: str = "cpu") -> int | None:
+    """Processes per node that Lightning's ``devices`` value asks for; None if malformed."""
+    if isinstance(devices, bool):
+        return None
+    if isinstance(devices, int):
+        return available if devices == -1 else (devices if devices >= 1 else None)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return available if accelerator == "gpu" else 1  # Lightning's meaning of "auto"
+        if text.lstrip("-").isdigit():
+            return count_devices(int(text), available, accelerator)
+        parts = [p for p in text.split(",") if p.strip()]
+        return len(parts) if parts and all(p.strip().isdigit() for p in parts) else None
+    if isinstance(devices, (list, ListConfig)):
+        ok = devices and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in devices)
+        return len(devices) if ok else None
+    return None
+
+
+def check_devices(cfg: DictConfig, choices: dict[str, str]) -> None:
+    """Devices exist on this machine, the strategy fits the count, the precision the accelerator."""
+    accelerator = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
+    available = machine_device_count(accelerator)
+    if accelerator == "gpu" and available == 0:
+        raise ConfigError(
+            f"trainer.accelerator={cfg.trainer.accelerator} but no CUDA device is visible; "
+            "use trainer.accelerator=cpu or auto"
+        )
+    devices = cfg.trainer.get("devices", 1)
+    count = count_devices(devices, available, accelerator)
+    if count is None:
+        raise ConfigError(
+            f"trainer.devices={_show(devices)} is not valid: expected a positive int, -1 (all), "
+            "'auto' or a list of device indices"
+        )
+    unit = "GPUs" if accelerator == "gpu" else "CPU cores"
+    if count > available:
+        raise ConfigError(
+            f"trainer.devices={_show(devices)} is more than this machine has: {available} {unit} "
+            f"(allowed: 1..{available})"
+        )
+    strategy = choices.get("strategy", "")
+    if count * int(cfg.trainer.get("num_nodes", 1)) > 1 and strategy == "single":
+        raise ConfigError(
+            f"strategy=single runs one process but trainer.devices={_show(devices)}; "
+            "use strategy=ddp (or another multi-device strategy)"
+        )
+    precision = choices.get("precision")
+    if accelerator == "cpu" and precision and precision not in CPU_PRECISIONS:
+        raise ConfigError(
+            f"precision={precision} is not supported on cpu; choose one of: {', '.join(CPU_PRECISIONS)}"
+        )
+    if accelerator == "gpu" and "bf16" in cfg.precision.lightning:
+        import torch
+
+        if not torch.cuda.is_bf16_supported():
+            raise ConfigError(
+                f"precision={precision} needs a GPU with bfloat16 (Ampere or newer); use fp16_mixed or fp32"
+            )
+
+
+def check_data_paths(cfg: DictConfig) -> None:
+    target = locate_target(cfg.data._target_, "data")
+    missing = getattr(inspect.getmodule(target), "missing_paths_error", None)
+    if missing is not None and "paths" in cfg.data:
+        message = missing(OmegaConf.to_container(cfg.data, resolve=True)["paths"])
+        if message:
+            raise ConfigError(message)

@@ -1,0 +1,112 @@
+"""Base data module: per-device micro batches drawn from one shared global order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class ShardedDataModule(LightningDataModule):
+    """A data module whose loaders shard one seeded global order across data-parallel ranks.
+
+    Subclasses fill ``self.train_dataset`` and ``self.val_dataset`` in ``setup``; this class
+    builds the loaders. The train loader always uses a ``DistributedSampler`` (with one
+    replica too), so the sample indices of global step ``k`` are the same whether the run
+    uses ``R`` ranks with micro batch ``b`` or one process with batch ``R * b``: the sampler
+    draws one permutation from ``seed + epoch`` regardless of ``R`` and hands rank ``r`` every
+    ``R``-th index of it. The Trainer must be built with ``use_distributed_sampler=False`` so
+    Lightning keeps these samplers.
+
+    Args:
+        batch_size: Per-device micro batch size.
+        num_workers: DataLoader worker processes per rank.
+        seed: Seed of the training order; the order is reshuffled every epoch.
+    """
+
+    #: ``"causal_lm"`` (batches ``(x, y)`` of int64 ``[B, T]``, ``y`` = ``x`` shifted by one)
+    #: or ``"classification"`` (``x`` float32 ``[B, C, H, W]``, ``y`` int64 ``[B]``).
+    task: str = "causal_lm"
+
+    def __init__(self, *, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        if int(batch_size) < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if int(num_workers) < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers)
+        self.seed = int(seed)
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        """Tokens in one sample (for throughput logging), or None when not token data."""
+        return None
+
+    def replicas(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` of the data-parallel group; ``(1, 0)`` without a trainer.
+
+        Taken from the strategy rather than the world size because model-parallel strategies
+        give several ranks the same data shard.
+        """
+        trainer = self.trainer
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
+        if not kwargs:
+            return 1, 0
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def _require(self, dataset: Dataset | None, split: str) -> Dataset:
+        if dataset is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{split}_dataset is not built; call setup() first"
+            )
+        return dataset
+
+    def train_sampler(self) -> DistributedSampler:
+        """The training sampler for this rank (Lightning calls ``set_epoch`` on it)."""
+        num_replicas, rank = self.replicas()
+        return DistributedSampler(
+            self._require(self.train_dataset, "train"),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=True,
+            seed=self.seed,
+            drop_last=True,
+        )
+
+    def val_sampler(self) -> DistributedSampler:
+        """The validation sampler; it pads with repeated samples so every rank has equal work."""
+        num_replicas, rank = self.replicas()
+        return DistributedSampler(
+            self._require(self.val_dataset, "val"),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=False,
+            drop_last=False,
+        )
+
+    def _loader(self, dataset: Dataset, sampler: DistributedSampler, drop_last: bool) -> DataLoader:
+        kwargs: dict[str, Any] = {}
+        if self.num_workers > 0:
+            kwargs["persistent_workers"] = True
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            drop_last=drop_last,
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        # drop_last keeps every step's global batch full, which step-for-step parity needs.
+        return self._loader(self._require(self.train_dataset, "train"), self.train_sampler(), True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._require(self.val_dataset, "val"), self.val_sampler(), False)

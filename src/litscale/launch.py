@@ -1,0 +1,67 @@
+"""Starting the ranks of one job.
+
+One device: the job runs in this process. Several devices on this node: torch's elastic
+agent (the engine behind ``torchrun``) spawns one worker per device, gives each its rank
+environment and, when one fails, stops the others, so no rank is left waiting in a
+collective. Each worker receives the job's resolved config as data; nothing re-runs the
+command line, so a Hydra multirun is never re-launched by its own children (the failure
+mode of Lightning's subprocess launcher). Under an external launcher (``torchrun``, SLURM's
+``srun``) the ranks already exist and this process is one of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from litscale.errors import ConfigError
+
+
+class RankFailure(RuntimeError):
+    """A worker rank failed; the message names the rank and its error in one line."""
+
+
+def launched_externally() -> bool:
+    """True when this process is already one rank of a job (torchrun, SLURM with tasks)."""
+    if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
+
+
+def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, num_nodes: int = 1) -> Any:
+    """Run ``entrypoint(payload)`` on every rank of this node; return rank 0's result."""
+    if launched_externally() or (processes == 1 and num_nodes == 1):
+        return entrypoint(payload)
+    if num_nodes > 1:
+        raise ConfigError(
+            f"trainer.num_nodes={num_nodes} needs one launcher per node: start train.py with "
+            "torchrun on each node, or use SLURM (hydra/launcher=submitit_slurm); see the README"
+        )
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent reports every rendezvous step at INFO; the job's own output is what matters.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=processes,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as `torchrun --standalone` does
+        run_id=uuid.uuid4().hex,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, entrypoint)(payload)
+    except ChildFailedError as error:
+        rank, failure = min(error.failures.items())
+        message = failure.message if isinstance(failure.message, str) else failure.message.get(
+            "message", "")
+        cause = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
+        raise RankFailure(f"rank {rank} failed: {cause}") from None
+    return results[0]

@@ -1,0 +1,133 @@
+"""LightningModules that wrap zoo networks for a task (causal LM, classification).
+
+They receive the network built and the optimizer/scheduler as factories (Hydra partials, or
+any callable), so the same module serves every strategy: a strategy may shard or wrap
+``self.net`` before ``configure_optimizers`` runs, and the factory then sees the final
+parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torchmetrics.aggregation import MeanMetric
+
+OptimizerFactory = Callable[[Iterable], Optimizer]
+SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+
+def weight_decay_groups(net: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm gains are excluded, as in GPT-2 and the LAMB paper."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+class TaskModule(LightningModule):
+    """What both tasks share: optimizer/scheduler wiring, val-loss bookkeeping, compile."""
+
+    task: str = ""
+
+    def __init__(
+        self,
+        *,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        scheduler: SchedulerFactory | None = None,
+        weight_decay: float = 0.0,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.weight_decay = weight_decay
+        self.compile_net = compile
+        self.val_loss = MeanMetric()
+        self.initial_val_loss: float | None = None
+
+    def configure_model(self) -> None:
+        if self.compile_net and not hasattr(self.net, "_orig_mod"):
+            self.net = torch.compile(self.net)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        val_loss = self.val_loss.compute()  # synchronised across ranks by torchmetrics
+        self.val_loss.reset()
+        if self.trainer.sanity_checking:
+            # The pre-training validation pass is the baseline the summary compares against.
+            self.initial_val_loss = float(val_loss)
+            return
+        self.log_validation(val_loss)
+
+    def log_validation(self, val_loss: Tensor) -> None:
+        self.log("val/loss", val_loss, prog_bar=True)
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(weight_decay_groups(self.net, self.weight_decay))
+        if self.scheduler_factory is None:
+            return optimizer
+        total_steps = int(self.trainer.estimated_stepping_batches)
+        scheduler = self.scheduler_factory(optimizer, total_steps=total_steps)
+        # Schedulers count optimizer steps, whatever the world size or accumulation.
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class CausalLMModule(TaskModule):
+    """Next-token prediction; logs ``val/bpb``, bits per byte for byte-level data."""
+
+    task = "causal_lm"
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        tokens, targets = batch
+        logits = self.net(tokens)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def log_validation(self, val_loss: Tensor) -> None:
+        super().log_validation(val_loss)
+        self.log("val/bpb", val_loss / math.log(2))
+
+
+class ClassificationModule(TaskModule):
+    """Cross-entropy classification; logs ``val/accuracy``."""
+
+    task = "classification"
+
+    def __init__(self, **kwargs) -> None:  # the validator follows **kwargs to TaskModule
+        super().__init__(**kwargs)
+        self.val_accuracy = MeanMetric()
+
+    def on_validation_epoch_start(self) -> None:
+        self.val_accuracy.reset()
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs, labels = batch
+        logits = self.net(inputs)
+        if not self.training:
+            self.val_accuracy.update((logits.argmax(-1) == labels).float().mean(), weight=len(labels))
+        return F.cross_entropy(logits.float(), labels)
+
+    def log_validation(self, val_loss: Tensor) -> None:
+        super().log_validation(val_loss)
+        self.log("val/accuracy", self.val_accuracy.compute())

@@ -1,0 +1,125 @@
+"""Checking a ``train.py`` command line before Hydra creates a run dir or any rank starts.
+
+Hydra reports composition problems (an unknown option, an unknown key) in several lines
+with hints, and only after it has created the run directory. This module composes every
+job the command line describes (each combination of a ``-m`` sweep), turns Hydra's errors
+into one line naming the key, the bad value and what is allowed, and runs the same
+validation as the job itself. On a problem it prints ``error: <line>`` and exits 2 with
+nothing written.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+
+from omegaconf import OmegaConf
+
+from litscale.errors import ConfigError
+
+MAX_JOBS_CHECKED = 256
+EXIT_BAD_CONFIG = 2
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_BAD_CONFIG)
+
+
+def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The override list of each job: one job, or every combination of a sweep."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    if not multirun:
+        return [overrides]
+    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    return [job for batch in batches for job in batch][:MAX_JOBS_CHECKED]
+
+
+def _group_options(config_dir: str, group: str) -> list[str]:
+    folder = os.path.join(config_dir, group)
+    if not os.path.isdir(folder):
+        return []
+    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
+
+
+def _keys_near(cfg, key: str) -> tuple[str, list[str]]:
+    """Suggestion and sibling keys for an unknown dotted ``key`` in ``cfg``."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    siblings = sorted(str(k) for k in node) if node is not None and hasattr(node, "keys") else []
+    close = difflib.get_close_matches(leaf, siblings, n=1)
+    return (f"{parent}.{close[0]}" if parent else close[0]) if close else "", siblings
+
+
+def explain_compose_error(error: Exception, overrides: list[str], config_dir: str, base_cfg) -> str:
+    """Hydra's multi-line composition error as one line."""
+    text = str(error)
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = _group_options(config_dir, group)
+        return f"{group}={option} is not an option; choose one of: {', '.join(options)}"
+    unknown = re.search(r"Could not override '([^']+)'", text) or re.search(
+        r"Key '([^']+)' is not in struct[\s\S]*full_key: (\S+)", text)
+    if unknown:
+        key = unknown.groups()[-1]
+        suggestion, siblings = _keys_near(base_cfg, key)
+        hint = f"did you mean {suggestion}? " if suggestion else ""
+        parent = key.rpartition(".")[0] or "the config"
+        return f"{key} is not a known key; {hint}{parent} has: {', '.join(siblings)}"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    return f"{first} (in: {' '.join(overrides)})"
+
+
+def check_command_line(argv: list[str], *, config_dir: str, config_name: str) -> None:
+    """Validate every job of a ``train.py`` command line; exit 2 with one line on a problem."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException, OverrideParseException
+
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
+        return  # Hydra's own informational modes: nothing runs
+    if args.config_path or args.config_dir:
+        return  # another primary config: left to Hydra and the job's own validation
+    config_name = args.config_name or config_name
+    try:
+        jobs = job_overrides(args.overrides, args.multirun)
+    except OverrideParseException as error:
+        fail(f"cannot parse the overrides: {str(error).splitlines()[0]}")
+    from litscale.checkpoints import resolve_ckpt_path
+    from litscale.config import validate
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        base = compose(config_name)
+        for overrides in jobs:
+            try:
+                cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+            except HydraException as error:
+                fail(explain_compose_error(error, overrides, config_dir, base))
+            choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
+            cfg = _as_job_config(cfg)
+            try:
+                validate(cfg, choices=choices)
+                resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
+            except ConfigError as error:
+                fail(str(error))
+    GlobalHydra.instance().clear()
+
+
+def _as_job_config(cfg):
+    """The composed config as the job will see it: no ``hydra`` node, and a placeholder for
+    the run dir, which is not known before Hydra creates it."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        del cfg["hydra"]
+        cfg.paths.output_dir = os.path.join(str(cfg.paths.root_dir), "<run dir>")
+    return cfg

@@ -1,0 +1,62 @@
+"""``train(cfg)``: validate -> start ranks -> (on each rank) build -> fit -> summary."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from litscale.checkpoints import resolve_ckpt_path
+from litscale.config import count_devices, machine_device_count, resolve_accelerator, validate
+from litscale.launch import launch
+
+
+@dataclass
+class RunSpec:
+    """What every rank needs: the resolved config (plain data) and the group choices."""
+
+    config: dict
+    choices: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+
+
+def hydra_choices() -> dict[str, str]:
+    """Group -> option name of the current Hydra job ({} outside Hydra)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    return {k: v for k, v in HydraConfig.get().runtime.choices.items() if isinstance(v, str)}
+
+
+def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
+    """Validate ``cfg``, start its ranks, and return rank 0's summary."""
+    choices = hydra_choices() if choices is None else choices
+    validate(cfg, choices=choices)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["ckpt_path"] = resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
+    accelerator = resolve_accelerator(str(cfg.trainer.accelerator))
+    processes = count_devices(cfg.trainer.devices, machine_device_count(accelerator), accelerator)
+    spec = RunSpec(config=config, choices=choices)
+    return launch(run_rank, spec, processes=processes, num_nodes=int(cfg.trainer.num_nodes))
+
+
+def run_rank(spec: RunSpec) -> dict:
+    """Build everything from the resolved config and fit; runs once on every rank."""
+    from litscale.build import build_run
+    from litscale.strategies.lifecycle import destroy_process_group
+    from litscale.summary import finish_loggers, print_start, summarize
+
+    built = build_run(spec.config, spec.choices)
+    outcome = "failed"
+    try:
+        print_start(built)
+        built.trainer.fit(built.module, datamodule=built.datamodule, ckpt_path=spec.config["ckpt_path"])
+        summary = summarize(built, started_at=spec.started_at)
+        outcome = "success"
+        return summary
+    finally:
+        finish_loggers(built.trainer, outcome)
+        destroy_process_group()

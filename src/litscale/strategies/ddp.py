@@ -1,0 +1,58 @@
+"""Data parallel: DistributedDataParallel, with communication hooks on every backend."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Literal
+
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies.ddp import _register_ddp_comm_hook
+from typing_extensions import override
+
+from litscale.compression import CommHook
+from litscale.constraints import PositiveFloat, PositiveInt
+from litscale.strategies.lifecycle import destroy_process_group_at_exit
+
+
+class DDPStrategy(LightningDDPStrategy):
+    """Lightning's DDP, plus gradient-compression hooks on CPU/gloo and a clean exit.
+
+    Lightning attaches ``ddp_comm_hook`` only when the device is CUDA; torch's DDP runs comm
+    hooks on gloo too, and CPU is where every strategy is tested, so this one always
+    attaches them.
+    """
+
+    def __init__(
+        self,
+        *,
+        compression: CommHook | None = None,
+        bucket_cap_mb: PositiveFloat = 25,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+        timeout_s: PositiveInt = 1800,
+    ) -> None:
+        super().__init__(
+            process_group_backend=process_group_backend,
+            timeout=timedelta(seconds=timeout_s),
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+        )
+        self.compression = compression
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        if self.compression is not None:
+            _register_ddp_comm_hook(
+                model=self.model,
+                ddp_comm_state=self.compression.state,
+                ddp_comm_hook=self.compression.hook,
+            )

@@ -1,0 +1,29 @@
+"""One process, one device."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from typing_extensions import override
+
+from litscale.constraints import NonNegativeInt
+
+
+class SingleStrategy(SingleDeviceStrategy):
+    """Lightning's single-device strategy, with the device taken from the accelerator.
+
+    Lightning's class needs the device at construction, before the Trainer has chosen the
+    accelerator; this one follows it (``cuda:<device_index>`` on GPU, else CPU).
+    """
+
+    def __init__(self, *, device_index: NonNegativeInt = 0) -> None:
+        super().__init__(device="cpu")
+        self.device_index = device_index
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", self.device_index)
+        return self._root_device

@@ -1,0 +1,130 @@
+"""What a run says at its start and its end, and ``summary.json``.
+
+``summary.json`` in the run dir is the machine-readable record of a run: reports, notebooks
+and tests read it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_only
+
+from litscale.build import BuiltRun
+from litscale.callbacks.throughput import ThroughputCallback, data_parallel_size
+
+
+def _count_params(module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def _global_batch(built: BuiltRun) -> tuple[int, int, int, int]:
+    trainer = built.trainer
+    micro, dp, accumulation = built.config.data.batch_size, data_parallel_size(trainer), trainer.accumulate_grad_batches
+    return micro, dp, accumulation, micro * dp * accumulation
+
+
+def _say(line: str) -> None:
+    print(f"litscale: {line}", file=sys.stderr if False else sys.stdout, flush=True)
+
+
+@rank_zero_only
+def print_start(built: BuiltRun) -> None:
+    """Derived numbers, computed once and printed (model size, global batch, LR, devices)."""
+    trainer, choices = built.trainer, built.choices
+    micro, dp, accumulation, global_batch = _global_batch(built)
+    net = built.config.model.get("net", {})
+    model = choices.get("model", "model") + (f"-{net.preset}" if "preset" in net else "")
+    _say(
+        f"{model} {_count_params(built.module) / 1e6:.2f}M params | "
+        f"strategy {choices.get('strategy', type(trainer.strategy).__name__)} | "
+        f"{trainer.world_size} x {trainer.strategy.root_device.type} | "
+        f"precision {built.config.precision.lightning}"
+    )
+    _say(
+        f"global batch {global_batch} = micro batch {micro} x data-parallel {dp} x accumulation "
+        f"{accumulation} | lr {built.config.optimizer.lr:g} | max steps {trainer.max_steps}"
+    )
+
+
+def _metric(trainer: Trainer, name: str) -> float | None:
+    value = trainer.callback_metrics.get(name)
+    return None if value is None else float(value)
+
+
+def summarize(built: BuiltRun, *, started_at: float) -> dict:
+    """Collect final metrics; rank 0 writes ``summary.json`` and prints a few lines."""
+    trainer, module = built.trainer, built.module
+    throughput = next((c.result for c in trainer.callbacks if isinstance(c, ThroughputCallback)), {})
+    micro, dp, accumulation, global_batch = _global_batch(built)
+    summary = {
+        "train/loss": _metric(trainer, "train/loss"),
+        "val/loss": _metric(trainer, "val/loss"),
+        "val/loss_initial": getattr(module, "initial_val_loss", None),
+        "val/bpb": _metric(trainer, "val/bpb"),
+        "val/accuracy": _metric(trainer, "val/accuracy"),
+        **throughput,
+        "steps": trainer.global_step,
+        "global_batch": global_batch,
+        "micro_batch": micro,
+        "data_parallel_size": dp,
+        "accumulate_grad_batches": accumulation,
+        "world_size": trainer.world_size,
+        "num_params": _count_params(module),
+        "choices": built.choices,
+        "output_dir": os.path.abspath(built.config.paths.output_dir),
+        "checkpoint": _best_checkpoint(trainer),
+        "wall_time_s": time.time() - started_at,
+    }
+    summary = {k: v for k, v in summary.items() if v is not None}
+    if trainer.is_global_zero:
+        path = os.path.join(summary["output_dir"], "summary.json")
+        os.makedirs(summary["output_dir"], exist_ok=True)
+        with open(path + ".tmp", "w") as handle:
+            json.dump(summary, handle, indent=2)
+        os.replace(path + ".tmp", path)  # never a half-written summary
+        _print_end(summary)
+    return summary
+
+
+def _best_checkpoint(trainer: Trainer) -> str | None:
+    callback = trainer.checkpoint_callback
+    if callback is None:
+        return None
+    return getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None) or None
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+
+def _print_end(summary: dict) -> None:
+    losses = f"train/loss {_fmt(summary.get('train/loss'))}"
+    if "val/loss" in summary:
+        losses += f" | val/loss {_fmt(summary['val/loss'])}"
+        if "val/loss_initial" in summary:
+            losses += f" (from {_fmt(summary['val/loss_initial'])})"
+    for extra in ("val/bpb", "val/accuracy"):
+        if extra in summary:
+            losses += f" | {extra} {_fmt(summary[extra])}"
+    _say(f"done: {summary['steps']} steps in {summary['wall_time_s']:.1f} s | {losses}")
+    if "perf/samples_per_sec" in summary:
+        rate = f"{summary['perf/samples_per_sec']:,.1f} samples/s"
+        if "perf/tokens_per_sec" in summary:
+            rate += f", {summary['perf/tokens_per_sec']:,.0f} tokens/s"
+        _say(f"throughput {rate} over {summary['world_size']} process(es), steady state")
+    _say(f"outputs: {summary['output_dir']} (summary.json, checkpoints/, logs)")
+
+
+def finish_loggers(trainer: Trainer, status: str) -> None:
+    """Finalize loggers, including W&B's run, which Lightning leaves open."""
+    for logger in trainer.loggers:
+        logger.finalize(status)
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish(exit_code=0 if status == "success" else 1)

@@ -1,0 +1,30 @@
+"""Train from Hydra config groups: ``python train.py strategy=ddp trainer.devices=2``.
+
+The command line is checked first (every job of a sweep included), so a bad config fails
+in one line before Hydra creates a run dir or any rank starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """One Hydra job; returns the final validation loss (for Hydra sweepers)."""
+    from litscale.cli import run_job
+
+    return run_job(cfg)
+
+
+if __name__ == "__main__":
+    from litscale.preflight import check_command_line
+
+    check_command_line(sys.argv[1:], config_dir=CONFIG_DIR, config_name="train")
+    main()
