@@ -7,13 +7,17 @@ the strategy, callbacks and loggers for the Trainer) are passed as keyword argum
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -26,10 +30,28 @@ class BuiltRun:
     trainer: Trainer
 
 
+def build(node: DictConfig, **kwargs: Any) -> Any:
+    """``instantiate`` that raises the constructor's own error, not Hydra's multi-line wrapper."""
+    try:
+        return instantiate(node, **kwargs, _convert_="all")
+    except InstantiationException as error:
+        if error.__cause__ is not None:
+            raise error.__cause__ from None
+        raise
+
+
 def _build_named(group: DictConfig | None) -> list[Any]:
     """A group that is a mapping of name -> object config (loggers, callbacks)."""
-    return [instantiate(node, _convert_="all") for node in (group or {}).values()
+    return [build(node) for node in (group or {}).values()
             if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def _build_callbacks(cfg: DictConfig) -> list[Any]:
+    callbacks = _build_named(cfg.get("callbacks"))
+    if cfg.trainer.get("enable_progress_bar") is False:
+        # Lightning refuses a progress-bar callback with the bar turned off; the flag wins.
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    return callbacks
 
 
 def _share_cpu_threads() -> None:
@@ -40,34 +62,41 @@ def _share_cpu_threads() -> None:
 
 
 def build_strategy(cfg: DictConfig):
-    compression = instantiate(cfg.compression) if "_target_" in cfg.compression else None
+    compression = build(cfg.compression) if "_target_" in cfg.compression else None
     extra = {"compression": compression} if compression is not None else {}
-    return instantiate(cfg.strategy, **extra, _convert_="all")
+    return build(cfg.strategy, **extra)
 
 
 def build_module(cfg: DictConfig) -> LightningModule:
-    scheduler = instantiate(cfg.scheduler) if "_target_" in (cfg.get("scheduler") or {}) else None
-    return instantiate(cfg.model, optimizer=instantiate(cfg.optimizer), scheduler=scheduler,
-                       _convert_="all")
+    scheduler = build(cfg.scheduler) if "_target_" in (cfg.get("scheduler") or {}) else None
+    return build(cfg.model, optimizer=build(cfg.optimizer), scheduler=scheduler)
+
+
+def _quiet_lightning() -> None:
+    """Drop Lightning's advertisement and a deprecation warning it raises against itself;
+    neither is something a litscale user can act on."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip"))
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def build_run(config: dict, choices: dict[str, str]) -> BuiltRun:
     cfg = OmegaConf.create(config)
+    _quiet_lightning()
     _share_cpu_threads()
     seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data, _convert_="all")
+    datamodule = build(cfg.data)
     module = build_module(cfg)
     loggers = _build_named(cfg.get("logger"))
-    trainer = instantiate(
+    trainer = build(
         cfg.trainer,
         strategy=build_strategy(cfg),
         precision=cfg.precision.lightning,
-        callbacks=_build_named(cfg.get("callbacks")),
+        callbacks=_build_callbacks(cfg),
         logger=loggers or False,
         # The data modules shard with their own DistributedSampler (see litscale.data.base).
         use_distributed_sampler=False,
         default_root_dir=cfg.paths.output_dir,
-        _convert_="all",
     )
     for logger in trainer.loggers:
         logger.log_hyperparams(config)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from litscale.constraints import PositiveFloat
 from litscale.errors import ConfigError
 from litscale.typecheck import (
     check_value,
@@ -50,6 +51,13 @@ class PrecisionSchema:
     reduce_dtype: Literal["float32", "bfloat16", "float16"]
 
 
+@dataclass
+class OptimizerSchema:
+    """What every ``optimizer/`` option shares; the rest is checked against its ``_target_``."""
+
+    lr: PositiveFloat
+
+
 # Groups whose value is one object built from `_target_` / a dict of named objects.
 TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression")
 NAMED_TARGET_GROUPS = ("logger", "callbacks")
@@ -65,6 +73,9 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
     choices = choices or {}
     check_schema("", cfg, RunSchema)
     check_schema("precision", cfg.precision, PrecisionSchema)
+    check_schema("optimizer", cfg.optimizer, OptimizerSchema)
+    # Before the nodes are resolved: a model interpolates sizes from data of its own task.
+    check_task_pairing(cfg, choices)
     for group in TARGET_GROUPS:
         if cfg.get(group) is not None and "_target_" in cfg[group]:
             check_target_node(group, cfg[group])
@@ -72,7 +83,6 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
         for name, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig) and "_target_" in node:
                 check_target_node(f"{group}.{name}", node)
-    check_task_pairing(cfg, choices)
     check_devices(cfg, choices)
     check_data_paths(cfg)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -43,8 +44,9 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent reports every rendezvous step at INFO; the job's own output is what matters.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The agent logs every rendezvous step, and each failure with a prefix on every line;
+    # the root cause is reported once below instead.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -59,9 +61,19 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
     try:
         results = elastic_launch(config, entrypoint)(payload)
     except ChildFailedError as error:
-        rank, failure = min(error.failures.items())
-        message = failure.message if isinstance(failure.message, str) else failure.message.get(
-            "message", "")
-        cause = message.strip().splitlines()[-1] if message.strip() else f"exit code {failure.exitcode}"
-        raise RankFailure(f"rank {rank} failed: {cause}") from None
+        raise RankFailure(describe_first_failure(error)) from None
     return results[0]
+
+
+def describe_first_failure(error) -> str:
+    """Print the traceback of the rank that failed first (the root cause: the others often
+    fail because it did) and return one line naming it."""
+    rank, failure = error.get_first_failure()
+    data = failure.message
+    message, traceback = (data, None) if isinstance(data, str) else (
+        data.get("message", ""), data.get("extraInfo", {}).get("py_callstack"))
+    if traceback:
+        print(traceback.rstrip(), file=sys.stderr, flush=True)
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    cause = lines[0] if lines else f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {cause}"

@@ -82,7 +82,9 @@ class TaskModule(LightningModule):
         self.log_validation(val_loss)
 
     def log_validation(self, val_loss: Tensor) -> None:
-        self.log("val/loss", val_loss, prog_bar=True)
+        # The value is already the same on every rank; sync_dist only keeps Lightning from
+        # warning that an epoch-level metric was not reduced.
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(weight_decay_groups(self.net, self.weight_decay))
@@ -106,7 +108,7 @@ class CausalLMModule(TaskModule):
 
     def log_validation(self, val_loss: Tensor) -> None:
         super().log_validation(val_loss)
-        self.log("val/bpb", val_loss / math.log(2))
+        self.log("val/bpb", val_loss / math.log(2), sync_dist=True)
 
 
 class ClassificationModule(TaskModule):
@@ -130,4 +132,4 @@ class ClassificationModule(TaskModule):
 
     def log_validation(self, val_loss: Tensor) -> None:
         super().log_validation(val_loss)
-        self.log("val/accuracy", self.val_accuracy.compute())
+        self.log("val/accuracy", self.val_accuracy.compute(), sync_dist=True)

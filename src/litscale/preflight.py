@@ -51,9 +51,25 @@ def _keys_near(cfg, key: str) -> tuple[str, list[str]]:
     """Suggestion and sibling keys for an unknown dotted ``key`` in ``cfg``."""
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else cfg
-    siblings = sorted(str(k) for k in node) if node is not None and hasattr(node, "keys") else []
+    siblings = sorted(str(k) for k in node if not str(k).startswith("_")) if node is not None and hasattr(
+        node, "keys") else []
     close = difflib.get_close_matches(leaf, siblings, n=1)
     return (f"{parent}.{close[0]}" if parent else close[0]) if close else "", siblings
+
+
+def _target_accepts(cfg, key: str) -> bool:
+    """True when ``key``'s parent node builds a ``_target_`` that takes ``key`` as an argument,
+    e.g. any Lightning Trainer argument under ``trainer``."""
+    from litscale.typecheck import locate_target, signature_annotations
+
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else None
+    if node is None or not hasattr(node, "keys") or "_target_" not in node:
+        return False
+    try:
+        return leaf in signature_annotations(locate_target(node["_target_"], parent))
+    except ConfigError:
+        return False
 
 
 def explain_compose_error(error: Exception, overrides: list[str], config_dir: str, base_cfg) -> str:
@@ -68,6 +84,10 @@ def explain_compose_error(error: Exception, overrides: list[str], config_dir: st
         r"Key '([^']+)' is not in struct[\s\S]*full_key: (\S+)", text)
     if unknown:
         key = unknown.groups()[-1]
+        accepted = _target_accepts(base_cfg, key)
+        if accepted:
+            value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
+            return f"{key} is not in the config yet; add it with +{key}={value}"
         suggestion, siblings = _keys_near(base_cfg, key)
         hint = f"did you mean {suggestion}? " if suggestion else ""
         parent = key.rpartition(".")[0] or "the config"

@@ -116,6 +116,17 @@ def _fits(value: Any, annotation: Any) -> bool:
     return True
 
 
+_PLURALS = {int: "ints", float: "numbers", str: "strings", bool: "booleans"}
+
+
+def _plural(annotation: Any) -> str:
+    """``ints >= 1`` for ``Annotated[int, Range(min=1)]``, for describing list items."""
+    if typing.get_origin(annotation) is Annotated:
+        ranges = [m.describe() for m in annotation.__metadata__ if isinstance(m, Range)]
+        return " ".join([_plural(typing.get_args(annotation)[0]), *ranges])
+    return _PLURALS.get(annotation) or f"items that are {describe(annotation)}"
+
+
 _NAMES = {int: "an int", float: "a number", str: "a string", bool: "true or false",
           type(None): "null", None: "null"}
 
@@ -131,7 +142,7 @@ def describe(annotation: Any) -> str:
     if origin is Literal:
         return "one of: " + ", ".join(repr(a) for a in args)
     if origin in (list, tuple, Sequence):
-        return f"a list of ({describe(args[0])})" if args else "a list"
+        return f"a list of {_plural(args[0])}" if args else "a list"
     if origin in (dict, Mapping):
         return "a mapping"
     return _NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)))

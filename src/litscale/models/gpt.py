@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,8 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+
+PresetName = Literal["nano", "micro", "small", "medium"]
 
 # GPT-2 sizes (Radford et al. 2019); `nano` is small enough for 2-core CPU tests.
 PRESETS: dict[str, GPTConfig] = {
@@ -156,7 +159,7 @@ class GPT(nn.Module):
 
 def build_gpt(
     *,
-    preset: str = "nano",
+    preset: PresetName = "nano",
     vocab_size: PositiveInt | None = None,
     block_size: PositiveInt | None = None,
     n_layer: PositiveInt | None = None,
@@ -168,7 +171,7 @@ def build_gpt(
 ) -> GPT:
     """A GPT from a named preset, with any architecture number overridden."""
     if preset not in PRESETS:
-        raise ValueError(f"model.net.preset={preset!r} is not a preset; choose one of: {', '.join(PRESETS)}")
+        raise ValueError(f"preset={preset!r} is not a GPT preset; choose one of: {', '.join(PRESETS)}")
     overrides = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                      n_embd=n_embd, dropout=dropout, bias=bias, tie_embeddings=tie_embeddings)
     config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
