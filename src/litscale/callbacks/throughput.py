@@ -47,18 +47,24 @@ class ThroughputCallback(Callback):
             micro_batch = len(batch[0])
             self._samples_per_step = micro_batch * data_parallel_size(trainer) * trainer.accumulate_grad_batches
         step = trainer.global_step
-        if step < self.warmup_steps or step % trainer.log_every_n_steps and step != trainer.max_steps:
-            return
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-        now = time.perf_counter()
         if self._start is None:
-            self._start = (now, step)
+            # A short run still gets a figure: warm-up is at most a quarter of its steps.
+            warmup = min(self.warmup_steps, max(1, trainer.max_steps // 4)) if trainer.max_steps > 0 \
+                else self.warmup_steps
+            if step >= warmup:
+                self._start = (self._now(pl_module), step)
             return
-        if step == self._start[1]:
+        if step == self._start[1] or (step % trainer.log_every_n_steps and step != trainer.max_steps):
             return
+        now = self._now(pl_module)
         self.result = self._summarise(now, step)
         pl_module.log_dict(self.result, rank_zero_only=True)
+
+    @staticmethod
+    def _now(pl_module: LightningModule) -> float:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # time the GPU's work, not its queueing
+        return time.perf_counter()
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._validation_started = time.perf_counter()
