@@ -20,6 +20,9 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer, see
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from litscale.precision import PrecisionDtypes
+from litscale.typecheck import locate_target, signature_annotations
+
 
 @dataclass
 class BuiltRun:
@@ -48,6 +51,8 @@ def _build_named(group: DictConfig | None) -> list[Any]:
 
 def _build_callbacks(cfg: DictConfig) -> list[Any]:
     callbacks = _build_named(cfg.get("callbacks"))
+    if "_target_" in (cfg.get("lr_scaling") or {}):
+        callbacks.append(build(cfg.lr_scaling))  # an LR-scaling rule is a callback
     if cfg.trainer.get("enable_progress_bar") is False:
         # Lightning refuses a progress-bar callback with the bar turned off; the flag wins.
         callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
@@ -62,8 +67,15 @@ def _share_cpu_threads() -> None:
 
 
 def build_strategy(cfg: DictConfig):
-    compression = build(cfg.compression) if "_target_" in cfg.compression else None
-    extra = {"compression": compression} if compression is not None else {}
+    """The strategy, given the runtime objects its constructor asks for by name:
+    ``compression`` (a ``CommHook`` from the compression group) and ``precision_dtypes``."""
+    accepts = signature_annotations(locate_target(cfg.strategy._target_, "strategy"))
+    extra: dict[str, Any] = {}
+    if "compression" in accepts and "_target_" in cfg.compression:
+        extra["compression"] = build(cfg.compression)
+    if "precision_dtypes" in accepts:
+        extra["precision_dtypes"] = PrecisionDtypes.from_names(
+            **{k: cfg.precision[k] for k in ("param_dtype", "compute_dtype", "reduce_dtype")})
     return build(cfg.strategy, **extra)
 
 

@@ -83,8 +83,10 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
         for name, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig) and "_target_" in node:
                 check_target_node(f"{group}.{name}", node)
-    check_devices(cfg, choices)
+    world_size = check_devices(cfg, choices)
     check_data_paths(cfg)
+    check_compression_supported(cfg, choices)
+    check_strategy(cfg, world_size)
 
 
 def check_schema(prefix: str, node: DictConfig, schema: type) -> None:
@@ -183,8 +185,9 @@ def count_devices(devices: Any, available: int, accelerator: str = "cpu") -> int
     return None
 
 
-def check_devices(cfg: DictConfig, choices: dict[str, str]) -> None:
-    """Devices exist on this machine, the strategy fits the count, the precision the accelerator."""
+def check_devices(cfg: DictConfig, choices: dict[str, str]) -> int:
+    """Devices exist on this machine, the strategy fits the count, the precision the accelerator.
+    Returns the world size (devices x nodes)."""
     accelerator = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
     available = machine_device_count(accelerator)
     if accelerator == "gpu" and available == 0:
@@ -223,6 +226,47 @@ def check_devices(cfg: DictConfig, choices: dict[str, str]) -> None:
             raise ConfigError(
                 f"precision={precision} needs a GPU with bfloat16 (Ampere or newer); use fp16_mixed or fp32"
             )
+    return count * int(cfg.trainer.get("num_nodes", 1))
+
+
+def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> None:
+    """Compression hooks attach to DDP; a strategy takes them only if it says so."""
+    if "_target_" not in (cfg.get("compression") or {}):
+        return
+    strategy = locate_target(cfg.strategy._target_, "strategy")
+    if "compression" not in signature_annotations(strategy):
+        raise ConfigError(
+            f"compression={choices.get('compression', cfg.compression._target_)} is not supported by "
+            f"strategy={choices.get('strategy', cfg.strategy._target_)}; gradient compression "
+            "applies to strategies whose data-parallel dimension uses DDP (e.g. strategy=ddp)"
+        )
+
+
+def check_strategy(cfg: DictConfig, world_size: int) -> None:
+    """Build the strategy (cheap: no process group) so its constructor's own checks run now,
+    and let it check the world size and the model, built on the meta device (no memory).
+
+    Convention: a strategy constructor raises ``ValueError`` with a one-line message naming
+    ``strategy.<key>``; a strategy may define ``validate_setup(*, world_size, net)``.
+    """
+    from litscale.build import build_strategy
+
+    try:
+        strategy = build_strategy(cfg)
+        validate_setup = getattr(strategy, "validate_setup", None)
+        if validate_setup is not None:
+            validate_setup(world_size=world_size, net=_meta_net(cfg))
+    except (ValueError, TypeError) as error:
+        raise ConfigError(str(error).splitlines()[0]) from None
+
+
+def _meta_net(cfg: DictConfig):
+    """The zoo network of ``cfg.model.net`` with shapes but no storage."""
+    import torch
+    from hydra.utils import instantiate
+
+    with torch.device("meta"):
+        return instantiate(cfg.model.net, _convert_="all")
 
 
 def check_data_paths(cfg: DictConfig) -> None:

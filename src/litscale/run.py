@@ -39,6 +39,8 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     config["ckpt_path"] = resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
     accelerator = resolve_accelerator(str(cfg.trainer.accelerator))
     processes = count_devices(cfg.trainer.devices, machine_device_count(accelerator), accelerator)
+    if accelerator == "cpu":
+        config["trainer"]["devices"] = processes  # Lightning takes only a count on CPU (no -1/auto)
     spec = RunSpec(config=config, choices=choices)
     return launch(run_rank, spec, processes=processes, num_nodes=int(cfg.trainer.num_nodes))
 
