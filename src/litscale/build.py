@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from litscale.precision import PrecisionDtypes
+from litscale.safety import allowed_prefixes, check_targets
 from litscale.typecheck import locate_target, signature_annotations
 
 
@@ -33,8 +34,13 @@ class BuiltRun:
     trainer: Trainer
 
 
+_ALLOWED_TARGETS: list[str] = []  # the run's `allowed_targets`, set by build_run
+
+
 def build(node: DictConfig, **kwargs: Any) -> Any:
-    """``instantiate`` that raises the constructor's own error, not Hydra's multi-line wrapper."""
+    """``instantiate`` that raises the constructor's own error, not Hydra's multi-line wrapper,
+    and builds only trusted targets (checked again here: library users may skip validation)."""
+    check_targets(node, "", allowed_prefixes(_ALLOWED_TARGETS))
     try:
         return instantiate(node, **kwargs, _convert_="all")
     except InstantiationException as error:
@@ -76,7 +82,9 @@ def build_strategy(cfg: DictConfig):
     if "precision_dtypes" in accepts:
         extra["precision_dtypes"] = PrecisionDtypes.from_names(
             **{k: cfg.precision[k] for k in ("param_dtype", "compute_dtype", "reduce_dtype")})
-    return build(cfg.strategy, **extra)
+    # NOTE: passed to the partial, not to instantiate, which would turn the PrecisionDtypes
+    # dataclass into a dict.
+    return build(cfg.strategy, _partial_=True)(**extra)
 
 
 def build_module(cfg: DictConfig) -> LightningModule:
@@ -90,26 +98,35 @@ def _quiet_lightning() -> None:
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
         lambda record: not str(record.msg).startswith("💡 Tip"))
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # litscale's samplers skip the batches a mid-epoch checkpoint already trained on
+    # (litscale.data.base.resume_position), which this warning does not know.
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
 
 
-def build_run(config: dict, choices: dict[str, str]) -> BuiltRun:
+def build_run(config: dict, choices: dict[str, str], *, loggable_config: dict | None = None) -> BuiltRun:
     cfg = OmegaConf.create(config)
+    _ALLOWED_TARGETS[:] = cfg.get("allowed_targets") or []
     _quiet_lightning()
     _share_cpu_threads()
     seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build(cfg.data)
     module = build_module(cfg)
     loggers = _build_named(cfg.get("logger"))
+    strategy, callbacks = build_strategy(cfg), _build_callbacks(cfg)
+    if getattr(strategy, "compression", None) is not None:
+        from litscale.callbacks.communication import CommunicationCallback
+
+        callbacks.append(CommunicationCallback(compression=strategy.compression))
     trainer = build(
         cfg.trainer,
-        strategy=build_strategy(cfg),
+        strategy=strategy,
         precision=cfg.precision.lightning,
-        callbacks=_build_callbacks(cfg),
+        callbacks=callbacks,
         logger=loggers or False,
         # The data modules shard with their own DistributedSampler (see litscale.data.base).
         use_distributed_sampler=False,
         default_root_dir=cfg.paths.output_dir,
     )
-    for logger in trainer.loggers:
-        logger.log_hyperparams(config)
+    for logger in trainer.loggers:  # never values from the environment (API keys)
+        logger.log_hyperparams(loggable_config if loggable_config is not None else config)
     return BuiltRun(config=cfg, choices=choices, datamodule=datamodule, module=module, trainer=trainer)

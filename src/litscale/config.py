@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from litscale.constraints import PositiveFloat
 from litscale.errors import ConfigError
+from litscale.safety import allowed_prefixes, check_targets
 from litscale.typecheck import (
     check_value,
     describe,
@@ -39,6 +40,7 @@ class RunSchema:
     name: str
     seed: int
     ckpt_path: str | None
+    allowed_targets: list[str]
 
 
 @dataclass
@@ -59,7 +61,8 @@ class OptimizerSchema:
 
 
 # Groups whose value is one object built from `_target_` / a dict of named objects.
-TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression")
+TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression",
+                 "lr_scaling")
 NAMED_TARGET_GROUPS = ("logger", "callbacks")
 CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")
 
@@ -72,6 +75,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
     """
     choices = choices or {}
     check_schema("", cfg, RunSchema)
+    # First, before any _target_ is imported: importing a module runs its code.
+    check_targets(cfg, "", allowed_prefixes(cfg.get("allowed_targets") or ()))
     check_schema("precision", cfg.precision, PrecisionSchema)
     check_schema("optimizer", cfg.optimizer, OptimizerSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
@@ -87,6 +92,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
     check_data_paths(cfg)
     check_compression_supported(cfg, choices)
     check_strategy(cfg, world_size)
+    check_warmup(cfg)
 
 
 def check_schema(prefix: str, node: DictConfig, schema: type) -> None:
@@ -195,6 +201,9 @@ def check_devices(cfg: DictConfig, choices: dict[str, str]) -> int:
             f"trainer.accelerator={cfg.trainer.accelerator} but no CUDA device is visible; "
             "use trainer.accelerator=cpu or auto"
         )
+    num_nodes = cfg.trainer.get("num_nodes", 1)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ConfigError(f"trainer.num_nodes={_show(num_nodes)} is not valid: expected an int >= 1")
     devices = cfg.trainer.get("devices", 1)
     count = count_devices(devices, available, accelerator)
     if count is None:
@@ -258,6 +267,19 @@ def check_strategy(cfg: DictConfig, world_size: int) -> None:
             validate_setup(world_size=world_size, net=_meta_net(cfg))
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error).splitlines()[0]) from None
+
+
+def check_warmup(cfg: DictConfig) -> None:
+    """``warmup_steps`` and ``warmup_fraction`` are two ways to say one ramp: one at most."""
+    from litscale.schedulers import check_warmup_keys
+
+    for group in ("scheduler", "lr_scaling"):
+        node = cfg.get(group)
+        if node is not None and "_target_" in node:
+            try:
+                check_warmup_keys(group, node.get("warmup_steps"), node.get("warmup_fraction"))
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
 
 
 def _meta_net(cfg: DictConfig):

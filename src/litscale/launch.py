@@ -41,6 +41,7 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
             f"trainer.num_nodes={num_nodes} needs one launcher per node: start train.py with "
             "torchrun on each node, or use SLURM (hydra/launcher=submitit_slurm); see the README"
         )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -57,11 +58,16 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        shutdown_timeout=60,  # time for ranks to save a checkpoint after SIGTERM
     )
     try:
         results = elastic_launch(config, entrypoint)(payload)
     except ChildFailedError as error:
         raise RankFailure(describe_first_failure(error)) from None
+    except SignalException:
+        # This process was told to stop (SIGTERM, SLURM preemption): the agent passed the
+        # signal on to the ranks, which save last.ckpt at their next step and exit.
+        return {"preempted": True}
     return results[0]
 
 

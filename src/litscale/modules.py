@@ -103,7 +103,10 @@ class CausalLMModule(TaskModule):
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         tokens, targets = batch
-        logits = self.net(tokens)
+        return self.loss_fn(self.net(tokens), targets)
+
+    def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean next-token cross-entropy (a pipeline's last stage calls it on its output)."""
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def log_validation(self, val_loss: Tensor) -> None:

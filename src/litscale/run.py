@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from litscale.checkpoints import resolve_ckpt_path
 from litscale.config import count_devices, machine_device_count, resolve_accelerator, validate
 from litscale.launch import launch
+from litscale.safety import config_without_environment
 
 
 @dataclass
@@ -19,6 +20,7 @@ class RunSpec:
 
     config: dict
     choices: dict[str, str] = field(default_factory=dict)
+    loggable_config: dict | None = None  # `config` without values from the environment
     started_at: float = field(default_factory=time.time)
 
 
@@ -41,22 +43,32 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     processes = count_devices(cfg.trainer.devices, machine_device_count(accelerator), accelerator)
     if accelerator == "cpu":
         config["trainer"]["devices"] = processes  # Lightning takes only a count on CPU (no -1/auto)
-    spec = RunSpec(config=config, choices=choices)
+    spec = RunSpec(config=config, choices=choices, loggable_config=config_without_environment(cfg))
     return launch(run_rank, spec, processes=processes, num_nodes=int(cfg.trainer.num_nodes))
 
 
 def run_rank(spec: RunSpec) -> dict:
     """Build everything from the resolved config and fit; runs once on every rank."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from litscale.build import build_run
+    from litscale.export import export_model
     from litscale.strategies.lifecycle import destroy_process_group
     from litscale.summary import finish_loggers, print_start, summarize
 
-    built = build_run(spec.config, spec.choices)
+    built = build_run(spec.config, spec.choices, loggable_config=spec.loggable_config)
     outcome = "failed"
     try:
         print_start(built)
-        built.trainer.fit(built.module, datamodule=built.datamodule, ckpt_path=spec.config["ckpt_path"])
-        summary = summarize(built, started_at=spec.started_at)
+        try:
+            # weights_only: a checkpoint holds tensors and plain data; loading one never runs code.
+            built.trainer.fit(built.module, datamodule=built.datamodule,
+                              ckpt_path=spec.config["ckpt_path"], weights_only=True)
+        except SIGTERMException:
+            outcome = "preempted"
+            return {"preempted": True, "steps": built.trainer.global_step}
+        export = export_model(built.trainer, built.module, built.config.paths.output_dir)
+        summary = summarize(built, started_at=spec.started_at, export=export)
         outcome = "success"
         return summary
     finally:

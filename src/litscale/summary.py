@@ -16,6 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
 from litscale.build import BuiltRun
+from litscale.callbacks.memory import MemoryCallback
 from litscale.callbacks.throughput import ThroughputCallback, data_parallel_size
 
 
@@ -48,7 +49,7 @@ def print_start(built: BuiltRun) -> None:
     )
     _say(
         f"global batch {global_batch} = micro batch {micro} x data-parallel {dp} x accumulation "
-        f"{accumulation} | lr {built.config.optimizer.lr:g} | max steps {trainer.max_steps}"
+        f"{accumulation} | base lr {built.config.optimizer.lr:g} | max steps {trainer.max_steps}"
     )
 
 
@@ -57,10 +58,11 @@ def _metric(trainer: Trainer, name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def summarize(built: BuiltRun, *, started_at: float) -> dict:
+def summarize(built: BuiltRun, *, started_at: float, export: str | None = None) -> dict:
     """Collect final metrics; rank 0 writes ``summary.json`` and prints a few lines."""
     trainer, module = built.trainer, built.module
     throughput = next((c.result for c in trainer.callbacks if isinstance(c, ThroughputCallback)), {})
+    memory = next((c.result for c in trainer.callbacks if isinstance(c, MemoryCallback)), {})
     micro, dp, accumulation, global_batch = _global_batch(built)
     summary = {
         "train/loss": _metric(trainer, "train/loss"),
@@ -69,16 +71,19 @@ def summarize(built: BuiltRun, *, started_at: float) -> dict:
         "val/bpb": _metric(trainer, "val/bpb"),
         "val/accuracy": _metric(trainer, "val/accuracy"),
         **throughput,
+        **memory,
         "steps": trainer.global_step,
         "global_batch": global_batch,
         "micro_batch": micro,
         "data_parallel_size": dp,
         "accumulate_grad_batches": accumulation,
+        "lr": _scaled_lr(trainer),
         "world_size": trainer.world_size,
         "num_params": _count_params(module),
         "choices": built.choices,
         "output_dir": os.path.abspath(built.config.paths.output_dir),
         "checkpoint": _best_checkpoint(trainer),
+        "export": export,  # the consolidated weights of the net (litscale.export)
         "wall_time_s": time.time() - started_at,
     }
     summary = {k: v for k, v in summary.items() if v is not None}
@@ -90,6 +95,13 @@ def summarize(built: BuiltRun, *, started_at: float) -> dict:
         os.replace(path + ".tmp", path)  # never a half-written summary
         _print_end(summary)
     return summary
+
+
+def _scaled_lr(trainer: Trainer) -> float | None:
+    """The peak LR after the lr_scaling rule (None without the callback)."""
+    from litscale.lr_scaling import LRScaling
+
+    return next((c.lr for c in trainer.callbacks if isinstance(c, LRScaling)), None)
 
 
 def _best_checkpoint(trainer: Trainer) -> str | None:

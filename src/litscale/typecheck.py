@@ -141,8 +141,10 @@ def describe(annotation: Any) -> str:
         return " or ".join(dict.fromkeys(describe(arm) for arm in args))
     if origin is Literal:
         return "one of: " + ", ".join(repr(a) for a in args)
-    if origin in (list, tuple, Sequence):
+    if origin is tuple and len(args) > 1 and args[-1] is not Ellipsis:
+        return f"a list of {len(args)} " + (_plural(args[0]) if len(set(args)) == 1 else "items")
+    if origin in (list, tuple, Sequence) or annotation in (list, tuple):
         return f"a list of {_plural(args[0])}" if args else "a list"
-    if origin in (dict, Mapping):
+    if origin in (dict, Mapping) or annotation is dict:
         return "a mapping"
     return _NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)))

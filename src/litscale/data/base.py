@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+class ResumableSampler(DistributedSampler):
+    """A ``DistributedSampler`` that can start an epoch part-way, for mid-epoch resumes."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._skip: tuple[int, int] | None = None  # (epoch, samples of this rank to skip)
+
+    def skip_in_epoch(self, epoch: int, samples: int) -> None:
+        self._skip = (epoch, samples)
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self._skip = self._skip, None  # one epoch only: later epochs start at their beginning
+        skipped = skip[1] if skip and skip[0] == self.epoch else 0
+        # NOTE: __len__ stays the whole epoch's: Lightning counts the resumed epoch's batches
+        # from where the checkpoint left off, so only the iterator is shorter.
+        return itertools.islice(super().__iter__(), skipped, None)
+
+
+def resume_position(trainer: Any) -> tuple[int, int]:
+    """``(epoch, batches already trained in it)`` when a fit resumes mid-epoch, else (0, 0).
+
+    NOTE: Lightning restores its loop progress before it asks for the train dataloader, but
+    restarts a non-stateful loader from the start of the epoch, replaying batches the run
+    already trained on. Reading the restored progress lets the sampler skip them instead.
+    """
+    fit_loop = getattr(trainer, "fit_loop", None) if trainer is not None else None
+    if fit_loop is None or not fit_loop.restarting:
+        return 0, 0
+    return trainer.current_epoch, int(fit_loop.epoch_loop.batch_progress.current.ready)
 
 
 class ShardedDataModule(LightningDataModule):
@@ -70,7 +103,7 @@ class ShardedDataModule(LightningDataModule):
     def train_sampler(self) -> DistributedSampler:
         """The training sampler for this rank (Lightning calls ``set_epoch`` on it)."""
         num_replicas, rank = self.replicas()
-        return DistributedSampler(
+        return ResumableSampler(
             self._require(self.train_dataset, "train"),
             num_replicas=num_replicas,
             rank=rank,
@@ -105,8 +138,12 @@ class ShardedDataModule(LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        sampler = self.train_sampler()
+        epoch, batches = resume_position(self.trainer)
+        if batches:
+            sampler.skip_in_epoch(epoch, batches * self.batch_size)
         # drop_last keeps every step's global batch full, which step-for-step parity needs.
-        return self._loader(self._require(self.train_dataset, "train"), self.train_sampler(), True)
+        return self._loader(self._require(self.train_dataset, "train"), sampler, True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self._require(self.val_dataset, "val"), self.val_sampler(), False)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from litscale.constraints import Fraction, PositiveInt
+from litscale.models.gpt_parallel import TENSOR_PARALLEL_PLAN, pipeline_blocks
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,10 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Decoder-only transformer: token ids ``[B, T]`` -> logits ``[B, T, vocab]``."""
 
+    # Model-parallel declarations (see gpt_parallel.py); strategies read them.
+    tensor_parallel_plan = TENSOR_PARALLEL_PLAN
+    pipeline_blocks = pipeline_blocks
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
@@ -144,11 +149,21 @@ class GPT(nn.Module):
             x = self.lm_head(x)
         return x
 
+    def sharding_units(self) -> list[nn.Module]:
+        """The submodules a sharded strategy (FSDP) gathers and frees one at a time: the blocks.
+        Embeddings, final norm and head stay with the root, which runs first and last."""
+        return list(self.blocks.values())
+
     def num_params(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}  # tied weights counted once
         total = sum(p.numel() for p in params.values())
-        if exclude_embeddings and self.wpe is not None:
-            total -= self.wpe.weight.numel()
+        if exclude_embeddings:
+            # Lookups cost no matmul FLOPs: the position table always, the token table unless
+            # it is tied to the output head (nanoGPT counts the same way).
+            if self.wpe is not None:
+                total -= self.wpe.weight.numel()
+            if self.wte is not None and not self.config.tie_embeddings:
+                total -= self.wte.weight.numel()
         return total
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -51,6 +51,9 @@ class DDPStrategy(LightningDDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         if self.compression is not None:
+            bind = getattr(self.compression.state, "bind", None)
+            if bind is not None:  # names parameters, so checkpointed hook state is keyed by name
+                bind(self.model)
             _register_ddp_comm_hook(
                 model=self.model,
                 ddp_comm_state=self.compression.state,

@@ -1,0 +1,93 @@
+"""Bytes on the wire and compression time, logged under ``comm/*``; the compression hook's
+state (error-feedback residuals, PowerSGD's matrices and counters) carried in checkpoints.
+
+Lightning saves a callback's ``state_dict`` in the checkpoint and hands it back to
+``load_state_dict`` on resume, before the first step: exactly when the hook's state must be
+restored. Residuals differ per rank, so every rank's state is gathered into the checkpoint
+(written by rank 0) and each rank takes back its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+
+from litscale.compression import CommHook
+
+
+class CommunicationCallback(Callback):
+    """Logs ``comm/bytes_per_step`` (sent by this rank), ``comm/dense_bytes_per_step``,
+    ``comm/compression_ratio`` (dense / sent, over the run) and ``comm/compress_time_s`` (per
+    step), and checkpoints the hook's state. ``compression`` defaults to the strategy's."""
+
+    def __init__(self, *, compression: CommHook | None = None) -> None:
+        self.compression = compression
+        self.result: dict[str, float] = {}
+        self._last: dict[str, float] | None = None
+
+    def _state(self, trainer: Trainer | None = None) -> Any:
+        if self.compression is None and trainer is not None:
+            self.compression = getattr(trainer.strategy, "compression", None)
+        return None if self.compression is None else self.compression.state
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._state(trainer)  # before Lightning restores callback states on resume
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        state = self._state(trainer)
+        if state is None or not hasattr(state, "totals"):
+            return
+        step = trainer.global_step
+        if self._last is not None and step % trainer.log_every_n_steps and step != trainer.max_steps:
+            return  # figures are averaged over the interval Lightning logs
+        totals = state.totals()
+        last, self._last = self._last, totals
+        if last is None or totals["steps"] == last["steps"]:
+            return
+        steps = totals["steps"] - last["steps"]
+        self.result = {
+            "comm/bytes_per_step": (totals["bytes_sent"] - last["bytes_sent"]) / steps,
+            "comm/dense_bytes_per_step": (totals["dense_bytes"] - last["dense_bytes"]) / steps,
+            "comm/compress_time_s": (totals["compress_seconds"] - last["compress_seconds"]) / steps,
+            "comm/compression_ratio": totals["dense_bytes"] / max(1, totals["bytes_sent"]),
+        }
+        pl_module.log_dict(self.result, rank_zero_only=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._state()
+        if state is None or not hasattr(state, "state_dict"):
+            return {}
+        local = state.state_dict()
+        if getattr(state, "identical_across_ranks", False) or not (dist.is_available() and dist.is_initialized()):
+            return {"ranks": [local]}
+        # NOTE: every rank calls state_dict() when a checkpoint is saved (Lightning dumps the
+        # checkpoint on all ranks and writes it on rank 0), so this collective is safe.
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, local)
+        return {"ranks": ranks}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state, ranks = self._state(), state_dict.get("ranks")
+        if state is None or not ranks:
+            return
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if getattr(state, "identical_across_ranks", False):
+            state.load_state_dict(ranks[0])
+            return
+        local = ranks[rank] if len(ranks) == world_size else _without_residuals(ranks[0])
+        if len(ranks) != world_size:
+            rank_zero_warn(f"compression state was saved by {len(ranks)} ranks and is resumed on "
+                           f"{world_size}: error-feedback residuals start from zero")
+        state.load_state_dict(local)
+        self._last = None
+
+
+def _without_residuals(state: dict[str, Any]) -> dict[str, Any]:
+    """A rank's state minus what belongs to that rank alone (its error-feedback residuals)."""
+    per_rank = {"residuals": {}, "errors": {}, "batched_errors": {}}
+    return {**state, **{key: value for key, value in per_rank.items() if key in state}}

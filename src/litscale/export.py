@@ -1,0 +1,65 @@
+"""A consolidated export: one ``model.pt`` that the plain zoo network loads, from any strategy.
+
+Sharded checkpoints (FSDP's DCP directories, DeepSpeed's per-rank partitions) resume
+training but cannot be opened by ``net.load_state_dict``: users hit this wall with Lightning
+(#16815, #20065) and torchtitan (#811). This module gathers the full weights of the
+LightningModule's ``net`` with the strategy's own gathering API and writes them once:
+
+    net = build_gpt(preset="nano"); net.load_state_dict(torch.load("model.pt"))
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+
+EXPORT_FILENAME = "model.pt"
+
+
+def _has_dtensor(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _deepspeed_engine(trainer: Trainer):
+    engine = getattr(trainer.strategy, "model", None)
+    return engine if type(engine).__name__ == "DeepSpeedEngine" else None
+
+
+def _strip_prefix(state_dict: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
+def consolidated_state_dict(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
+    """The full, unsharded ``state_dict`` of ``module.net`` (or of ``module`` if it has no
+    ``net``) on CPU. A collective: every rank must call it; rank 0's result is complete."""
+    net = getattr(module, "net", module)
+    engine = _deepspeed_engine(trainer)
+    if engine is not None and getattr(engine, "zero_optimization_partition_weights", lambda: False)():
+        # ZeRO-3: DeepSpeed gathers each partitioned parameter (rank 0 receives the tensors).
+        full = engine._zero3_consolidated_16bit_state_dict()
+        prefix = "net." if net is not module else ""
+        return {k: v.cpu() for k, v in _strip_prefix(full or {}, prefix).items()}
+    if _has_dtensor(net):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(net, options=options)
+    # DDP, single device, ZeRO-1/2: every rank holds the full parameters.
+    return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
+
+
+def export_model(trainer: Trainer, module: LightningModule, output_dir: str) -> str:
+    """Write ``<output_dir>/model.pt`` (rank 0) and return its path (on every rank)."""
+    state_dict = consolidated_state_dict(trainer, module)
+    path = os.path.abspath(os.path.join(output_dir, EXPORT_FILENAME))
+    if trainer.is_global_zero:
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(state_dict, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    trainer.strategy.barrier("export")
+    return path

@@ -1,0 +1,190 @@
+"""DeepSpeed ZeRO stages 1/2/3 as a Lightning strategy, on CUDA and on CPU.
+
+Lightning's ``DeepSpeedStrategy`` drives ``deepspeed.initialize`` inside the fit loop, saves
+DeepSpeed checkpoints and maps Lightning's precision to DeepSpeed's config; it refuses CPU
+only by a check in ``setup_environment`` (and a device-index check that CPU devices, which
+have no index, cannot pass). DeepSpeed itself trains on CPU with ``DS_ACCELERATOR=cpu`` and
+gloo, so this subclass lifts those two checks, sets the variable before DeepSpeed is first
+imported, and exposes the ZeRO options as typed, validated keys. ``deepspeed`` is imported
+only once a run uses this strategy (Lightning's constructor imports it eagerly; this one
+does not, so the pre-flight check stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+from typing_extensions import override
+
+from litscale.constraints import PositiveInt
+from litscale.precision import PrecisionDtypes
+from litscale.strategies.lifecycle import destroy_process_group_at_exit
+
+_DEEPSPEED_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def check_offload(stage: int, offload_optimizer: bool, offload_parameters: bool) -> None:
+    """DeepSpeed offloads optimizer state (ZeRO-Offload) from stage 1 on, parameters only at
+    stage 3 (ZeRO-Infinity); raise a one-line ``ValueError`` for anything else."""
+    if offload_parameters and stage != 3:
+        raise ValueError(
+            f"strategy.offload_parameters=true needs strategy.stage=3 (got stage {stage}): only "
+            "ZeRO-3 partitions parameters; use strategy.offload_optimizer=true with stages 1-2")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"strategy.stage={stage} is not valid: expected one of 1, 2, 3")
+
+
+class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
+    """ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) or ZeRO-3 (+ parameters).
+
+    Precision comes from the Trainer's ``precision`` (Lightning writes DeepSpeed's
+    ``bf16``/``fp16`` sections); ``precision_dtypes`` (the ``precision`` group) adds the
+    gradient-communication dtype, so ``bf16_mixed`` reduces gradients in fp32.
+    """
+
+    def __init__(
+        self,
+        *,
+        stage: Literal[1, 2, 3] = 2,
+        offload_optimizer: bool = False,
+        offload_parameters: bool = False,
+        precision_dtypes: PrecisionDtypes | None = None,
+        overlap_comm: bool = True,
+        contiguous_gradients: bool = True,
+        reduce_bucket_size: PositiveInt = 200_000_000,
+        allgather_bucket_size: PositiveInt = 200_000_000,
+        partition_activations: bool = False,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+        timeout_s: PositiveInt = 1800,
+    ) -> None:
+        check_offload(stage, offload_optimizer, offload_parameters)
+        # NOTE: Lightning's DeepSpeedStrategy.__init__ imports deepspeed (seconds, and before
+        # DS_ACCELERATOR can be set for a CPU run); its config builder is reused instead.
+        LightningDDPStrategy.__init__(
+            self, process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
+        self._timeout = timedelta(seconds=timeout_s)
+        self.stage = stage
+        self.precision_dtypes = precision_dtypes
+        self.config = self._create_default_config(
+            zero_optimization=True, zero_allow_untested_optimizer=True,
+            logging_batch_size_per_gpu="auto", partition_activations=partition_activations,
+            cpu_checkpointing=False, contiguous_memory_optimization=False,
+            synchronize_checkpoint_boundary=False, offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters, nvme_path="/local_nvme",
+            offload_params_device="cpu", params_buffer_count=5, params_buffer_size=100_000_000,
+            max_in_cpu=1_000_000_000, offload_optimizer_device="cpu", optimizer_buffer_count=4,
+            pin_memory=False, block_size=1048576, queue_depth=8, single_submit=False,
+            overlap_events=True, thread_count=1, stage=stage,
+            contiguous_gradients=contiguous_gradients, overlap_comm=overlap_comm,
+            allgather_partitions=True, reduce_scatter=True,
+            allgather_bucket_size=allgather_bucket_size, reduce_bucket_size=reduce_bucket_size,
+            sub_group_size=1_000_000_000_000,
+        )
+        self._config_initialized = False
+        self.remote_device = None
+        self.load_full_weights = False
+        self.exclude_frozen_parameters = False
+        self.loss_scale, self.initial_scale_power, self.loss_scale_window = 0, 16, 1000
+        self.hysteresis, self.min_loss_scale = 2, 1
+
+    @override
+    def setup_environment(self) -> None:
+        if isinstance(self.accelerator, CPUAccelerator):
+            # Read once, when deepspeed is first imported: must precede that import.
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        import deepspeed
+
+        deepspeed.utils.logging.logger.setLevel(logging.WARNING)
+        LightningDDPStrategy.setup_environment(self)  # skips Lightning's CUDA-only check
+        destroy_process_group_at_exit()
+
+    @override
+    def setup_distributed(self) -> None:
+        from lightning.fabric.utilities.seed import reset_seed
+
+        if not isinstance(self.accelerator, CPUAccelerator):
+            return super().setup_distributed()  # CUDA: Lightning's device-index check applies
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    @override
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
+        """Lightning's call, with a device rank DeepSpeed accepts on CPU (a CPU device has no
+        index; DeepSpeed compares it with 0)."""
+        import deepspeed
+
+        device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=device_rank), config=self.config, model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+    @override
+    def _format_config(self) -> None:
+        super()._format_config()
+        if self.precision_dtypes is not None and self.precision_plugin.precision != "32-true":
+            self.config["communication_data_type"] = _DEEPSPEED_DTYPE[self.precision_dtypes.reduce]
+
+    @property
+    def zero_stage(self) -> int:
+        return self.stage
+
+    @property
+    def fp32_master_copy(self) -> bool:
+        """DeepSpeed's ZeRO optimizers keep an fp32 partition of the weights, even in fp32."""
+        return True
+
+    def memory_bytes(self) -> dict[str, int]:
+        """This rank's bytes of parameters, gradients and optimizer state, read from DeepSpeed's
+        own partitioned buffers (see ``litscale.callbacks.memory``)."""
+        return zero_memory_bytes(self.deepspeed_engine, self.stage)
+
+
+def _flat(tensors: Any) -> list[torch.Tensor]:
+    """Tensors from DeepSpeed's containers (lists, dicts of lists, None)."""
+    if tensors is None:
+        return []
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    if isinstance(tensors, dict):
+        tensors = list(tensors.values())
+    return [t for item in tensors for t in _flat(item)]
+
+
+def zero_memory_bytes(engine: Any, stage: int) -> dict[str, int]:
+    """Bytes per rank in a DeepSpeed engine. The module's parameters are DeepSpeed's own
+    16-bit (or fp32) groups: full at stages 1-2, and at stage 3 empty placeholders whose
+    partition is ``ds_tensor``. Gradients are the module's ``.grad`` (stage 1 keeps them
+    whole until the step) plus the reduced partitions; the optimizer holds the fp32 master
+    partition and the wrapped optimizer's state."""
+    from litscale.callbacks.memory import optimizer_state_tensors, storage_bytes
+
+    zero = engine.optimizer
+    params = list(engine.module.parameters())
+    if stage == 3:
+        param_tensors = [p.ds_tensor for p in params]
+        grad_tensors = _flat(getattr(zero, "averaged_gradients", None)) + _flat(
+            getattr(zero, "grad_partitions_flat_buffer", None))
+        master = _flat(zero.fp32_partitioned_groups_flat)
+    else:
+        param_tensors = params
+        grad_tensors = [p.grad for p in params] + _flat(getattr(zero, "averaged_gradients", None)) \
+            + _flat(getattr(zero, "grads_in_partition", None))
+        master = _flat(zero.single_partition_of_fp32_groups)
+    return {
+        "memory/params_bytes": storage_bytes(param_tensors),
+        "memory/grads_bytes": storage_bytes(grad_tensors),
+        "memory/optimizer_bytes": storage_bytes(master + optimizer_state_tensors(zero.optimizer)),
+        "memory/optimizer_master_bytes": storage_bytes(master),  # part of optimizer_bytes
+    }

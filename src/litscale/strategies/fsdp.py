@@ -1,0 +1,245 @@
+"""Fully sharded data parallel on FSDP2 (``torch.distributed.fsdp.fully_shard``), CPU and CUDA.
+
+Lightning's ``FSDPStrategy`` wraps FSDP1 and refuses CPU; its ``ModelParallelStrategy``
+drives FSDP2 and saves sharded checkpoints through ``torch.distributed.checkpoint`` (DCP)
+on any backend, but leaves the sharding to the user's ``configure_model``. This strategy
+subclasses the latter and does the sharding itself, from what the model declares
+(``sharding_units()``) or module-name patterns. Because DCP checkpoints hold DTensor shards
+with their global shapes, a run saved on N ranks resumes on M ranks.
+
+``apply_fsdp`` is the reusable part (torchtitan style): it shards a module on a given mesh,
+so a 2D/3D strategy can apply it to the data-parallel dimension of its own mesh.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Sequence
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from typing_extensions import override
+
+from litscale.constraints import PositiveInt
+from litscale.precision import PrecisionDtypes
+from litscale.strategies.lifecycle import destroy_process_group_at_exit
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+NO_UNITS_WARNING = (
+    "litscale FSDP: the model declares no sharding units, so it is sharded as one unit (all "
+    "parameters are gathered at once, which saves no peak memory). Declare units with a "
+    "`sharding_units(self) -> list[nn.Module]` method on the LightningModule or its `net` "
+    "(e.g. returning the transformer blocks), or pass strategy.sharding_units=['net.blocks.*']"
+)
+
+
+def mixed_precision_policy(dtypes: PrecisionDtypes | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the ``precision`` group: parameters are gathered in the compute
+    dtype and gradients reduced in the reduce dtype; the sharded (optimizer-facing)
+    parameters keep the storage dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtypes is None or (dtypes.compute == dtypes.param and dtypes.reduce == dtypes.param):
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtypes.compute, reduce_dtype=dtypes.reduce)
+
+
+def _name_matches(name: str, pattern: str) -> bool:
+    """``fnmatch`` per dotted component, so ``net.blocks.*`` matches blocks, not their children."""
+    parts, pattern_parts = name.split("."), pattern.split(".")
+    return len(parts) == len(pattern_parts) and all(
+        fnmatch.fnmatchcase(part, want) for part, want in zip(parts, pattern_parts, strict=True))
+
+
+def find_sharding_units(module: nn.Module, patterns: Sequence[str] | None = None) -> list[nn.Module]:
+    """The submodules to shard one by one: from ``patterns`` if given, else what ``module``
+    or its ``net`` declares with ``sharding_units()``; ``[]`` (with a warning) if neither."""
+    if patterns:
+        units = [m for name, m in module.named_modules() if any(_name_matches(name, p) for p in patterns)]
+        if not units:
+            raise ValueError(f"strategy.sharding_units={list(patterns)} matches no submodule of the model")
+        return units
+    for owner in (module, getattr(module, "net", None)):
+        declare = getattr(owner, "sharding_units", None)
+        if callable(declare):
+            return list(declare())
+    warnings.warn(NO_UNITS_WARNING, stacklevel=2)
+    return []
+
+
+def _roots(module: nn.Module) -> list[nn.Module]:
+    """The modules whose forward runs each step and that own the remaining parameters: ``net``
+    for litscale modules, else each direct child holding parameters (a LightningModule's own
+    forward is not what Lightning calls, so it cannot be FSDP's root)."""
+    net = getattr(module, "net", None)
+    if isinstance(net, nn.Module) and not any(True for _ in module.parameters(recurse=False)):
+        owned = {id(p) for p in net.parameters()}
+        if all(id(p) in owned for p in module.parameters()):
+            return [net]
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(
+            f"{type(module).__name__} holds parameters directly; FSDP shards submodules, so move "
+            "them into a submodule (e.g. self.net)")
+    return [child for child in module.children() if any(True for _ in child.parameters())]
+
+
+def apply_fsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    units: Sequence[nn.Module] = (),
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+) -> None:
+    """Shard ``module`` in place with FSDP2 on ``mesh`` (1D: shard; 2D: replicate x shard).
+
+    Each of ``units`` becomes its own FSDP group (gathered just before its forward and, with
+    ``reshard_after_forward``, freed after it: ZeRO-3; without, kept until backward: ZeRO-2);
+    the roots (``net``, or the children holding parameters) take the rest. Activation
+    checkpointing, applied per unit first, recomputes a unit's activations in backward.
+    """
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or mixed_precision_policy(None),
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
+        else OffloadPolicy(),
+    }
+    for unit in units:
+        if activation_checkpointing:
+            checkpoint(unit)  # composable: parameter names (and checkpoint keys) stay the same
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
+    for root in _roots(module):
+        # NOTE: a root is resharded after forward only when it is not the last to run; keeping
+        # it gathered (False) avoids an all-gather at the start of backward, as torchtitan does.
+        fully_shard(root, reshard_after_forward=False if units else reshard_after_forward, **options)
+
+
+class _NoAutocast(MixedPrecision):
+    """Lightning's mixed precision without autocast: FSDP's policy already runs the forward in
+    the compute dtype, and autocast on top would re-cast every op's inputs (twice the casts,
+    and fp32 weights gathered for nothing on CPU). The gradient scaler (fp16) stays."""
+
+    @override
+    def forward_context(self):
+        return nullcontext()
+
+
+class FSDPStrategy(ModelParallelStrategy):
+    """FSDP2 as a Lightning strategy: sharding units from the model, mixed precision from the
+    ``precision`` group, DCP sharded checkpoints that resume at any world size.
+
+    Works in any Lightning script: ``Trainer(strategy=FSDPStrategy(), accelerator="cpu",
+    devices=2)`` or ``Trainer(strategy="litscale_fsdp")``.
+    """
+
+    def __init__(
+        self,
+        *,
+        precision_dtypes: PrecisionDtypes | None = None,
+        sharding_units: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        replicate_size: PositiveInt = 1,
+        cpu_offload: bool = False,
+        activation_checkpointing: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+        timeout_s: PositiveInt = 1800,
+    ) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"strategy.reshard_after_forward={reshard_after_forward!r} is not valid: expected "
+                "true (free gathered parameters after forward, ZeRO-3-like) or false (ZeRO-2-like)")
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
+        self.precision_dtypes = precision_dtypes
+        self.sharding_unit_patterns = sharding_units
+        self.reshard_after_forward = reshard_after_forward
+        self.replicate_size = replicate_size
+        self.cpu_offload = cpu_offload
+        self.activation_checkpointing = activation_checkpointing
+
+    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
+        """Pre-flight: the replicate x shard mesh must tile the world, and unit patterns must
+        match modules of the LightningModule (whose network is ``net``)."""
+        if world_size % self.replicate_size:
+            raise ValueError(
+                f"strategy.replicate_size={self.replicate_size} must divide the world size "
+                f"({world_size}); allowed: a divisor of {world_size}")
+        if self.sharding_unit_patterns:
+            find_sharding_units(nn.ModuleDict({"net": net}), self.sharding_unit_patterns)
+
+    @property
+    def zero_stage(self) -> int:
+        """Parameters, gradients and optimizer state are all sharded (ZeRO-3's memory)."""
+        return 3
+
+    @property
+    def shard_size(self) -> int:
+        return self.world_size // self.replicate_size
+
+    @override
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._setup_distributed()
+        destroy_process_group_at_exit()
+        if self.world_size % self.replicate_size:
+            self.validate_setup(world_size=self.world_size, net=nn.Module())
+        if self.replicate_size > 1:
+            shape, names = (self.replicate_size, self.shard_size), ("replicate", "shard")
+        else:
+            shape, names = (self.world_size,), ("shard",)
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Every rank is a data-parallel rank (replicas and shards alike see distinct samples).
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        self.accelerator.setup(trainer)
+        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.model.parameters()):
+            # bf16-true converts parameters before sharding, so shards are stored in bf16.
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.model.to(self.root_device)
+            apply_fsdp(
+                self.model, self.device_mesh,
+                units=find_sharding_units(self.model, self.sharding_unit_patterns),
+                reshard_after_forward=self.reshard_after_forward,
+                mp_policy=mixed_precision_policy(self.precision_dtypes),
+                cpu_offload=self.cpu_offload and self.root_device.type == "cuda",
+                activation_checkpointing=self.activation_checkpointing,
+            )
+            _materialize_distributed_module(self.model, self.root_device)  # after meta-device init
+        if type(self.precision_plugin) is MixedPrecision:
+            plugin = self.precision_plugin
+            self.precision_plugin = _NoAutocast(plugin.precision, plugin.device, plugin.scaler)
+        self.model.to(self.root_device)  # buffers and metrics FSDP did not move
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)

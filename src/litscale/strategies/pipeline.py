@@ -1,0 +1,470 @@
+"""Pipeline parallel (``torch.distributed.pipelining``) inside Lightning's fit loop, composable
+with tensor parallel and FSDP2 data parallel on one ``pipeline x data x tensor`` mesh (3D).
+
+Lightning has no pipeline strategy (Lightning #17180). Here the model declares the ordered
+units a pipeline may cut between (``GPT.pipeline_blocks``); the strategy cuts them into
+stages (balanced by parameter count, or at ``split_points``), keeps on each rank only what
+its stages own (the others become ``None``, so checkpoint keys stay stable, torchtitan's
+approach), and runs a torch schedule (GPipe, 1F1B, interleaved, zero-bubble) per step.
+
+In the fit loop: ``training_step`` runs ``schedule.step`` (forward and backward of every
+micro-batch), broadcasts the last stage's mean loss to the pipeline group, and lets the
+LightningModule log it through its own ``training_step``; ``backward`` only hands the
+gradients back (see ``_stash_gradients``); Lightning's optimizer step, LR schedulers and
+gradient clipping (a norm across stages, ``mesh.clip_grad_norm_across_mesh``) run as usual.
+Validation runs forward-only through the stages (``schedule.eval``). Checkpoints are DCP
+directories in which each stage writes its own parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from typing_extensions import override
+
+from litscale.constraints import PositiveInt
+from litscale.precision import PrecisionDtypes
+from litscale.strategies.mesh import (
+    DATA,
+    PIPELINE,
+    MeshSizes,
+    check_enough_blocks,
+    check_tensor_parallel_fits,
+    resolve_mesh_sizes,
+)
+from litscale.strategies.tensor_parallel import StyleName, TensorParallelStrategy, find_plan
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                       "zbv_zero_bubble", "dualpipev"]
+# name -> (torch class, stage placement). "loop": stage s on rank s % p; "v": rank r holds
+# stages r and 2p-1-r (the V shape that ZBV and DualPipeV need); "single": one stage per rank.
+SCHEDULES: dict[str, tuple[str, str]] = {
+    "gpipe": ("ScheduleGPipe", "single"),
+    "1f1b": ("Schedule1F1B", "single"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv_zero_bubble": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
+Units = list[list[str]]
+
+
+def find_blocks(module: nn.Module, blocks: Units | None = None) -> tuple[nn.Module, Units]:
+    """(the module the block names are relative to, the units in forward order): ``blocks`` if
+    given (relative to ``module``), else what ``module`` or its ``net`` declares as
+    ``pipeline_blocks`` (a list, or a method returning one)."""
+    if blocks:
+        return module, [[name] if isinstance(name, str) else list(name) for name in blocks]
+    for owner in (module, getattr(module, "net", None)):
+        declared = getattr(owner, "pipeline_blocks", None)
+        if declared:
+            units = declared() if callable(declared) else declared
+            return owner, [[name] if isinstance(name, str) else list(name) for name in units]
+    raise ValueError(
+        f"{type(module).__name__} declares no pipeline blocks; declare `pipeline_blocks` (the "
+        "ordered submodule names a pipeline may cut between) on the LightningModule or its `net`, "
+        "or pass blocks= to the strategy")
+
+
+def _unit_sizes(owner: nn.Module, units: Units) -> list[int]:
+    return [sum(p.numel() for name in unit for p in owner.get_submodule(name).parameters())
+            for unit in units]
+
+
+def balanced_cuts(sizes: Sequence[int], num_stages: int) -> list[int]:
+    """Start index of each stage: contiguous runs of ``sizes`` minimising the largest stage
+    (exact dynamic programme; the unit count is small)."""
+    n, prefix = len(sizes), [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    best = {(0, 0): (0, [])}  # (units used, stages made) -> (largest stage, starts)
+    for stages in range(1, num_stages + 1):
+        for end in range(stages, n - (num_stages - stages) + 1):
+            options = [(max(best[(start, stages - 1)][0], prefix[end] - prefix[start]),
+                        best[(start, stages - 1)][1] + [start])
+                       for start in range(stages - 1, end) if (start, stages - 1) in best]
+            best[(end, stages)] = min(options)
+    return best[(n, num_stages)][1]
+
+
+def stage_cuts(owner: nn.Module, units: Units, num_stages: int, split_points: Sequence[str] | None) -> list[int]:
+    """Start unit of each stage, from ``split_points`` (the first module name of each stage
+    after the first) or balanced by parameter count."""
+    if not split_points:
+        return balanced_cuts(_unit_sizes(owner, units), num_stages)
+    first_names = {unit[0]: index for index, unit in enumerate(units)}
+    if len(split_points) != num_stages - 1:
+        raise ValueError(f"strategy.split_points={list(split_points)} gives {len(split_points) + 1} "
+                         f"stages but the pipeline has {num_stages}; allowed: {num_stages - 1} names")
+    unknown = [name for name in split_points if name not in first_names or first_names[name] == 0]
+    if unknown:
+        raise ValueError(f"strategy.split_points={list(split_points)}: {unknown[0]!r} is not a block to "
+                         f"cut before; allowed: {', '.join(list(first_names)[1:])}")
+    cuts = [0] + [first_names[name] for name in split_points]
+    if cuts != sorted(set(cuts)):
+        raise ValueError(f"strategy.split_points={list(split_points)} must be in forward order, no repeats")
+    return cuts
+
+
+def stage_ranks(num_stages: int, pipeline_size: int, placement: str) -> list[int]:
+    """The pipeline rank that runs each stage."""
+    if placement == "v":
+        return [s if s < pipeline_size else 2 * pipeline_size - 1 - s for s in range(num_stages)]
+    return [s % pipeline_size for s in range(num_stages)]
+
+
+def _check_ties(owner: nn.Module, units: Units, cuts: list[int], pipeline_parallel_size: int) -> None:
+    stage_of = {}
+    for stage, (start, end) in enumerate(zip(cuts, cuts[1:] + [len(units)], strict=True)):
+        for unit in units[start:end]:
+            for name in unit:
+                for param_name, param in owner.get_submodule(name).named_parameters():
+                    other = stage_of.setdefault(id(param), (stage, f"{name}.{param_name}"))
+                    if other[0] != stage:
+                        raise ValueError(
+                            f"strategy.pipeline_parallel_size={pipeline_parallel_size} cuts between tied parameters ({other[1]} "
+                            f"and {name}.{param_name} are one tensor on stages {other[0]} and {stage}); "
+                            "untie them (model.net.tie_embeddings=false) or keep them on one stage")
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    return clone
+
+
+def without(root: nn.Module, names: Sequence[str], *, in_place: bool) -> nn.Module:
+    """``root`` with the submodules ``names`` removed (``None``, or deleted from a container).
+    Not ``in_place``: a view that shares every remaining module with ``root``."""
+    view = root if in_place else _shallow(root)
+    copied = {id(view)}
+    for name in names:
+        *path, leaf = name.split(".")
+        parent = view
+        for part in path:
+            child = parent._modules[part]
+            if not in_place and id(child) not in copied:
+                child = _shallow(child)
+                parent._modules[part] = child
+                copied.add(id(child))
+            parent = child
+        if isinstance(parent, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
+            del parent._modules[leaf]
+        else:
+            parent._modules[leaf] = None
+    return view
+
+
+class PipelineParallelStrategy(TensorParallelStrategy):
+    """Pipeline x data x tensor parallel as a Lightning strategy; stages from the model's blocks.
+
+    ``Trainer(strategy=PipelineParallelStrategy(schedule="1f1b", microbatches=4),
+    accelerator="cpu", devices=2)`` or ``Trainer(strategy="litscale_pipeline")``. The
+    LightningModule provides ``loss_fn(outputs, targets)`` (or pass ``loss_fn=``) and batches
+    are ``(inputs, targets)``; if it has a ``loss(batch)`` method its own ``training_step`` /
+    ``validation_step`` run with the pipeline's loss in its place (so it logs as usual).
+    """
+
+    def __init__(
+        self,
+        *,
+        pipeline_parallel_size: PositiveInt | None = None,
+        data_parallel_size: PositiveInt | None = 1,
+        tensor_parallel_size: PositiveInt | None = 1,
+        schedule: ScheduleName = "1f1b",
+        microbatches: PositiveInt = 4,
+        virtual_stages: PositiveInt | None = None,
+        split_points: list[str] | None = None,
+        blocks: list[list[str]] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        sequence_parallel: bool = True,
+        plan: dict[str, StyleName] | None = None,
+        precision_dtypes: PrecisionDtypes | None = None,
+        reshard_after_forward: bool = False,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+        timeout_s: PositiveInt = 1800,
+    ) -> None:
+        placement = SCHEDULES[schedule][1] if schedule in SCHEDULES else None
+        if placement is None:
+            raise ValueError(f"strategy.schedule={schedule!r} is not valid; allowed: {', '.join(SCHEDULES)}")
+        virtual_stages = virtual_stages or (1 if placement == "single" else 2)
+        if placement == "single" and virtual_stages != 1:
+            raise ValueError(f"strategy.virtual_stages={virtual_stages} needs a multi-stage schedule; "
+                             f"strategy.schedule={schedule} runs 1 stage per rank (try interleaved_1f1b)")
+        if placement == "v" and virtual_stages != 2:
+            raise ValueError(f"strategy.virtual_stages={virtual_stages} is not valid for "
+                             f"strategy.schedule={schedule}: its V shape holds exactly 2 stages per rank")
+        super().__init__(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                         sequence_parallel=sequence_parallel, plan=plan, precision_dtypes=precision_dtypes,
+                         reshard_after_forward=reshard_after_forward,
+                         # NOTE: always sharded (DCP): a single-file checkpoint is gathered on
+                         # rank 0, which holds only the first stage.
+                         save_distributed_checkpoint=True,
+                         process_group_backend=process_group_backend, timeout_s=timeout_s)
+        self.pipeline_parallel_size, self.schedule_name = pipeline_parallel_size, schedule
+        self.microbatches, self.virtual_stages = microbatches, virtual_stages
+        self.split_points, self.blocks, self.loss_fn = split_points, blocks, loss_fn
+        self._schedules: dict[tuple[int, bool], Any] = {}
+        self._stage_modules: dict[int, nn.Module] = {}
+
+    @override
+    def resolve_mesh(self, world_size: int) -> MeshSizes:
+        return resolve_mesh_sizes(world_size, pipeline=self.pipeline_parallel_size,
+                                  data=self.data_parallel_size, tensor=self.tensor_parallel_size)
+
+    def _layout(self, owner: nn.Module, units: Units, sizes: MeshSizes) -> tuple[list[int], list[int]]:
+        """(start unit of each stage, pipeline rank of each stage), validated."""
+        num_stages = sizes.pipeline * self.virtual_stages
+        check_enough_blocks(len(units), num_stages, pipeline_parallel_size=sizes.pipeline)
+        if self.schedule_name != "gpipe" and self.microbatches < sizes.pipeline:
+            raise ValueError(f"strategy.microbatches={self.microbatches} is fewer than the "
+                             f"{sizes.pipeline} pipeline ranks, which strategy.schedule="
+                             f"{self.schedule_name} needs; allowed: >= {sizes.pipeline} (or schedule=gpipe)")
+        cuts = stage_cuts(owner, units, num_stages, self.split_points)
+        _check_ties(owner, units, cuts, sizes.pipeline)
+        return cuts, stage_ranks(num_stages, sizes.pipeline, SCHEDULES[self.schedule_name][1])
+
+    @override
+    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
+        """Pre-flight: mesh sizes, TP divisibility, enough blocks, split points, ties."""
+        sizes = self.resolve_mesh(world_size)
+        check_tensor_parallel_fits(net, sizes.tensor)
+        if sizes.tensor > 1:
+            find_plan(net, self.plan and {k.removeprefix("net."): v for k, v in self.plan.items()})
+        self._layout(*find_blocks(net, self.blocks), sizes)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model.to(self.root_device)
+        if not self._stage_modules:
+            self._cut_into_stages(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._clip_across_mesh()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _cut_into_stages(self, module: nn.Module) -> None:
+        """Tensor parallel on the whole model, then keep this rank's stages, then FSDP2 per stage."""
+        owner, units = find_blocks(module, self.blocks)
+        cuts, ranks = self._layout(owner, units, self.mesh_sizes)
+        self.apply_plan(module)  # on the whole model, so the plan's patterns all match
+        pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
+        ends = cuts[1:] + [len(units)]
+        names_of = [[n for unit in units[start:end] for n in unit] for start, end in zip(cuts, ends, strict=True)]
+        mine = [stage for stage, rank in enumerate(ranks) if rank == pipeline_rank]
+        owned = {name for stage in mine for name in names_of[stage]}
+        every = [name for unit in units for name in unit]
+        without(owner, [n for n in every if n not in owned], in_place=True)
+        for stage in mine:
+            view = without(owner, [n for n in every if n in owned and n not in names_of[stage]], in_place=False)
+            if self.mesh_sizes.data > 1:
+                self._shard_stage(view)
+            self._stage_modules[stage] = view
+        self._num_stages, self._stage_rank = len(ranks), ranks
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each stage loads its own parameters and optimizer state from the DCP directory.
+
+        Mirrors the sharded branch of Lightning's loader, which finds "the distributed model"
+        by its DTensor parameters and so refuses a pure pipeline stage (plain tensors)."""
+        from lightning.fabric.strategies.model_parallel import (
+            _METADATA_FILENAME,
+            _distributed_checkpoint_load,
+        )
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        path = Path(self.broadcast(checkpoint_path))
+        model_state = {"state_dict": get_model_state_dict(self.model)}
+        _distributed_checkpoint_load(model_state, path)
+        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
+        for index, optimizer in enumerate(self.optimizers):
+            # NOTE: only the per-parameter state (keyed by this stage's parameter names): DCP
+            # saves the non-tensor param_groups once, from rank 0, which lists only its stage's
+            # parameters. The groups' hyperparameters come from the config; schedulers restore
+            # the LR from their own state.
+            key, current = f"optimizer_{index}", get_optimizer_state_dict(self.model, optimizer)
+            loaded = {key: {"state": current["state"]}}
+            _distributed_checkpoint_load(loaded, path)
+            set_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True),
+                                     optim_state_dict={"state": loaded[key]["state"],
+                                                       "param_groups": current["param_groups"]})
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+
+    def _shard_stage(self, view: nn.Module) -> None:
+        """FSDP2 on the data dimension: the stage's sharding units (GPT: its blocks), then the
+        stage itself as the root for the rest. (Not ``fsdp.apply_fsdp``: its roots are a
+        LightningModule's children; a stage's root is the stage, which the schedule calls.)"""
+        from torch.distributed.fsdp import fully_shard
+
+        from litscale.strategies.fsdp import find_sharding_units, mixed_precision_policy
+
+        options = {"mesh": self.device_mesh[DATA], "mp_policy": mixed_precision_policy(self.precision_dtypes)}
+        for unit in find_sharding_units(view):
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(view, reshard_after_forward=False, **options)
+
+    def _schedule(self, batch_size: int, training: bool):
+        """The torch schedule for this micro-batch shape (stages infer shapes once, so a
+        different batch size, e.g. a short last validation batch, gets its own)."""
+        key = (batch_size, training)
+        if key not in self._schedules:
+            import torch.distributed.pipelining as pipelining
+
+            group = self.device_mesh[PIPELINE].get_group()
+            stages = [pipelining.PipelineStage(view, stage, self._num_stages, self.root_device, group=group)
+                      for stage, view in sorted(self._stage_modules.items())]
+            cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
+            stage_arg = stages[0] if SCHEDULES[self.schedule_name][1] == "single" else stages
+            self._schedules[key] = cls(stage_arg, n_microbatches=self.microbatches, loss_fn=self._loss_fn())
+        return self._schedules[key]
+
+    def _loss_fn(self) -> Callable:
+        loss_fn = self.loss_fn or getattr(self.lightning_module, "loss_fn", None)
+        if loss_fn is None:
+            raise ValueError(f"{type(self.lightning_module).__name__} has no loss_fn(outputs, targets) "
+                             "for the last pipeline stage; define one or pass loss_fn= to the strategy")
+        return loss_fn
+
+    def _run_pipeline(self, batch: Any, *, training: bool) -> torch.Tensor:
+        """Mean loss over the micro-batches of ``batch``, the same on every pipeline rank."""
+        inputs, targets = batch
+        if len(inputs) % self.microbatches:
+            raise ValueError(f"strategy.microbatches={self.microbatches} does not divide the micro "
+                             f"batch of {len(inputs)} samples per data-parallel rank (data.batch_size)")
+        has_first, has_last = 0 in self._stage_modules, self._num_stages - 1 in self._stage_modules
+        args, losses = (inputs,) if has_first else (), []
+        if training or SCHEDULES[self.schedule_name][1] != "v":
+            schedule = self._schedule(len(inputs), training)
+            run = schedule.step if training else schedule.eval
+            run(*args, target=targets if has_last else None, losses=losses)
+        else:
+            losses = self._forward_in_order(inputs, targets)
+        loss = torch.stack(losses).mean().detach() if has_last else torch.zeros((), device=self.root_device)
+        group = self.device_mesh[PIPELINE].get_group()
+        dist.broadcast(loss, src=dist.get_global_rank(group, self._stage_rank[-1]), group=group)
+        return loss
+
+    @torch.no_grad()
+    def _forward_in_order(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """Forward-only pass through the stages one after the other, whole batch at once.
+
+        Written by hand for the V-shaped schedules only: torch's ``schedule.eval`` fails for them
+        (their lowered actions read backward inputs even when backward is off, torch 2.13).
+        """
+        group = self.device_mesh[PIPELINE].get_group()
+        peer = functools.partial(dist.get_global_rank, group)
+        here = self.device_mesh[PIPELINE].get_local_rank()
+        x = inputs
+        for stage, rank in enumerate(self._stage_rank):
+            previous = self._stage_rank[stage - 1] if stage else rank
+            if rank == here:
+                if previous != here:
+                    x = _receive(peer(previous), group, self.root_device)
+                x = self._stage_modules[stage](x)
+            elif previous == here:
+                _send(x, peer(rank), group)
+        return [self._loss_fn()(x, targets)] if self._num_stages - 1 in self._stage_modules else []
+
+    @contextmanager
+    def _module_loss(self, loss: torch.Tensor):
+        """Let the LightningModule's own step run (and log) with the pipeline's loss."""
+        module = self.lightning_module
+        module.loss = lambda batch: loss
+        try:
+            yield
+        finally:
+            del module.loss
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any):
+        batch = args[0] if args else kwargs["batch"]
+        held = self._take_gradients()  # the previous step's, until Lightning zeroes them
+        with self.precision_plugin.train_step_context():
+            loss = self._run_pipeline(batch, training=True)
+        self._stashed = self._take_gradients()
+        for param, grad in held:
+            param.grad = grad
+        if not hasattr(self.lightning_module, "loss"):
+            self.lightning_module.log("train/loss", loss, prog_bar=True)
+            return loss
+        with self._module_loss(loss):
+            return self.lightning_module.training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any):
+        batch = args[0] if args else kwargs["batch"]
+        with self.precision_plugin.val_step_context():
+            loss = self._run_pipeline(batch, training=False)
+        if not hasattr(self.lightning_module, "loss"):
+            self.lightning_module.log("val/loss", loss, prog_bar=True, sync_dist=True)
+            return loss
+        with self._module_loss(loss):
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    def _take_gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Remove and return the parameters' gradients. NOTE: the schedule runs backward inside
+        ``training_step``, but Lightning zeroes gradients *after* ``training_step`` and before
+        ``backward``: so the schedule's gradients are set aside there and ``backward`` adds
+        them back, and the schedule starts from no gradients (it accumulates into ``.grad``)."""
+        taken = [(p, p.grad) for p in self.lightning_module.parameters() if p.grad is not None]
+        for param, _ in taken:
+            param.grad = None
+        return taken
+
+    @override
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        # Lightning divides the loss by accumulate_grad_batches before backward; do the same.
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        for param, grad in getattr(self, "_stashed", []):
+            grad = grad * scale if scale != 1.0 else grad
+            param.grad = grad if param.grad is None else param.grad + grad
+        self._stashed = []
+        return closure_loss
+
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long)
+
+
+def _send(tensor: torch.Tensor, destination: int, group) -> None:
+    """Point-to-point send with a header (dtype, shape), so the receiver needs to know neither."""
+    header = torch.tensor([_WIRE_DTYPES.index(tensor.dtype), *tensor.shape], dtype=torch.long,
+                          device=tensor.device)
+    dist.send(torch.tensor([header.numel()], device=tensor.device), destination, group=group)
+    dist.send(header, destination, group=group)
+    dist.send(tensor.contiguous(), destination, group=group)
+
+
+def _receive(source: int, group, device: torch.device) -> torch.Tensor:
+    size = torch.zeros(1, dtype=torch.long, device=device)
+    dist.recv(size, source, group=group)
+    header = torch.zeros(int(size), dtype=torch.long, device=device)
+    dist.recv(header, source, group=group)
+    tensor = torch.empty(header[1:].tolist(), dtype=_WIRE_DTYPES[int(header[0])], device=device)
+    dist.recv(tensor, source, group=group)
+    return tensor

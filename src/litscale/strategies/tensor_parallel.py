@@ -1,0 +1,303 @@
+"""Tensor parallel (Megatron-style, on DTensor) with FSDP2 over the remaining ranks (2D).
+
+The split is not written in model code: the model declares a plan, module-name pattern ->
+style name (``GPT.tensor_parallel_plan``, see ``litscale/models/gpt_parallel.py``), or the
+user passes one (``strategy.plan``), and ``apply_tensor_parallel`` turns each style name
+into a ``torch.distributed.tensor.parallel`` style on the tensor-parallel mesh (torchtitan's
+``parallelize_llama``, with the plan as data). Ranks beyond the tensor-parallel size form a
+data-parallel dimension sharded with FSDP2 (``litscale.strategies.fsdp.apply_fsdp``).
+Checkpoints are DCP directories (Lightning's ``ModelParallelStrategy``), which reshard on
+load: a run saved at TP=2 loads at TP=1 or into the plain network.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from typing_extensions import override
+
+from litscale.constraints import PositiveInt
+from litscale.precision import PrecisionDtypes
+from litscale.strategies.lifecycle import destroy_process_group_at_exit
+from litscale.strategies.mesh import (
+    DATA,
+    TENSOR,
+    MeshSizes,
+    check_tensor_parallel_fits,
+    clip_grad_norm_across_mesh,
+    resolve_mesh_sizes,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+StyleName = Literal["colwise", "rowwise", "embedding", "head", "norm", "sequence_input",
+                    "sequence_start"]
+STYLES: dict[str, str] = {
+    "colwise": "split the output features (weight rows); input replicated, output sharded",
+    "rowwise": "split the input features; partial outputs all-reduced (reduce-scattered "
+               "over the sequence with sequence parallelism)",
+    "embedding": "split the vocabulary rows of an embedding; output all-reduced",
+    "head": "column-wise output layer; logits gathered, or kept vocabulary-sharded with loss parallel",
+    "norm": "sequence parallel only: the module runs on this rank's slice of the sequence",
+    "sequence_input": "sequence parallel only: gather the sequence before a tensor-parallel sub-layer",
+    "sequence_start": "sequence parallel only: slice the sequence where the residual stream begins",
+}
+
+
+def parallel_style(name: str, *, sequence_parallel: bool, loss_parallel: bool):
+    """The ``torch.distributed.tensor.parallel`` style for a style name, or None (no-op)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    sequence = Shard(1)  # activations are [batch, sequence, features]
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=sequence if sequence_parallel else Replicate())
+    if name == "embedding":
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "head":
+        return ColwiseParallel(input_layouts=sequence if sequence_parallel else Replicate(),
+                               output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    if not sequence_parallel:
+        return None
+    if name == "norm":
+        return SequenceParallel()
+    if name == "sequence_input":
+        return PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
+                                  use_local_output=True)
+    if name == "sequence_start":
+        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(sequence,),
+                                  use_local_output=True)
+    raise ValueError(f"tensor-parallel style {name!r} is not known; allowed: {', '.join(STYLES)}")
+
+
+def check_plan(plan: dict[str, str], key: str = "strategy.plan") -> None:
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"{key}.{pattern}={style!r} is not a tensor-parallel style; "
+                             f"allowed: {', '.join(STYLES)}")
+
+
+def find_plan(module: nn.Module, plan: dict[str, str] | None = None) -> tuple[nn.Module, dict[str, str]]:
+    """(the module the plan's names are relative to, the plan): ``plan`` if given (relative to
+    ``module``), else what ``module`` or its ``net`` declares as ``tensor_parallel_plan``."""
+    if plan:
+        return module, dict(plan)
+    for owner in (module, getattr(module, "net", None)):
+        declared = getattr(owner, "tensor_parallel_plan", None)
+        if declared:
+            return owner, dict(declared() if callable(declared) else declared)
+    raise ValueError(
+        f"{type(module).__name__} declares no tensor-parallel plan; declare "
+        "`tensor_parallel_plan = {'pattern': 'colwise', ...}` on the LightningModule or its `net`, "
+        "or pass strategy.plan (module-name pattern -> style)")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    parts, wanted = name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
+
+
+def _tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, attribute) that hold one shared Parameter (tied embeddings)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in root.modules():
+        for attribute, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, attribute))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def apply_tensor_parallel(
+    root: nn.Module, mesh: DeviceMesh, plan: dict[str, str], *, sequence_parallel: bool = True,
+    loss_parallel: bool = False, strict: bool = True,
+) -> None:
+    """Split ``root``'s submodules in place on the 1D ``mesh`` following ``plan``.
+
+    ``strict``: every pattern must match a module. Sequence parallelism applies only if the
+    plan marks where the sequence-sharded region starts (a ``sequence_start`` entry). Tied parameters (an embedding shared with the head, both split by
+    vocabulary rows) are tied again after the split.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    check_plan(plan)
+    # Sequence parallelism needs to know where the sequence-sharded residual stream begins; a
+    # plan that does not say (e.g. a user's MLP plan) runs plain tensor parallel.
+    sequence_parallel = sequence_parallel and "sequence_start" in plan.values()
+    tied = _tied_parameters(root)
+    names = [name for name, _ in root.named_modules() if name]
+    for pattern, style_name in plan.items():
+        matched = [name for name in names if _matches(name, pattern)]
+        if strict and not matched:
+            raise ValueError(f"strategy.plan pattern {pattern!r} matches no submodule of {type(root).__name__}")
+        style = parallel_style(style_name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+        for name in matched if style is not None else ():
+            parallelize_module(root.get_submodule(name), mesh, style)
+    for group in tied:
+        first_module, first_attribute = group[0]
+        shared = getattr(first_module, first_attribute)
+        for module, attribute in group[1:]:
+            if getattr(module, attribute).placements != shared.placements:
+                raise ValueError(f"tied parameter {attribute} is split two different ways by the "
+                                 "tensor-parallel plan; untie it or give both the same split")
+            setattr(module, attribute, shared)
+
+
+class TensorParallelStrategy(ModelParallelStrategy):
+    """Tensor parallel x FSDP2 (2D) as a Lightning strategy; the plan comes from the model.
+
+    ``Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu",
+    devices=2)`` or ``Trainer(strategy="litscale_tensor_parallel")`` (TP over all devices).
+    ``plan``: module-name pattern (relative to the LightningModule, e.g. ``net.blocks.*.mlp.up``)
+    -> style (``STYLES``), instead of the model's ``tensor_parallel_plan``.
+    """
+
+    def __init__(
+        self,
+        *,
+        tensor_parallel_size: PositiveInt | None = None,
+        data_parallel_size: PositiveInt | None = None,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = False,
+        plan: dict[str, StyleName] | None = None,
+        precision_dtypes: PrecisionDtypes | None = None,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: Literal["gloo", "nccl"] | None = None,
+        timeout_s: PositiveInt = 1800,
+    ) -> None:
+        if plan:
+            check_plan(plan)
+        if tensor_parallel_size is None and data_parallel_size is None:
+            data_parallel_size = 1  # all ranks tensor parallel
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
+        self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
+        self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
+        self.plan, self.precision_dtypes = plan, precision_dtypes
+        self.reshard_after_forward = reshard_after_forward
+        self.mesh_sizes: MeshSizes | None = None
+
+    def resolve_mesh(self, world_size: int) -> MeshSizes:
+        return resolve_mesh_sizes(world_size, pipeline=1, data=self.data_parallel_size,
+                                  tensor=self.tensor_parallel_size)
+
+    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
+        """Pre-flight: the mesh tiles the world, the model splits by the TP size, the plan exists."""
+        sizes = self.resolve_mesh(world_size)
+        check_tensor_parallel_fits(net, sizes.tensor)
+        find_plan(net, self.plan and {k.removeprefix("net."): v for k, v in self.plan.items()})
+
+    @override
+    def setup_environment(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._setup_distributed()
+        destroy_process_group_at_exit()
+        self.mesh_sizes = self.resolve_mesh(self.world_size)
+        shape, names = self.mesh_sizes.shape_and_names()
+        # The pipeline dimension is kept (size 1 here) so 2D and 3D meshes have the same names.
+        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Tensor- (and pipeline-) parallel ranks share a batch: only data-parallel ranks differ.
+        # From the sizes, not the mesh, so it also answers before the processes start; the
+        # mesh lays ranks out row-major over (pipeline, data, tensor).
+        sizes = self.mesh_sizes or self.resolve_mesh(self.world_size)
+        return {"num_replicas": sizes.data, "rank": (self.global_rank // sizes.tensor) % sizes.data}
+
+    def apply_plan(self, module: nn.Module) -> None:
+        """Tensor parallel on the tensor dimension of the mesh, from the plan found for ``module``."""
+        if self.mesh_sizes.tensor > 1:
+            root, plan = find_plan(module, self.plan)
+            apply_tensor_parallel(root, self.device_mesh[TENSOR], plan,
+                                  sequence_parallel=self.sequence_parallel,
+                                  loss_parallel=self.loss_parallel)
+
+    def parallelize(self, module: nn.Module) -> None:
+        """TP on the tensor dimension, then FSDP2 on the data dimension (torchtitan's order)."""
+        from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
+
+        self.apply_plan(module)
+        if self.mesh_sizes.data > 1:
+            apply_fsdp(module, self.device_mesh[DATA], units=find_sharding_units(module),
+                       reshard_after_forward=self.reshard_after_forward,
+                       mp_policy=mixed_precision_policy(self.precision_dtypes))
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model.to(self.root_device)
+        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.model.parameters()):
+            self.parallelize(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        self._clip_across_mesh()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _clip_across_mesh(self) -> None:
+        """Route Lightning's ``gradient_clip_val`` (norm) through the mesh-wide norm: torch's
+        ``clip_grad_norm_`` cannot mix DTensor and plain parameters, nor see other stages."""
+        plugin = self.precision_plugin
+        ranks_per_stage = self.world_size // self.mesh_sizes.pipeline
+
+        def clip_grad_by_norm(optimizer, clip_val) -> None:
+            parameters = [p for group in optimizer.param_groups for p in group["params"]]
+            clip_grad_norm_across_mesh(parameters, float(clip_val), ranks_per_stage=ranks_per_stage)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    @contextmanager
+    def _loss_context(self):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel() if self.loss_parallel and self.mesh_sizes.tensor > 1 else nullcontext():
+            yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any):
+        with self._loss_context():
+            return _to_local(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any):
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss, optimizer, *args: Any, **kwargs: Any):
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+
+def _to_local(output):
+    """A loss-parallel loss is a replicated DTensor; Lightning logs and accumulates plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, DTensor):
+        return output.to_local()
+    return output

@@ -1,0 +1,140 @@
+"""Sharded checkpoints: exact resume (``ckpt_path=last`` through train.py), resume at another
+world size (FSDP, 2 -> 1 and 1 -> 2 ranks), consolidated exports that the plain zoo model
+loads, and ``ckpt_path`` resolution of sharded checkpoint directories."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_fsdp import TINY, assert_matches_reference, fsdp
+from train_cli import explain, run_train, summaries
+
+from litscale.checkpoints import newest_last_checkpoint, resolve_ckpt_path
+from litscale.errors import ConfigError
+
+STEPS, SAVE_AT, MICRO = 5, 2, 4
+
+
+def _fit(rank: int, world_size: int, ckpt_dir: str, resume_from: str | None):
+    """Fit the tiny GPT on synthetic data to STEPS, saving a sharded checkpoint every SAVE_AT
+    steps; global batch 8 whatever the world size. Returns (export, losses by step)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from test_fsdp import tiny_module
+
+    from litscale.data.synthetic import SyntheticDataModule
+    from litscale.export import consolidated_state_dict
+
+    class Losses(Callback):
+        def __init__(self):
+            self.by_step = {}
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            # The global batch's loss: each rank's is over its own micro batch only.
+            loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
+            self.by_step[trainer.global_step] = float(loss)
+
+    losses = Losses()
+    data = SyntheticDataModule(batch_size=8 // world_size, num_samples=64, val_samples=8,
+                               seq_len=TINY.block_size, vocab_size=TINY.vocab_size, seed=3)
+    module = tiny_module("adamw")
+    checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", every_n_train_steps=SAVE_AT,
+                                  save_top_k=-1, auto_insert_metric_name=False)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=fsdp(), max_steps=STEPS,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+                        callbacks=[checkpoints, losses])
+    trainer.fit(module, datamodule=data, ckpt_path=resume_from)
+    return consolidated_state_dict(trainer, module), losses.by_step
+
+
+def _fits(rank, world_size, jobs):
+    return [_fit(rank, world_size, *job) for job in jobs]
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_resumes_at_another_world_size(tmp_path):
+    """2 ranks save at step 2; 1 rank resumes from it. 1 rank saves; 2 ranks resume. Each
+    resumed run matches its uninterrupted counterpart from step 3 on."""
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    ckpt = f"step{SAVE_AT}.ckpt"
+    [(full_two, losses_two)] = run_distributed(_fits, 2, [(two, None)], timeout=250)[0]
+    (resumed_one, resumed_losses_one), (full_one, losses_one) = run_distributed(
+        _fits, 1, [(str(tmp_path / "x"), os.path.join(two, ckpt)), (one, None)], timeout=250)[0]
+    [(resumed_two, resumed_losses_two)] = run_distributed(
+        _fits, 2, [(str(tmp_path / "y"), os.path.join(one, ckpt))], timeout=250)[0]
+    assert os.path.isfile(os.path.join(two, ckpt, ".metadata"))  # a DCP directory of shards
+    assert sorted(resumed_losses_one) == [3, 4, 5]  # resumed after step 2, not from scratch
+    # Another world size sums gradients in another order: fp32 rounding, nothing more.
+    for step in (3, 4, 5):
+        assert resumed_losses_one[step] == pytest.approx(losses_two[step], rel=1e-5)
+        assert resumed_losses_two[step] == pytest.approx(losses_one[step], rel=1e-5)
+    assert_matches_reference(resumed_one, full_two, rtol=1e-5, atol=1e-5)
+    assert_matches_reference(resumed_two, full_one, rtol=1e-5, atol=1e-5)
+
+
+SHORT = ("model.net.preset=nano", "data.seq_len=32", "data.max_bytes=400000", "data.batch_size=4",
+         "trainer.accelerator=cpu", "trainer.devices=2", "trainer.val_check_interval=3",
+         "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "scheduler=constant",
+         "trainer.enable_progress_bar=false")
+
+
+def _train_losses(summary: dict) -> dict[int, float]:
+    with open(os.path.join(summary["output_dir"], "csv", "metrics.csv")) as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("train/loss")]
+    return {int(r["step"]) + 1: float(r["train/loss"]) for r in rows}  # logged at step-1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_zero"])
+def test_ckpt_path_last_resumes_exactly_and_exports(tmp_path, strategy):
+    overrides = (*SHORT, f"strategy={strategy}")
+    full = run_train(*overrides, "trainer.max_steps=6", "name=full", outputs=tmp_path, timeout=300)
+    assert full.returncode == 0, explain(full)
+    part = run_train(*overrides, "trainer.max_steps=3", "name=part", outputs=tmp_path, timeout=300)
+    assert part.returncode == 0, explain(part)
+    assert os.path.isdir(newest_last_checkpoint(str(tmp_path / "part")))  # a sharded directory
+    resumed = run_train(*overrides, "trainer.max_steps=6", "name=part", "ckpt_path=last",
+                        outputs=tmp_path, timeout=300)
+    assert resumed.returncode == 0, explain(resumed)
+    reference, _, after = summaries(tmp_path)
+    assert after["steps"] == 6
+    assert _train_losses(after)[4] == _train_losses(reference)[4]  # step k+1, bit for bit
+    expected, actual = torch.load(reference["export"]), torch.load(after["export"])
+    assert_matches_reference(actual, expected, rtol=0, atol=0)
+    _assert_plain_model_loads(reference["export"])
+
+
+def _assert_plain_model_loads(path: str) -> None:
+    from litscale.models.gpt import build_gpt
+
+    net = build_gpt(preset="nano", block_size=32)
+    net.load_state_dict(torch.load(path, weights_only=True))  # strict: every key, every shape
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["single", "ddp"])
+def test_unsharded_strategies_export_the_same_file(tmp_path, strategy):
+    devices = "trainer.devices=1" if strategy == "single" else "trainer.devices=2"
+    process = run_train(*SHORT, devices, f"strategy={strategy}", "trainer.max_steps=2",
+                        "callbacks=none", "logger=none", outputs=tmp_path, timeout=250)
+    assert process.returncode == 0, explain(process)
+    [summary] = summaries(tmp_path)
+    _assert_plain_model_loads(summary["export"])
+
+
+def test_resolve_accepts_sharded_checkpoint_directories(tmp_path):
+    sharded = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    sharded.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="is a directory but not a sharded checkpoint"):
+        resolve_ckpt_path(str(sharded), search_dir=str(tmp_path))
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) is None
+    (sharded / "meta.pt").write_bytes(b"")
+    assert resolve_ckpt_path("last", search_dir=str(tmp_path)) == str(sharded)
+    assert resolve_ckpt_path(str(sharded), search_dir=str(tmp_path)) == str(sharded)

@@ -1,0 +1,181 @@
+"""Compression hooks on several gloo ranks: attached to CPU DDP and computing the average of
+the ranks' decoded gradients; top-k 1% + error feedback against dense training through
+``train.py``; per-rank state gathered into checkpoints and a resumed run continuing exactly."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from train_cli import explain, final_weights, run_train, summaries
+
+from litscale import compression
+from litscale.callbacks.communication import CommunicationCallback
+
+LOSSY = {
+    "topk": lambda: compression.topk(ratio=0.05),
+    "qsgd": lambda: compression.qsgd(levels=3, block_size=64, error_feedback=True),
+    "terngrad": lambda: compression.terngrad(block_size=64, error_feedback=True),
+    "signsgd": lambda: compression.signsgd(block_size=64),
+}
+ALL = {**LOSSY, "fp16": compression.fp16, "bf16": compression.bf16,
+       "powersgd": lambda: compression.powersgd(rank=2, start_iteration=2)}
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _one_step_per_hook(rank: int, world_size: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = {}
+    for name, factory in ALL.items():
+        hook = factory()
+        model = DistributedDataParallel(_net())
+        hook.register(model)
+        local = _net()  # the same weights, no communication: this rank's own gradient
+        for net in (model, local):
+            net(_batch(rank, 0)).square().mean().backward()
+        synced = [p.grad for p in model.parameters()]
+        expected = None
+        if name in LOSSY:
+            # What this rank sent, decoded: its gradient minus the residual error feedback kept.
+            residuals = hook.state.residuals.per_parameter()
+            sent = [p.grad - residuals[n].view_as(p) for (n, p) in local.named_parameters()]
+            expected = [s.clone() for s in sent]
+            for tensor in expected:
+                dist.all_reduce(tensor)
+                tensor /= world_size
+        elif name in ("fp16", "bf16"):
+            dtype = torch.float16 if name == "fp16" else torch.bfloat16
+            expected = [p.grad.to(dtype) for p in local.parameters()]
+            for tensor in expected:
+                dist.all_reduce(tensor)
+            expected = [(t / world_size).float() for t in expected]
+        results[name] = {"hook": model._get_ddp_logging_data().get("comm_hook"),
+                         "synced": synced, "expected": expected,
+                         "sent": hook.state.bytes_sent, "dense": hook.state.dense_bytes}
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_hooks_are_attached_on_cpu_ddp_and_average_what_ranks_sent():
+    ranks = run_distributed(_one_step_per_hook, 2, timeout=100)
+    for name, factory in ALL.items():
+        first, second = ranks[0][name], ranks[1][name]
+        assert first["hook"] == second["hook"] == factory().hook.__qualname__, name
+        for a, b in zip(first["synced"], second["synced"], strict=True):
+            assert torch.equal(a, b), name  # every rank ends with the same gradient
+        if first["expected"] is not None:
+            for actual, expected in zip(first["synced"], first["expected"], strict=True):
+                torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6, msg=name)
+        assert first["dense"] > 0 and 0 < first["sent"] <= first["dense"], name
+
+
+def _checkpoint_round_trip(rank: int, world_size: int, name: str) -> list[list[torch.Tensor]]:
+    """Train 2 steps, save via the callback, train 3 more; a fresh DDP model and hook loaded
+    from the saved state train the same 3 steps: both gradients sequences are returned."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def steps(model, first_step: int, count: int) -> list[torch.Tensor]:
+        optimizer, grads = torch.optim.SGD(model.parameters(), lr=0.1), []
+        for step in range(first_step, first_step + count):
+            optimizer.zero_grad()
+            model(_batch(rank, step)).square().mean().backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+            optimizer.step()
+        return grads
+
+    hook = LOSSY[name]() if name in LOSSY else ALL[name]()
+    model = DistributedDataParallel(_net())
+    hook.register(model)
+    steps(model, 0, 2)
+    saved = CommunicationCallback(compression=hook).state_dict()  # a collective: all ranks
+    weights = {k: v.clone() for k, v in model.module.state_dict().items()}
+    expected = steps(model, 2, 3)
+    resumed_hook = LOSSY[name]() if name in LOSSY else ALL[name]()
+    CommunicationCallback(compression=resumed_hook).load_state_dict(saved)
+    net = _net()
+    net.load_state_dict(weights)
+    resumed = DistributedDataParallel(net)
+    resumed_hook.register(resumed)
+    return [expected, steps(resumed, 2, 3), len(saved["ranks"])]
+
+
+def _checkpoint_round_trips(rank: int, world_size: int, names: list[str]) -> dict:
+    return {name: _checkpoint_round_trip(rank, world_size, name) for name in names}
+
+
+@pytest.mark.timeout(150)
+def test_checkpointed_state_of_every_rank_resumes_exactly():
+    names = ["qsgd", "topk", "signsgd", "powersgd"]
+    for rank_results in run_distributed(_checkpoint_round_trips, 2, names, timeout=130):
+        for name in names:
+            expected, resumed, saved_ranks = rank_results[name]
+            assert saved_ranks == 2  # residuals differ per rank: each rank's are kept
+            for a, b in zip(expected, resumed, strict=True):
+                torch.testing.assert_close(b, a, rtol=1.3e-6, atol=1e-5, msg=name)
+
+
+# --- end to end through train.py ----------------------------------------------------------
+
+SHORT_RUN = (
+    "strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "data.seq_len=32",
+    "data.max_bytes=400000", "data.batch_size=8", "trainer.limit_val_batches=4",
+    "trainer.enable_progress_bar=false", "optimizer=sgd", "optimizer.lr=0.3",
+)
+
+
+def comm_metrics(summary: dict) -> list[dict[str, float]]:
+    path = Path(summary["output_dir"]) / "csv" / "metrics.csv"
+    rows = list(csv.DictReader(path.open()))
+    return [{k: float(v) for k, v in row.items() if k.startswith("comm/") and v}
+            for row in rows if row.get("comm/bytes_per_step")]
+
+
+@pytest.mark.timeout(300)
+def test_topk_one_percent_with_error_feedback_ends_within_5_percent_of_dense(tmp_path):
+    steps = ("trainer.max_steps=30", "trainer.val_check_interval=30", "trainer.log_every_n_steps=5",
+             "callbacks.model_checkpoint.save_top_k=0")
+    for option in ("none", "topk"):
+        process = run_train(*SHORT_RUN, *steps, f"compression={option}", f"name={option}",
+                            outputs=tmp_path)
+        assert process.returncode == 0, explain(process)
+    dense, topk = summaries(tmp_path)
+    assert dense["steps"] == topk["steps"] == 30
+    assert topk["val/loss"] <= 1.05 * dense["val/loss"], (topk["val/loss"], dense["val/loss"])
+    assert topk["val/loss"] < 0.7 * topk["val/loss_initial"]  # it trained, not just stayed put
+    last = comm_metrics(topk)[-1]
+    assert last["comm/compression_ratio"] >= 40
+    assert last["comm/dense_bytes_per_step"] / last["comm/bytes_per_step"] >= 40
+    assert last["comm/dense_bytes_per_step"] == 4 * dense["num_params"]  # fp32 gradients
+
+
+@pytest.mark.timeout(300)
+def test_resumed_powersgd_run_continues_exactly(tmp_path):
+    """10 steps straight vs 5 steps, then a resume from that checkpoint to step 10 (epochs
+    of 5 batches, so the data order replays too)."""
+    run = (*SHORT_RUN, "compression=powersgd", "compression.start_iteration=2", "optimizer.lr=0.1",
+           "+trainer.limit_train_batches=5", "trainer.val_check_interval=5",
+           "callbacks.model_checkpoint.save_top_k=-1", "logger=none")
+    straight = run_train(*run, "trainer.max_steps=10", "name=straight", outputs=tmp_path)
+    assert straight.returncode == 0, explain(straight)
+    checkpoint = Path(summaries(tmp_path)[0]["output_dir"]) / "checkpoints" / "step000005.ckpt"
+    state = torch.load(checkpoint, weights_only=True)["callbacks"]["CommunicationCallback"]
+    assert [s["iteration"] for s in state["ranks"]] == [5, 5] and state["ranks"][0]["low_rank"]
+    resumed = run_train(*run, "trainer.max_steps=10", f"ckpt_path={checkpoint}", "name=resumed",
+                        outputs=tmp_path)
+    assert resumed.returncode == 0, explain(resumed)
+    expected, actual = (final_weights(s) for s in summaries(tmp_path))
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=1.3e-6, atol=1e-5, msg=key)

@@ -1,0 +1,89 @@
+"""DeepSpeed ZeRO 1/2/3 on CPU (gloo, ``DS_ACCELERATOR=cpu``) inside Lightning's fit loop:
+parity with a single process of the same global batch, the config it builds, and imports."""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+
+import pytest
+from distributed import run_distributed
+from test_fsdp import OPTIMIZERS, assert_matches_reference, fit_variants, reference_weights
+from train_cli import REPO
+
+STAGES = (1, 2, 3)
+
+
+def zero(stage: int, **options):
+    from litscale.strategies import DeepSpeedZeroStrategy
+
+    return DeepSpeedZeroStrategy(stage=stage, **options)
+
+
+@pytest.fixture(scope="module")
+def zero_fits():
+    """All stages x optimizers in one process group (DeepSpeed's engine is rebuilt per fit)."""
+    factories = {stage: functools.partial(zero, stage) for stage in STAGES}
+    return run_distributed(fit_variants, 2, factories, timeout=500)[0]
+
+
+@pytest.mark.timeout(550)
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_two_ranks_match_single_process(zero_fits, stage, optimizer):
+    # DeepSpeed's ZeRO optimizers step an fp32 copy with torch's own (non-fused) optimizer on
+    # CPU, and reduce in fp32: PyTorch's default fp32 tolerances hold.
+    assert_matches_reference(zero_fits[stage, optimizer], reference_weights(optimizer),
+                             rtol=1.3e-6, atol=1e-5)
+
+
+def test_config_maps_stage_offload_and_precision():
+    from litscale.precision import PrecisionDtypes
+
+    strategy = zero(3, offload_optimizer=True, offload_parameters=True,
+                    precision_dtypes=PrecisionDtypes.from_names(
+                        param_dtype="float32", compute_dtype="bfloat16", reduce_dtype="float32"))
+    zero_config = strategy.config["zero_optimization"]
+    assert zero_config["stage"] == 3
+    assert zero_config["offload_optimizer"]["device"] == "cpu"
+    assert zero_config["offload_param"]["device"] == "cpu"
+    assert "offload_param" not in zero(2, offload_optimizer=True).config["zero_optimization"]
+
+
+def test_offload_rules_and_stage_range():
+    from litscale.strategies.deepspeed_zero import check_offload
+
+    for stage in STAGES:
+        check_offload(stage, offload_optimizer=True, offload_parameters=stage == 3)
+    with pytest.raises(ValueError, match=r"^strategy.offload_parameters=true needs strategy.stage=3"):
+        check_offload(2, offload_optimizer=False, offload_parameters=True)
+
+
+def test_deepspeed_is_imported_only_when_the_strategy_runs():
+    code = ("import sys; import litscale.strategies as s; s.DeepSpeedZeroStrategy(stage=3); "
+            "print('deepspeed' in sys.modules)")
+    process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, cwd=REPO)
+    assert process.stdout.strip() == "False", process.stderr[-2000:]
+
+
+BAD_INPUT = {
+    "strategy.stage=0": "error: strategy.stage=0 is not valid: expected one of: 1, 2, 3",
+    "strategy.stage=4": "error: strategy.stage=4 is not valid: expected one of: 1, 2, 3",
+    "strategy.offload_parameters=true": (
+        "error: strategy.offload_parameters=true needs strategy.stage=3 (got stage 2): only ZeRO-3 "
+        "partitions parameters; use strategy.offload_optimizer=true with stages 1-2"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("override", list(BAD_INPUT))
+def test_bad_zero_options_fail_in_one_line_before_any_process_starts(tmp_path, override):
+    from train_cli import run_train
+
+    process = run_train("strategy=deepspeed_zero", override, "trainer.accelerator=cpu",
+                        "trainer.devices=2", outputs=tmp_path, timeout=100)
+    assert process.returncode == 2
+    assert process.stderr.strip().splitlines() == [BAD_INPUT[override]]
+    assert not any(tmp_path.iterdir())  # no run dir: nothing started
