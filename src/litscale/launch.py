@@ -71,10 +71,22 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
     return results[0]
 
 
+# How a rank reports that a peer died; failure timestamps are whole seconds, so ties with the
+# rank that actually failed are common, and these messages are never the root cause.
+_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+             "NCCL communicator was aborted", "Broken pipe")
+
+
+def _is_knock_on(message: Any) -> bool:
+    text = message if isinstance(message, str) else str(message.get("message", ""))
+    return any(marker in text for marker in _KNOCK_ON)
+
+
 def describe_first_failure(error) -> str:
     """Print the traceback of the rank that failed first (the root cause: the others often
     fail because it did) and return one line naming it."""
-    rank, failure = error.get_first_failure()
+    rank, failure = min(error.failures.items(), key=lambda item: (
+        _is_knock_on(item[1].message), item[1].timestamp, item[0]))
     data = failure.message
     message, traceback = (data, None) if isinstance(data, str) else (
         data.get("message", ""), data.get("extraInfo", {}).get("py_callstack"))

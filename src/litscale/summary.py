@@ -31,25 +31,21 @@ def _global_batch(built: BuiltRun) -> tuple[int, int, int, int]:
 
 
 def _say(line: str) -> None:
-    print(f"litscale: {line}", file=sys.stderr if False else sys.stdout, flush=True)
+    print(f"litscale: {line}", flush=True)
 
 
 @rank_zero_only
 def print_start(built: BuiltRun) -> None:
-    """Derived numbers, computed once and printed (model size, global batch, LR, devices)."""
+    """Derived numbers, computed once and printed: model size, strategy, devices, precision.
+    (The global batch and the LR it implies are the LR-scaling callback's line.)"""
     trainer, choices = built.trainer, built.choices
-    micro, dp, accumulation, global_batch = _global_batch(built)
     net = built.config.model.get("net", {})
     model = choices.get("model", "model") + (f"-{net.preset}" if "preset" in net else "")
     _say(
         f"{model} {_count_params(built.module) / 1e6:.2f}M params | "
         f"strategy {choices.get('strategy', type(trainer.strategy).__name__)} | "
         f"{trainer.world_size} x {trainer.strategy.root_device.type} | "
-        f"precision {built.config.precision.lightning}"
-    )
-    _say(
-        f"global batch {global_batch} = micro batch {micro} x data-parallel {dp} x accumulation "
-        f"{accumulation} | base lr {built.config.optimizer.lr:g} | max steps {trainer.max_steps}"
+        f"precision {built.config.precision.lightning} | max steps {trainer.max_steps}"
     )
 
 
