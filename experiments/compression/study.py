@@ -64,9 +64,8 @@ def train(method: str, steps: int, outputs: Path) -> dict:
 def curve(rows: list[dict], dense_bytes_per_step: float) -> list[tuple[int, float, float]]:
     """(step, cumulative bytes sent, train loss) at each logged step."""
     points, sent, last_step = [], 0.0, 0
-    for row in rows:
-        if not row.get("train/loss"):
-            continue
+    # The CSV logger's rows are not in step order (validation rows are written apart).
+    for row in sorted((r for r in rows if r.get("train/loss")), key=lambda r: int(r["step"])):
         step = int(row["step"])
         per_step = next((float(r["comm/bytes_per_step"]) for r in rows
                          if r.get("comm/bytes_per_step") and int(r["step"]) >= step), dense_bytes_per_step)
@@ -141,11 +140,15 @@ def plot(results: dict) -> None:
 
     figure, axis = plt.subplots(figsize=(8, 5))
     for r in results["nano"]:
-        steps, sent, loss = zip(*r["curve"], strict=True)
-        axis.plot(sent, loss, label=LABELS.get(r["method"], r["method"]), marker=".")
+        steps, _, loss = zip(*sorted(r["curve"]), strict=True)
+        # Bytes at step s = s x the method's bytes per step; the loss is rank 0's per-step
+        # train loss, smoothed over 5 logged points so methods can be told apart.
+        sent = [step * r["bytes_per_step"] for step in steps]
+        smooth = [sum(loss[max(0, i - 4):i + 1]) / len(loss[max(0, i - 4):i + 1]) for i in range(len(loss))]
+        axis.plot(sent, smooth, label=LABELS.get(r["method"], r["method"]))
     axis.set_xscale("log")
     axis.set_xlabel("cumulative bytes sent by one rank")
-    axis.set_ylabel("train loss")
+    axis.set_ylabel("train loss (rank 0, running mean of 5)")
     axis.set_title(f"GPT-nano, 2 CPU ranks, {results['steps']} steps: loss vs bytes on the wire")
     axis.legend(fontsize=8)
     axis.grid(alpha=0.3)

@@ -39,8 +39,11 @@ def run_once(command: list[str], timeout: float, outputs: str) -> dict:
     except subprocess.TimeoutExpired:
         return {"outcome": "hang", "seconds": timeout}
     aborted = process.returncode != 0 or "terminate called" in process.stderr + process.stdout
-    return {"outcome": "abort" if aborted else "clean", "exit_code": process.returncode,
-            "seconds": round(time.perf_counter() - started, 2)}
+    result = {"outcome": "abort" if aborted else "clean", "exit_code": process.returncode,
+              "seconds": round(time.perf_counter() - started, 2)}
+    if aborted:
+        result["stderr_tail"] = process.stderr[-600:]
+    return result
 
 
 def soak(name: str, runs: int, timeout: float) -> dict:
@@ -54,16 +57,36 @@ def soak(name: str, runs: int, timeout: float) -> dict:
     return {"runs": runs, **count, "median_seconds": seconds[len(seconds) // 2], "results": results}
 
 
+def write_readme(report: dict, readme: Path) -> None:
+    """Replace the results block of the README with a table of ``report``."""
+    rows = ["| command | runs | clean | aborts | hangs | median s |", "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in report.items():
+        rows.append(f"| {name} | {r['runs']} | {r['clean']} | {r['abort']} | {r['hang']} | "
+                    f"{r['median_seconds']} |")
+    text = readme.read_text()
+    start, end = "<!-- results: written by soak.py -->", "<!-- end results -->"
+    head, _, rest = text.partition(start)
+    _, _, tail = rest.partition(end)
+    readme.write_text(f"{head}{start}\n" + "\n".join(rows) + f"\n{end}{tail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--timeout", type=float, default=180)
     parser.add_argument("--only", choices=sorted(COMMANDS))
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only rewrite README.md's results from --out")
     args = parser.parse_args()
+    if args.report_only:
+        write_readme(json.loads(args.out.read_text()), HERE / "README.md")
+        return
     names = [args.only] if args.only else list(COMMANDS)
     report = {name: soak(name, args.runs, args.timeout) for name in names}
     args.out.write_text(json.dumps(report, indent=2))
+    if args.out == HERE / "results.json":
+        write_readme(report, HERE / "README.md")
     for name, result in report.items():
         print(f"{name}: {result['clean']} clean, {result['abort']} aborts, {result['hang']} hangs "
               f"of {result['runs']} (median {result['median_seconds']} s)")
