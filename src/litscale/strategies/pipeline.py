@@ -23,7 +23,7 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,6 @@ from litscale.strategies.mesh import (
     resolve_mesh_sizes,
 )
 from litscale.strategies.tensor_parallel import StyleName, TensorParallelStrategy, find_plan
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                        "zbv_zero_bubble", "dualpipev"]
@@ -246,22 +243,9 @@ class PipelineParallelStrategy(TensorParallelStrategy):
         self._layout(*find_blocks(net, self.blocks), sizes)
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model.to(self.root_device)
+    def _parallelize_once(self, module: nn.Module) -> None:
         if not self._stage_modules:
-            self._cut_into_stages(self.model)
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        self._clip_across_mesh()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            self._cut_into_stages(module)
 
     def _cut_into_stages(self, module: nn.Module) -> None:
         """Tensor parallel on the whole model, then keep this rank's stages, then FSDP2 per stage."""

@@ -249,8 +249,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model.to(self.root_device)
-        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.model.parameters()):
-            self.parallelize(self.model)
+        self._parallelize_once(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -258,6 +257,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self._clip_across_mesh()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize_once(self, module: nn.Module) -> None:
+        """Apply the plan unless it already was (``setup`` runs again for each stage: fit, test)."""
+        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in module.parameters()):
+            self.parallelize(module)
 
     def _clip_across_mesh(self) -> None:
         """Route Lightning's ``gradient_clip_val`` (norm) through the mesh-wide norm: torch's
