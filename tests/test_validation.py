@@ -328,6 +328,17 @@ CASES = {
         "trainer.accelerator=gpu but no CUDA device is visible; use trainer.accelerator=cpu or auto",
         skip="CUDA is available" if torch.cuda.is_available() else None,
     ),
+    "scaling-baseline-missing": Case(
+        ["scaling.baseline=/no/such/run"],
+        "scaling.baseline='/no/such/run' has no summary.json; give a finished 1-device run's "
+        "summary.json or its run dir, or null",
+    ),
+    "strong-scaling-indivisible": Case(
+        ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "scaling.global_batch=5"],
+        "scaling.global_batch=5 does not split over 2 data-parallel rank(s) x 1 accumulation "
+        "step(s); allowed: multiples of 2",
+        skip="needs 2 CPU cores" if CORES < 2 else None,
+    ),
     "set-absent-trainer-arg": Case(
         ["trainer.enable_checkpointing=false"],
         "trainer.enable_checkpointing is not in the config yet; add it with "

@@ -117,6 +117,10 @@ def build_run(config: dict, choices: dict[str, str], *, loggable_config: dict | 
         from litscale.callbacks.communication import CommunicationCallback
 
         callbacks.append(CommunicationCallback(compression=strategy.compression))
+    if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
+        from litscale.loggers import WandbRunId
+
+        callbacks.append(WandbRunId())  # the W&B run id travels in checkpoints
     trainer = build(
         cfg.trainer,
         strategy=strategy,

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from litscale.constraints import PositiveFloat
+from litscale.constraints import PositiveFloat, PositiveInt
 from litscale.errors import ConfigError
 from litscale.safety import allowed_prefixes, check_targets
 from litscale.typecheck import (
@@ -54,6 +54,14 @@ class PrecisionSchema:
 
 
 @dataclass
+class ScalingSchema:
+    """``scaling.*``: the 1-device baseline, and a fixed global batch for strong scaling."""
+
+    baseline: str | None
+    global_batch: PositiveInt | None
+
+
+@dataclass
 class OptimizerSchema:
     """What every ``optimizer/`` option shares; the rest is checked against its ``_target_``."""
 
@@ -79,6 +87,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
     check_targets(cfg, "", allowed_prefixes(cfg.get("allowed_targets") or ()))
     check_schema("precision", cfg.precision, PrecisionSchema)
     check_schema("optimizer", cfg.optimizer, OptimizerSchema)
+    if cfg.get("scaling") is not None:
+        check_schema("scaling", cfg.scaling, ScalingSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     for group in TARGET_GROUPS:
@@ -92,6 +102,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
     check_data_paths(cfg)
     check_compression_supported(cfg, choices)
     check_strategy(cfg, world_size)
+    check_scaling(cfg, world_size)
     check_warmup(cfg)
 
 
@@ -267,6 +278,26 @@ def check_strategy(cfg: DictConfig, world_size: int) -> None:
             validate_setup(world_size=world_size, net=_meta_net(cfg))
     except (ValueError, TypeError) as error:
         raise ConfigError(str(error).splitlines()[0]) from None
+
+
+def check_scaling(cfg: DictConfig, world_size: int) -> None:
+    """A named baseline exists; a strong-scaling global batch splits over the ranks."""
+    from litscale.scaling import baseline_summary_path, strong_scaling_micro_batch
+
+    scaling = cfg.get("scaling") or {}
+    if scaling.get("baseline"):
+        baseline_summary_path(scaling.baseline)
+    if scaling.get("global_batch"):
+        strong_scaling_micro_batch(scaling.global_batch, data_parallel_size(cfg, world_size),
+                                   int(cfg.trainer.get("accumulate_grad_batches") or 1))
+
+
+def data_parallel_size(cfg: DictConfig, world_size: int) -> int:
+    """Ranks that see distinct samples: the world, unless the strategy has a model-parallel mesh."""
+    from litscale.build import build_strategy
+
+    resolve_mesh = getattr(build_strategy(cfg), "resolve_mesh", None)
+    return resolve_mesh(world_size).data if resolve_mesh is not None else world_size
 
 
 def check_warmup(cfg: DictConfig) -> None:

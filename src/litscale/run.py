@@ -11,7 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 from litscale.checkpoints import resolve_ckpt_path
 from litscale.config import count_devices, machine_device_count, resolve_accelerator, validate
 from litscale.launch import launch
+from litscale.loggers import prepare_wandb
 from litscale.safety import config_without_environment
+from litscale.scaling import ScalingContext, apply_strong_scaling, job_context
 
 
 @dataclass
@@ -21,6 +23,7 @@ class RunSpec:
     config: dict
     choices: dict[str, str] = field(default_factory=dict)
     loggable_config: dict | None = None  # `config` without values from the environment
+    scaling: ScalingContext = field(default_factory=ScalingContext)
     started_at: float = field(default_factory=time.time)
 
 
@@ -43,7 +46,11 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     processes = count_devices(cfg.trainer.devices, machine_device_count(accelerator), accelerator)
     if accelerator == "cpu":
         config["trainer"]["devices"] = processes  # Lightning takes only a count on CPU (no -1/auto)
-    spec = RunSpec(config=config, choices=choices, loggable_config=config_without_environment(cfg))
+    apply_strong_scaling(config, cfg, processes * int(cfg.trainer.num_nodes))
+    scaling = job_context(cfg)
+    prepare_wandb(config, sweep_dir=scaling.sweep_dir)
+    spec = RunSpec(config=config, choices=choices, loggable_config=config_without_environment(cfg),
+                   scaling=scaling)
     return launch(run_rank, spec, processes=processes, num_nodes=int(cfg.trainer.num_nodes))
 
 
@@ -68,7 +75,7 @@ def run_rank(spec: RunSpec) -> dict:
             outcome = "preempted"
             return {"preempted": True, "steps": built.trainer.global_step}
         export = export_model(built.trainer, built.module, built.config.paths.output_dir)
-        summary = summarize(built, started_at=spec.started_at, export=export)
+        summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling)
         outcome = "success"
         return summary
     finally:

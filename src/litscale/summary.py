@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from litscale.build import BuiltRun
 from litscale.callbacks.memory import MemoryCallback
 from litscale.callbacks.throughput import ThroughputCallback, data_parallel_size
+from litscale.scaling import ScalingContext, find_baseline, scaling_metrics
 
 
 def _count_params(module) -> int:
@@ -54,8 +55,10 @@ def _metric(trainer: Trainer, name: str) -> float | None:
     return None if value is None else float(value)
 
 
-def summarize(built: BuiltRun, *, started_at: float, export: str | None = None) -> dict:
-    """Collect final metrics; rank 0 writes ``summary.json`` and prints a few lines."""
+def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
+              scaling: ScalingContext | None = None) -> dict:
+    """Collect final metrics; rank 0 adds scaling efficiency against its baseline (and logs
+    it), writes ``summary.json`` and prints a few lines."""
     trainer, module = built.trainer, built.module
     throughput = next((c.result for c in trainer.callbacks if isinstance(c, ThroughputCallback)), {})
     memory = next((c.result for c in trainer.callbacks if isinstance(c, MemoryCallback)), {})
@@ -77,6 +80,8 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None) 
         "world_size": trainer.world_size,
         "num_params": _count_params(module),
         "choices": built.choices,
+        "overrides": scaling.overrides if scaling else [],
+        "scaling/mode": "strong" if (built.config.get("scaling") or {}).get("global_batch") else "weak",
         "output_dir": os.path.abspath(built.config.paths.output_dir),
         "checkpoint": _best_checkpoint(trainer),
         "export": export,  # the consolidated weights of the net (litscale.export)
@@ -84,6 +89,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None) 
     }
     summary = {k: v for k, v in summary.items() if v is not None}
     if trainer.is_global_zero:
+        summary.update(_log_scaling(trainer, summary, scaling or ScalingContext()))
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
         with open(path + ".tmp", "w") as handle:
@@ -91,6 +97,17 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None) 
         os.replace(path + ".tmp", path)  # never a half-written summary
         _print_end(summary)
     return summary
+
+
+def _log_scaling(trainer: Trainer, summary: dict, context: ScalingContext) -> dict[str, float]:
+    """``scaling/*`` against the baseline, logged at the last step (rank 0 only)."""
+    baseline = find_baseline(context)
+    metrics = scaling_metrics(summary, baseline)
+    if metrics and (baseline is not None or context.sweep_dir):
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        return metrics
+    return {}
 
 
 def _scaled_lr(trainer: Trainer) -> float | None:
@@ -126,6 +143,11 @@ def _print_end(summary: dict) -> None:
         if "perf/tokens_per_sec" in summary:
             rate += f", {summary['perf/tokens_per_sec']:,.0f} tokens/s"
         _say(f"throughput {rate} over {summary['world_size']} process(es), steady state")
+    if "perf/mfu" in summary:
+        _say(f"MFU {summary['perf/mfu']:.1%} ({summary['perf/tflops']:.3g} TFLOP/s)")
+    if "scaling/efficiency" in summary:
+        _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
+             f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")
     _say(f"outputs: {summary['output_dir']} (summary.json, checkpoints/, logs)")
 
 

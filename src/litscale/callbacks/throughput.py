@@ -1,13 +1,14 @@
-"""Steady-state training throughput, logged under ``perf/*``.
+"""Steady-state training throughput and MFU, logged under ``perf/*``.
 
 Lightning's ``ThroughputMonitor`` is not used here: it reports a rolling window per logging
 step and multiplies by the world size, where litscale wants the whole run's steady-state
 average and counts data-parallel ranks only (tensor- and pipeline-parallel ranks share a
-batch). What remains is two timestamps and a division.
+batch). What remains is two timestamps and a division; FLOPs come from ``litscale.flops``.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -15,6 +16,10 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from litscale.constraints import NonNegativeInt
+from litscale.flops import flops_per_sample, peak_flops_per_device
+
+_COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+                   "16-mixed": torch.float16, "16-true": torch.float16}
 
 
 def data_parallel_size(trainer: Trainer) -> int:
@@ -24,21 +29,40 @@ def data_parallel_size(trainer: Trainer) -> int:
 
 
 class ThroughputCallback(Callback):
-    """Samples/s and tokens/s over the whole job, after ``warmup_steps`` optimizer steps.
+    """Samples/s, tokens/s (total and per device), step time and MFU over the whole job,
+    after ``warmup_steps`` optimizer steps.
 
     Times are taken every ``log_every_n_steps`` only, so a CUDA run synchronises the device
-    at most once per logging interval, not once per step.
+    at most once per logging interval, not once per step. MFU = model FLOPs per second /
+    (peak FLOP/s of one device x world size); set ``mfu=false`` to skip the CPU peak probe.
     """
 
-    def __init__(self, *, warmup_steps: NonNegativeInt = 10) -> None:
+    def __init__(self, *, warmup_steps: NonNegativeInt = 10, mfu: bool = True) -> None:
         self.warmup_steps = warmup_steps
+        self.mfu = mfu
         self.result: dict[str, float] = {}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Before the strategy shards or cuts the net: FLOPs are those of the whole model.
+        net = getattr(pl_module, "net", pl_module)
+        self._tokens_per_sample = getattr(trainer.datamodule, "tokens_per_sample", None)
+        self._flops_per_sample: float | None = None
+        self._net_for_flops = None
+        if not self.mfu or stage != "fit":
+            return
+        if hasattr(net, "flops_per_token") and self._tokens_per_sample:
+            self._flops_per_sample = flops_per_sample(net, None, self._tokens_per_sample)
+        else:  # counted at the first batch, whose shape it needs
+            self._net_for_flops = copy.deepcopy(net).to("meta")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start: tuple[float, int] | None = None
         self._paused_s = 0.0  # validation time inside the measured interval, not training
         self._samples_per_step = 0
-        self._tokens_per_sample = getattr(trainer.datamodule, "tokens_per_sample", None)
+        self._peak_flops = None
+        if self.mfu:
+            dtype = _COMPUTE_DTYPES.get(str(trainer.precision), torch.float32)
+            self._peak_flops = peak_flops_per_device(pl_module.device, dtype)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -46,6 +70,10 @@ class ThroughputCallback(Callback):
         if not self._samples_per_step:
             micro_batch = len(batch[0])
             self._samples_per_step = micro_batch * data_parallel_size(trainer) * trainer.accumulate_grad_batches
+            if self._net_for_flops is not None:
+                self._flops_per_sample = flops_per_sample(self._net_for_flops, batch[0],
+                                                          self._tokens_per_sample)
+                self._net_for_flops = None
         step = trainer.global_step
         if self._start is None:
             # A short run still gets a figure: warm-up is at most a quarter of its steps.
@@ -57,8 +85,10 @@ class ThroughputCallback(Callback):
         if step == self._start[1] or (step % trainer.log_every_n_steps and step != trainer.max_steps):
             return
         now = self._now(pl_module)
-        self.result = self._summarise(now, step)
+        self.result = self._summarise(now, step, trainer.world_size)
         pl_module.log_dict(self.result, rank_zero_only=True)
+        if self._flops_per_sample:
+            self.result["perf/flops_per_sample"] = self._flops_per_sample
 
     @staticmethod
     def _now(pl_module: LightningModule) -> float:
@@ -73,10 +103,17 @@ class ThroughputCallback(Callback):
         if getattr(self, "_start", None) is not None:
             self._paused_s += time.perf_counter() - self._validation_started
 
-    def _summarise(self, now: float, step: int) -> dict[str, float]:
+    def _summarise(self, now: float, step: int, world_size: int) -> dict[str, float]:
         elapsed, steps = now - self._start[0] - self._paused_s, step - self._start[1]
         samples_per_sec = steps * self._samples_per_step / elapsed
-        result = {"perf/samples_per_sec": samples_per_sec, "perf/step_time_s": elapsed / steps}
+        result = {"perf/samples_per_sec": samples_per_sec,
+                  "perf/samples_per_sec_per_device": samples_per_sec / world_size,
+                  "perf/step_time_s": elapsed / steps}
         if self._tokens_per_sample:
             result["perf/tokens_per_sec"] = samples_per_sec * self._tokens_per_sample
+            result["perf/tokens_per_sec_per_device"] = result["perf/tokens_per_sec"] / world_size
+        if self._flops_per_sample and self._peak_flops:
+            achieved = samples_per_sec * self._flops_per_sample
+            result["perf/tflops"] = achieved / 1e12
+            result["perf/mfu"] = achieved / (self._peak_flops * world_size)
         return result

@@ -1,0 +1,137 @@
+"""Scaling efficiency against a 1-device baseline, measured rather than guessed.
+
+    speedup    = throughput(N) / throughput(1)
+    efficiency = throughput(N) / (N x throughput(1))
+
+Throughput is samples/s, N the number of devices (world size). Weak scaling keeps the
+per-device micro batch (``data.batch_size``) fixed; strong scaling keeps the global batch
+fixed (``scaling.global_batch``), so every device gets a smaller share as N grows.
+
+The baseline is a 1-device run's ``summary.json``: named with ``scaling.baseline``, or, in a
+Hydra sweep over ``trainer.devices``, the sweep's 1-device job with the same other overrides.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+from litscale.errors import ConfigError
+
+THROUGHPUT = "perf/samples_per_sec"
+# Overrides that set the device count; jobs differing only in these form one scaling curve.
+DEVICE_KEYS = ("trainer.devices", "trainer.num_nodes")
+
+
+def speedup(throughput: float, baseline_throughput: float) -> float:
+    return throughput / baseline_throughput
+
+
+def efficiency(throughput: float, devices: int, baseline_throughput: float) -> float:
+    return throughput / (devices * baseline_throughput)
+
+
+@dataclass
+class ScalingContext:
+    """What a job knows about its place in a scaling study (computed before ranks start)."""
+
+    overrides: list[str] = field(default_factory=list)  # this job's command-line overrides
+    sweep_dir: str | None = None  # the Hydra sweep dir, when this job is part of a multirun
+    baseline: str | None = None  # a baseline summary.json named by the user
+
+    @property
+    def variant(self) -> str:
+        return variant_of(self.overrides)
+
+
+def variant_of(overrides: list[str]) -> str:
+    """The overrides that define a scaling curve: all but the device count (and `name`)."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in (*DEVICE_KEYS, "name")]
+    return " ".join(sorted(kept)) or "default"
+
+
+def baseline_summary_path(value: str) -> str:
+    """``scaling.baseline`` (a summary.json or the run dir holding one) as a summary path."""
+    path = os.path.expanduser(value)
+    if os.path.isdir(path):
+        path = os.path.join(path, "summary.json")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"scaling.baseline={value!r} has no summary.json; give a finished 1-device run's "
+            "summary.json or its run dir, or null"
+        )
+    return path
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return None
+
+
+def find_baseline(context: ScalingContext) -> dict | None:
+    """The baseline summary for this job, or None when there is none (yet)."""
+    if context.baseline:
+        return _read(context.baseline)
+    if not context.sweep_dir:
+        return None
+    found = [s for s in map(_read, glob.glob(os.path.join(glob.escape(context.sweep_dir), "*",
+                                                          "summary.json")))
+             if s and s.get("world_size") == 1 and variant_of(s.get("overrides", [])) == context.variant]
+    return max(found, key=lambda s: s.get("wall_time_s", 0), default=None) if found else None
+
+
+def scaling_metrics(summary: dict, baseline: dict | None) -> dict[str, float]:
+    """``scaling/*`` for a finished run's summary; empty without a usable baseline."""
+    devices = summary.get("world_size", 1)
+    if devices == 1 and baseline is None:
+        baseline = summary  # a 1-device job is its own baseline
+    if baseline is None or THROUGHPUT not in summary or not baseline.get(THROUGHPUT):
+        return {}
+    base = baseline[THROUGHPUT] / baseline.get("world_size", 1)  # per device, if N_base > 1
+    return {
+        "scaling/speedup": speedup(summary[THROUGHPUT], base),
+        "scaling/efficiency": efficiency(summary[THROUGHPUT], devices, base),
+        "scaling/baseline_samples_per_sec": base,
+        "scaling/devices": float(devices),
+    }
+
+
+def strong_scaling_micro_batch(global_batch: int, data_parallel: int, accumulation: int) -> int:
+    """The per-device micro batch that keeps ``global_batch`` fixed (strong scaling)."""
+    share = data_parallel * accumulation
+    if global_batch % share:
+        raise ConfigError(
+            f"scaling.global_batch={global_batch} does not split over {data_parallel} data-parallel "
+            f"rank(s) x {accumulation} accumulation step(s); allowed: multiples of {share}"
+        )
+    return global_batch // share
+
+
+def job_context(cfg) -> ScalingContext:
+    """This Hydra job's overrides and sweep dir (empty outside Hydra), and the named baseline."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    scaling = cfg.get("scaling") or {}
+    baseline = baseline_summary_path(scaling.baseline) if scaling.get("baseline") else None
+    if not HydraConfig.initialized():
+        return ScalingContext(baseline=baseline)
+    hydra = HydraConfig.get()
+    sweep_dir = hydra.sweep.dir if hydra.mode == RunMode.MULTIRUN else None
+    return ScalingContext(overrides=list(hydra.overrides.task), sweep_dir=sweep_dir, baseline=baseline)
+
+
+def apply_strong_scaling(config: dict, cfg, world_size: int) -> None:
+    """With ``scaling.global_batch`` set, replace the micro batch by the global batch's share."""
+    from litscale.config import data_parallel_size
+
+    global_batch = (cfg.get("scaling") or {}).get("global_batch")
+    if global_batch:
+        accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+        config["data"]["batch_size"] = strong_scaling_micro_batch(
+            global_batch, data_parallel_size(cfg, world_size), accumulation)

@@ -1,0 +1,172 @@
+"""Scaling efficiency: the arithmetic, FLOPs and MFU, multirun sweeps over devices and
+strategies (one dir per job, each its own world size), the sweep's report, W&B offline runs,
+a resumed run continuing its W&B run, and the notebook that reads the summaries."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from train_cli import REPO, explain, run_train, summaries
+
+from litscale.errors import ConfigError
+from litscale.flops import flops_per_sample, measured_cpu_peak
+from litscale.models.gpt import build_gpt
+from litscale.scaling import (
+    ScalingContext,
+    efficiency,
+    find_baseline,
+    scaling_metrics,
+    speedup,
+    strong_scaling_micro_batch,
+    variant_of,
+)
+
+TINY = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=12", "trainer.val_check_interval=12",
+        "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "data.seq_len=32",
+        "data.max_bytes=400000", "trainer.enable_progress_bar=false", "data.batch_size=4")
+NO_WANDB_KEY = {"WANDB_API_KEY": "", "NETRC": "/nonexistent", "WANDB_SILENT": "true"}
+
+# --- arithmetic ------------------------------------------------------------------------------
+
+
+def test_efficiency_is_throughput_over_n_times_baseline():
+    assert speedup(300.0, 100.0) == 3.0
+    assert efficiency(300.0, 4, 100.0) == 0.75
+    metrics = scaling_metrics({"world_size": 4, "perf/samples_per_sec": 300.0},
+                              {"world_size": 1, "perf/samples_per_sec": 100.0})
+    assert metrics["scaling/speedup"] == 3.0 and metrics["scaling/efficiency"] == 0.75
+    # A baseline with 2 devices counts per device: 300 / (4 x 160 / 2) = 0.9375
+    metrics = scaling_metrics({"world_size": 4, "perf/samples_per_sec": 300.0},
+                              {"world_size": 2, "perf/samples_per_sec": 160.0})
+    assert metrics["scaling/efficiency"] == 0.9375
+    assert scaling_metrics({"world_size": 2, "perf/samples_per_sec": 1.0}, None) == {}
+    assert scaling_metrics({"world_size": 1, "perf/samples_per_sec": 7.0}, None)["scaling/efficiency"] == 1.0
+
+
+def test_variant_ignores_device_count_and_order():
+    a = variant_of(["trainer.devices=2", "strategy=fsdp", "optimizer.lr=0.1"])
+    assert a == variant_of(["optimizer.lr=0.1", "strategy=fsdp", "trainer.devices=1", "name=x"])
+    assert a != variant_of(["strategy=ddp", "optimizer.lr=0.1"])
+
+
+def test_strong_scaling_splits_the_global_batch():
+    assert strong_scaling_micro_batch(64, 4, 2) == 8
+    with pytest.raises(ConfigError, match=r"^scaling.global_batch=6 does not split over 4 "
+                                          r"data-parallel rank\(s\) x 1 accumulation step\(s\); "
+                                          r"allowed: multiples of 4$"):
+        strong_scaling_micro_batch(6, 4, 1)
+
+
+def test_flops_counted_for_any_net_and_from_the_gpt_formula():
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    forward = 2 * (64 * 128 + 128 * 10)
+    # backward: weight grads of both layers (2x forward each), input grad of the second only
+    assert flops_per_sample(net, torch.zeros(8, 64), None) == 3 * forward - 2 * 64 * 128
+    gpt = build_gpt(preset="nano")
+    c, n = gpt.config, gpt.num_params(exclude_embeddings=True)
+    assert flops_per_sample(gpt, None, 32) == (6 * n + 12 * c.n_layer * c.n_embd * 32) * 32
+
+
+def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = measured_cpu_peak(torch.float32, torch.get_num_threads())
+    assert first > 1e8  # any CPU does more than 0.1 GFLOP/s
+    assert measured_cpu_peak(torch.float32, torch.get_num_threads()) == first  # from the cache
+    assert (tmp_path / "litscale" / "cpu_peak_flops.json").is_file()
+
+
+# --- a sweep over devices and strategies, through train.py --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    outputs = tmp_path_factory.mktemp("sweep")
+    process = run_train("-m", "trainer.devices=1,2", "strategy=ddp,fsdp", *TINY, "logger=wandb",
+                        "name=sweep", outputs=outputs, env=NO_WANDB_KEY, timeout=400)
+    assert process.returncode == 0, explain(process)
+    sweeps = list((outputs / "sweep" / "multiruns").iterdir())
+    return process, outputs, sweeps
+
+
+@pytest.mark.timeout(420)
+def test_multirun_runs_each_job_once_with_its_own_world_size(sweep):
+    process, outputs, sweeps = sweep
+    assert len(sweeps) == 1, sweeps  # no sweep re-launched by a child rank
+    jobs = sorted(p.name for p in sweeps[0].iterdir() if p.is_dir() and p.name.isdigit())
+    assert jobs == ["0", "1", "2", "3"]
+    assert not (outputs / "sweep" / "runs").exists()
+    found = sorted((s["choices"]["strategy"], s["world_size"]) for s in summaries(outputs))
+    assert found == [("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)]
+    assert process.stdout.count("litscale: done:") == 4  # one summary per job, from rank 0
+
+
+@pytest.mark.timeout(420)
+def test_each_job_logs_efficiency_against_its_one_device_job(sweep):
+    _, outputs, _ = sweep
+    runs = {(s["choices"]["strategy"], s["world_size"]): s for s in summaries(outputs)}
+    for strategy in ("ddp", "fsdp"):
+        one, two = runs[(strategy, 1)], runs[(strategy, 2)]
+        expected = two["perf/samples_per_sec"] / (2 * one["perf/samples_per_sec"])
+        assert two["scaling/efficiency"] == pytest.approx(expected, rel=1e-12)
+        assert two["scaling/speedup"] == pytest.approx(2 * expected, rel=1e-12)
+        assert one["scaling/efficiency"] == 1.0 and two["scaling/mode"] == "weak"
+        for run in (one, two):
+            assert 0 < run["perf/mfu"] < 1, run["perf/mfu"]
+            assert run["perf/samples_per_sec_per_device"] == pytest.approx(
+                run["perf/samples_per_sec"] / run["world_size"])
+        wandb_files = list(Path(two["output_dir"]).glob("wandb/offline-run-*/run-*.wandb"))
+        assert len(wandb_files) == 1, wandb_files  # one W&B run per job, not per rank
+        assert b"scaling/efficiency" in wandb_files[0].read_bytes()
+
+
+@pytest.mark.timeout(420)
+def test_sweep_writes_report_and_logs_it_to_wandb(sweep):
+    process, _, sweeps = sweep
+    sweep_dir = sweeps[0]
+    for name in ("scaling_report.md", "scaling_report.json", "scaling_report.png"):
+        assert (sweep_dir / name).is_file(), name
+    table = (sweep_dir / "scaling_report.md").read_text()
+    assert "| strategy=ddp | 2 |" in table and "| strategy=fsdp | 1 |" in table
+    assert f"litscale: scaling report: {sweep_dir}" in process.stdout
+    report_runs = list(sweep_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(report_runs) == 1 and b"scaling/report" in report_runs[0].read_bytes()
+    group = f"sweep-{sweep_dir.name}".encode()  # every W&B run of the sweep in one group
+    job_runs = list(sweep_dir.glob("*/wandb/offline-run-*/run-*.wandb"))
+    assert len(job_runs) == 4 and all(group in path.read_bytes() for path in job_runs + report_runs)
+
+
+@pytest.mark.timeout(300)
+def test_notebook_reads_the_sweep_and_runs(sweep, tmp_path):
+    nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
+    notebook = nbformat.read(REPO / "notebooks" / "scaling_efficiency.ipynb", as_version=4)
+    os.environ["LITSCALE_RUNS"] = str(sweep[2][0])
+    try:
+        nbclient.NotebookClient(notebook, timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        del os.environ["LITSCALE_RUNS"]
+    text = "".join(o.get("text", "") for cell in notebook.cells for o in cell.get("outputs", []))
+    assert "4 runs under" in text and "fsdp N=2" in text
+    assert (tmp_path / "scaling_efficiency.png").is_file()
+
+
+# --- a single run: a named baseline, and a resumed run continuing its W&B run --------------------
+
+
+@pytest.mark.timeout(300)
+def test_resumed_run_continues_its_wandb_run_and_compares_with_a_named_baseline(tmp_path):
+    first = run_train(*TINY, "logger=wandb", "name=w", outputs=tmp_path, env=NO_WANDB_KEY)
+    assert first.returncode == 0, explain(first)
+    (summary,) = summaries(tmp_path)
+    second = run_train(*TINY, "logger=wandb", "name=w", "ckpt_path=last", "trainer.max_steps=16",
+                       f"scaling.baseline={summary['output_dir']}", outputs=tmp_path, env=NO_WANDB_KEY)
+    assert second.returncode == 0, explain(second)
+    resumed = summaries(tmp_path)[-1]
+    ids = [p.name.rsplit("-", 1)[1] for s in (summary, resumed)
+           for p in Path(s["output_dir"]).glob("wandb/offline-run-*")]
+    assert len(ids) == 2 and ids[0] == ids[1], ids
+    assert resumed["scaling/efficiency"] == pytest.approx(
+        resumed["perf/samples_per_sec"] / summary["perf/samples_per_sec"])
+    assert find_baseline(ScalingContext(baseline=os.path.join(summary["output_dir"], "summary.json")))
