@@ -87,8 +87,9 @@ def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
     return float(cache[key])
 
 
-def probe_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.3) -> float:
-    """The best of several timed batches of ``size``-square matmuls: a peak, so the max."""
+def probe_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.5) -> float:
+    """The best of several timed batches of ``size``-square matmuls: a peak, so the max (a
+    busy machine still lowers it; delete the cache file to measure again)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b  # first call allocates and picks kernels
     best, deadline = 0.0, time.perf_counter() + seconds

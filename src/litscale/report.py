@@ -35,13 +35,16 @@ def load_summaries(root: str) -> list[dict]:
 
 def scaling_rows(summaries: list[dict]) -> list[dict[str, Any]]:
     """One row per run, efficiency against its variant's 1-device run (recomputed here, so a
-    sweep that ran its 1-device job last still gets every figure)."""
+    sweep that ran its 1-device job last still gets every figure), else against the baseline
+    the run named (``scaling.baseline``)."""
     baselines = {variant_of(s.get("overrides", [])): s for s in summaries if s.get("world_size") == 1}
     labels = variant_labels([variant_of(s.get("overrides", [])) for s in summaries])
     rows = []
     for summary in summaries:
         variant = variant_of(summary.get("overrides", []))
-        metrics = scaling_metrics(summary, baselines.get(variant))
+        baseline = baselines.get(variant)
+        # No 1-device job of its own (a pipeline needs 2 ranks): the baseline the run named.
+        metrics = scaling_metrics(summary, baseline) if baseline else summary
         rows.append({
             "variant": labels[variant] or summary.get("choices", {}).get("strategy", "default"),
             "devices": summary.get("world_size", 1),

@@ -23,6 +23,8 @@ from litscale.errors import ConfigError
 THROUGHPUT = "perf/samples_per_sec"
 # Overrides that set the device count; jobs differing only in these form one scaling curve.
 DEVICE_KEYS = ("trainer.devices", "trainer.num_nodes")
+# Overrides that do not change what is trained.
+NOT_A_VARIANT = (*DEVICE_KEYS, "name", "scaling.baseline", "trainer.enable_progress_bar")
 
 
 def speedup(throughput: float, baseline_throughput: float) -> float:
@@ -47,8 +49,13 @@ class ScalingContext:
 
 
 def variant_of(overrides: list[str]) -> str:
-    """The overrides that define a scaling curve: all but the device count (and `name`)."""
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in (*DEVICE_KEYS, "name")]
+    """The overrides that define a scaling curve: all but the device count (and `name`).
+    A sweep writes booleans as Python does (``False``), a command line as YAML (``false``)."""
+    kept = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") not in NOT_A_VARIANT:
+            kept.append(f"{key}={value.lower() if value in ('True', 'False') else value}")
     return " ".join(sorted(kept)) or "default"
 
 
