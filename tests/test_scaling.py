@@ -117,6 +117,8 @@ def test_each_job_logs_efficiency_against_its_one_device_job(sweep):
             assert 0 < run["perf/mfu"] < 1, run["perf/mfu"]
             assert run["perf/samples_per_sec_per_device"] == pytest.approx(
                 run["perf/samples_per_sec"] / run["world_size"])
+        if strategy == "ddp":  # from DDP's reducer statistics; FSDP keeps none
+            assert 0 <= two["perf/comm_exposed_share"] <= two["perf/comm_share"] and two["perf/comm_share"] > 0
         wandb_files = list(Path(two["output_dir"]).glob("wandb/offline-run-*/run-*.wandb"))
         assert len(wandb_files) == 1, wandb_files  # one W&B run per job, not per rank
         assert b"scaling/efficiency" in wandb_files[0].read_bytes()

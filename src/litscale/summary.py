@@ -144,7 +144,10 @@ def _print_end(summary: dict) -> None:
             rate += f", {summary['perf/tokens_per_sec']:,.0f} tokens/s"
         _say(f"throughput {rate} over {summary['world_size']} process(es), steady state")
     if "perf/mfu" in summary:
-        _say(f"MFU {summary['perf/mfu']:.1%} ({summary['perf/tflops']:.3g} TFLOP/s)")
+        comm = "" if "perf/comm_share" not in summary else (
+            f" | gradient all-reduce {summary['perf/comm_share']:.0%} of a step, "
+            f"{summary.get('perf/comm_exposed_share', float('nan')):.0%} not overlapped")
+        _say(f"MFU {summary['perf/mfu']:.1%} ({summary['perf/tflops']:.3g} TFLOP/s){comm}")
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
              f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")
