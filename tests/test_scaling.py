@@ -159,8 +159,12 @@ def test_notebook_reads_the_sweep_and_runs(sweep, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_resumed_run_continues_its_wandb_run_and_compares_with_a_named_baseline(tmp_path):
-    first = run_train(*TINY, "logger=wandb", "name=w", outputs=tmp_path, env=NO_WANDB_KEY)
+    secret = "wandb-secret-0123456789abcdef"
+    first = run_train(*TINY, "logger=wandb", "name=w", "+api_key=${oc.env:LITSCALE_TEST_SECRET}",
+                      outputs=tmp_path, env={**NO_WANDB_KEY, "LITSCALE_TEST_SECRET": secret})
     assert first.returncode == 0, explain(first)
+    leaked = [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == []  # not in .hydra/, W&B's config and files, checkpoints or logs
     (summary,) = summaries(tmp_path)
     second = run_train(*TINY, "logger=wandb", "name=w", "ckpt_path=last", "trainer.max_steps=16",
                        f"scaling.baseline={summary['output_dir']}", outputs=tmp_path, env=NO_WANDB_KEY)
@@ -172,3 +176,12 @@ def test_resumed_run_continues_its_wandb_run_and_compares_with_a_named_baseline(
     assert resumed["scaling/efficiency"] == pytest.approx(
         resumed["perf/samples_per_sec"] / summary["perf/samples_per_sec"])
     assert find_baseline(ScalingContext(baseline=os.path.join(summary["output_dir"], "summary.json")))
+
+
+def test_device_sweeps_run_their_baseline_first():
+    from litscale.scaling import baseline_first
+
+    assert baseline_first(["-m", "trainer.devices=4,1,2", "strategy=ddp,fsdp"]) == \
+        ["-m", "trainer.devices=1,2,4", "strategy=ddp,fsdp"]
+    assert baseline_first(["trainer.devices=2", "data.batch_size=4,8"]) == \
+        ["trainer.devices=2", "data.batch_size=4,8"]

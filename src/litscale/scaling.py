@@ -128,9 +128,13 @@ def job_context(cfg) -> ScalingContext:
     baseline = baseline_summary_path(scaling.baseline) if scaling.get("baseline") else None
     if not HydraConfig.initialized():
         return ScalingContext(baseline=baseline)
+    from omegaconf import OmegaConf
+
     hydra = HydraConfig.get()
     sweep_dir = hydra.sweep.dir if hydra.mode == RunMode.MULTIRUN else None
-    return ScalingContext(overrides=list(hydra.overrides.task), sweep_dir=sweep_dir, baseline=baseline)
+    # Unresolved: an override like `+key=${oc.env:SECRET}` must stay an interpolation.
+    overrides = OmegaConf.to_container(hydra.overrides.task, resolve=False)
+    return ScalingContext(overrides=overrides, sweep_dir=sweep_dir, baseline=baseline)
 
 
 def apply_strong_scaling(config: dict, cfg, world_size: int) -> None:
@@ -142,3 +146,16 @@ def apply_strong_scaling(config: dict, cfg, world_size: int) -> None:
         accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
         config["data"]["batch_size"] = strong_scaling_micro_batch(
             global_batch, data_parallel_size(cfg, world_size), accumulation)
+
+
+def baseline_first(arguments: list[str]) -> list[str]:
+    """A sweep's ``trainer.devices=4,1,2`` as ``trainer.devices=1,2,4``: Hydra runs jobs in the
+    order listed, and each job can compare with its 1-device baseline only once that has run."""
+    ordered = []
+    for argument in arguments:
+        key, _, value = argument.partition("=")
+        counts = value.split(",")
+        if key.lstrip("+") == "trainer.devices" and len(counts) > 1 and all(c.isdigit() for c in counts):
+            argument = f"{key}={','.join(sorted(counts, key=int))}"
+        ordered.append(argument)
+    return ordered
