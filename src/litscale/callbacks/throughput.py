@@ -103,9 +103,7 @@ class ThroughputCallback(Callback):
             return
         if step == self._start[1] or (step % trainer.log_every_n_steps and step != trainer.max_steps):
             return
-        now = self._now(pl_module)
-        self._trainer = trainer
-        self.result = self._summarise(now, step, trainer.world_size)
+        self.result = self._summarise(trainer, self._now(pl_module), step)
         pl_module.log_dict(self.result, rank_zero_only=True)
         if self._flops_per_sample:
             self.result["perf/flops_per_sample"] = self._flops_per_sample
@@ -123,8 +121,9 @@ class ThroughputCallback(Callback):
         if getattr(self, "_start", None) is not None:
             self._paused_s += time.perf_counter() - self._validation_started
 
-    def _summarise(self, now: float, step: int, world_size: int) -> dict[str, float]:
+    def _summarise(self, trainer: Trainer, now: float, step: int) -> dict[str, float]:
         elapsed, steps = now - self._start[0] - self._paused_s, step - self._start[1]
+        world_size = trainer.world_size
         samples_per_sec = steps * self._samples_per_step / elapsed
         result = {"perf/samples_per_sec": samples_per_sec,
                   "perf/samples_per_sec_per_device": samples_per_sec / world_size,
@@ -132,7 +131,7 @@ class ThroughputCallback(Callback):
         if self._tokens_per_sample:
             result["perf/tokens_per_sec"] = samples_per_sec * self._tokens_per_sample
             result["perf/tokens_per_sec_per_device"] = result["perf/tokens_per_sec"] / world_size
-        result.update(ddp_communication_share(self._trainer, elapsed / steps))
+        result.update(ddp_communication_share(trainer, elapsed / steps))
         if self._flops_per_sample and self._peak_flops:
             achieved = samples_per_sec * self._flops_per_sample
             result["perf/tflops"] = achieved / 1e12
