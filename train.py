@@ -1,7 +1,8 @@
 """Train from Hydra config groups: ``python train.py strategy=ddp trainer.devices=2``.
 
 The command line is checked first (every job of a sweep included), so a bad config fails
-in one line before Hydra creates a run dir or any rank starts.
+in one line before Hydra creates a run dir or any rank starts. Under ``torchrun`` or ``srun``
+each rank runs this script; see ``litscale.launch`` for how they share one run dir.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    from litscale.launch import prepare_external_rank
     from litscale.preflight import check_command_line
 
     check_command_line(sys.argv[1:], config_dir=CONFIG_DIR, config_name="train")
+    # Under torchrun/srun every rank composes its own config: agree on one run dir first.
+    sys.argv += prepare_external_rank()
     main()

@@ -4,12 +4,16 @@ untrusted targets and secrets (each scenario as a short CPU run through train.py
 from __future__ import annotations
 
 import csv
+import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from train_cli import explain, final_weights, run_train, summaries
+
+from litscale.checkpoints import is_complete_checkpoint, newest_last_checkpoint, resolve_ckpt_path
+from litscale.errors import ConfigError
 
 SHORT = ("trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
          "trainer.log_every_n_steps=1", "data.seq_len=32", "data.max_bytes=400000",
@@ -123,3 +127,92 @@ def test_values_from_the_environment_never_reach_logs_or_checkpoints(tmp_path):
     leaks = [p for p in files if secret.encode() in p.read_bytes()]
     assert leaks == []
     assert secret not in process.stdout + process.stderr
+
+
+# Complete checkpoints only for ckpt_path=auto/last: each layout, written for real where it
+# needs no process group, then cut short the way a crash during the save leaves it.
+
+def _save(path: Path, step: int, written_at: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step}, path)
+    os.utime(path, (written_at, written_at))
+    return path
+
+
+def _truncate(path: Path) -> None:
+    stat = path.stat()
+    path.write_bytes(path.read_bytes()[: stat.st_size // 2])
+    os.utime(path, (stat.st_mtime + 60, stat.st_mtime + 60))  # the interrupted save is newer
+
+
+def test_auto_skips_a_truncated_last_ckpt_and_never_resumes_from_nonfinite(tmp_path):
+    older = _save(tmp_path / "runs" / "a" / "checkpoints" / "last.ckpt", 4, 1000)
+    best = _save(tmp_path / "runs" / "b" / "checkpoints" / "step000008.ckpt", 8, 2000)
+    last = _save(tmp_path / "runs" / "b" / "checkpoints" / "last.ckpt", 8, 2000)
+    _save(tmp_path / "runs" / "b" / "checkpoints" / "nonfinite-step12.ckpt", 12, 3000)
+    assert newest_last_checkpoint(str(tmp_path)) == str(last)  # ties go to last.ckpt
+    _truncate(last)  # killed while overwriting last.ckpt in place
+    assert not is_complete_checkpoint(str(last))
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(best)
+    _truncate(best)
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(older)
+    _truncate(older)
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) is None
+    with pytest.raises(ConfigError, match="^ckpt_path=last but no complete checkpoints/"):
+        resolve_ckpt_path("last", search_dir=str(tmp_path))
+
+
+def _distributed_checkpoint(path: Path, step: int, written_at: float | None = None) -> Path:
+    """Lightning's sharded layout (DCP shards and .metadata, then meta.pt), saved by DCP itself;
+    with ``written_at``, every file's time set to it (meta.pt a second later)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"state_dict": {"weight": torch.full((4,), float(step))}}, checkpoint_id=str(path))
+    torch.save({"global_step": step}, path / "meta.pt")
+    if written_at is not None:
+        for file in path.iterdir():
+            os.utime(file, (written_at, written_at))
+        os.utime(path / "meta.pt", (written_at + 1, written_at + 1))
+    return path
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group, overwriting
+def test_auto_skips_a_sharded_directory_whose_overwrite_did_not_finish(tmp_path):
+    checkpoints = tmp_path / "runs" / "a" / "checkpoints"
+    assert is_complete_checkpoint(str(_distributed_checkpoint(tmp_path / "fresh", 1)))
+    previous = _save(checkpoints / "step000004.ckpt", 4, 500)
+    last = _distributed_checkpoint(checkpoints / "last.ckpt", 8, 1000)
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(last)
+    (shard,) = last.glob("*.distcp")
+    os.utime(shard, (2000, 2000))  # the next save rewrote a shard, then died before .metadata
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
+    _distributed_checkpoint(last, 12, 1000)
+    os.utime(last / "meta.pt", (999, 999))  # died after .metadata, before meta.pt
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
+    _distributed_checkpoint(last, 12, 1000)
+    _truncate(last / "meta.pt")  # died while writing meta.pt
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
+    _distributed_checkpoint(last, 12, 1000)
+    (last / ".metadata").unlink()  # the first save into the directory died before .metadata
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
+
+
+def test_auto_skips_a_deepspeed_directory_whose_save_did_not_finish(tmp_path):
+    checkpoints = tmp_path / "runs" / "a" / "checkpoints"
+    previous = _save(checkpoints / "step000004.ckpt", 4, 500)
+    last = checkpoints / "last.ckpt"
+    tag = last / "checkpoint"
+    files = [_save(tag / name, 8, 1000) for name in (
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt")]
+    (last / "latest").write_text("checkpoint")
+    os.utime(last / "latest", (1000, 1000))
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(last)
+    os.utime(files[1], (1500, 1500))  # rank 0 rewrote its partition, died before `latest`
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
+    os.utime(files[1], (1000, 1000))
+    _truncate(files[2])  # rank 1 died while writing its partition
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
+    _save(files[2], 8, 1000)
+    (last / "latest").write_text("missing-tag")
+    assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)

@@ -1,21 +1,34 @@
-"""Finding the checkpoint a run resumes from (``ckpt_path``).
+"""Finding the checkpoint a run resumes from (``ckpt_path``), and telling complete ones apart.
 
 A checkpoint is a file (single device, DDP) or a directory: a ``torch.distributed.checkpoint``
-directory of shards with Lightning's ``meta.pt`` (FSDP), or a DeepSpeed checkpoint directory
-(its ``latest`` tag file and per-rank partitions).
+directory of shards with Lightning's ``meta.pt`` (FSDP, tensor/pipeline parallel), or a
+DeepSpeed checkpoint directory (its ``latest`` tag file and per-rank partitions).
+
+``ckpt_path=auto``/``last`` resume from the newest *complete* checkpoint in the ``checkpoints/``
+dirs of the runs named ``name``: a save that a crash cut short (a truncated file, a directory
+half rewritten in place) is skipped, and the one before it is used. ``last.ckpt`` is
+overwritten in place at every save, so "the one before" is usually another file of the same
+dir: ModelCheckpoint's best ``step*.ckpt``, or an older run's ``last.ckpt``. Every ``*.ckpt``
+in a ``checkpoints/`` dir counts except ``nonfinite-*.ckpt`` (the NaN guard's, saved to be
+inspected, never resumed from).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
+import zipfile
 
 from litscale.errors import ConfigError
 
 RESUME_WORDS = ("last", "auto")
 
-
 SHARDED_CHECKPOINT_MARKERS = ("meta.pt", ".metadata", "latest")
+LIGHTNING_META = "meta.pt"  # Lightning's ModelParallelStrategy writes it after the DCP shards
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint renames it into place after the shards
+DEEPSPEED_LATEST = "latest"  # DeepSpeed writes the tag file after its own rank's files
+NOT_RESUMABLE_PREFIXES = ("nonfinite-",)
 
 
 def is_checkpoint(path: str) -> bool:
@@ -26,34 +39,100 @@ def is_checkpoint(path: str) -> bool:
         os.path.exists(os.path.join(path, marker)) for marker in SHARDED_CHECKPOINT_MARKERS)
 
 
+def is_complete_torch_file(path: str) -> bool:
+    """A ``torch.save`` file whose write finished: torch saves a zip archive, and a zip's
+    central directory is written last, so a truncated file has none."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _files(directory: str) -> list[str]:
+    return [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
+
+
+def _is_complete_dcp_directory(path: str) -> bool:
+    """Lightning's sharded layout: shards, then ``.metadata`` (renamed into place), then
+    ``meta.pt``. An in-place overwrite that stopped part way leaves shards newer than
+    ``.metadata``, or a ``meta.pt`` older than it (or truncated)."""
+    metadata, meta = os.path.join(path, DCP_METADATA), os.path.join(path, LIGHTNING_META)
+    if not (os.path.isfile(metadata) and is_complete_torch_file(meta)):
+        return False
+    written = os.path.getmtime(metadata)
+    shards = [f for f in _files(path) if f.endswith(".distcp")]
+    return os.path.getmtime(meta) >= written and all(os.path.getmtime(f) <= written for f in shards)
+
+
+def _is_complete_deepspeed_directory(path: str) -> bool:
+    """DeepSpeed's layout: ``<tag>/`` with ``torch.save`` files, then ``latest`` naming the tag,
+    written by rank 0 after its own files (the model states). Other ranks' partitions may land
+    after ``latest``, so for them only a finished write is checked."""
+    latest = os.path.join(path, DEEPSPEED_LATEST)
+    try:
+        with open(latest) as file:
+            tag_dir = os.path.join(path, file.read().strip())
+    except OSError:
+        return False
+    files = [f for f in _files(tag_dir) if f.endswith(".pt")]
+    if not any(f.endswith("_model_states.pt") for f in files):
+        return False
+    if not all(is_complete_torch_file(f) for f in files):
+        return False
+    # Rank 0's files: the model states (``mp_rank_00_...``, or ``zero_pp_rank_0_...`` at stage 3)
+    # and its optimizer partition (``[bf16_]zero_pp_rank_0_...``).
+    by_rank_zero = [f for f in files if re.match(r"(mp_rank_00_|(bf16_)?zero_pp_rank_0_)",
+                                                  os.path.basename(f))]
+    return all(os.path.getmtime(f) <= os.path.getmtime(latest) for f in by_rank_zero)
+
+
+def is_complete_checkpoint(path: str) -> bool:
+    """True when the save that wrote ``path`` finished (see the module docstring)."""
+    if os.path.isfile(path):
+        return is_complete_torch_file(path)
+    if os.path.isfile(os.path.join(path, DEEPSPEED_LATEST)):
+        return _is_complete_deepspeed_directory(path)
+    return _is_complete_dcp_directory(path)
+
+
 def _written_at(path: str) -> float:
     """When a checkpoint was last written; a directory's own mtime does not change when a
     save overwrites the files inside it, so its newest file counts."""
     if os.path.isfile(path):
         return os.path.getmtime(path)
-    times = [os.path.getmtime(os.path.join(root, name))
-             for root, _, names in os.walk(path) for name in names]
-    return max(times, default=os.path.getmtime(path))
+    return max(map(os.path.getmtime, _files(path)), default=os.path.getmtime(path))
+
+
+def resumable_checkpoints(search_dir: str) -> list[str]:
+    """Every checkpoint in a ``checkpoints/`` dir under ``search_dir`` that a run may resume
+    from (complete or not; ``nonfinite-*.ckpt`` excluded)."""
+    pattern = os.path.join(glob.escape(search_dir), "**", "checkpoints", "*.ckpt")
+    return [path for path in glob.glob(pattern, recursive=True)
+            if not os.path.basename(path).startswith(NOT_RESUMABLE_PREFIXES) and is_checkpoint(path)]
 
 
 def newest_last_checkpoint(search_dir: str) -> str | None:
-    """The most recently written ``checkpoints/last.ckpt`` (file or sharded directory) of any
-    run under ``search_dir``."""
-    pattern = os.path.join(glob.escape(search_dir), "**", "checkpoints", "last.ckpt")
-    candidates = [path for path in glob.glob(pattern, recursive=True) if is_checkpoint(path)]
-    return max(candidates, key=_written_at) if candidates else None
+    """The most recently written complete checkpoint of any run under ``search_dir``: its
+    ``last.ckpt``, or, when a crash cut that save short, the newest complete one before it.
+    On equal write times ``last.ckpt`` wins (ModelCheckpoint writes it after ``step*.ckpt``)."""
+    candidates = [path for path in resumable_checkpoints(search_dir) if is_complete_checkpoint(path)]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda path: (
+        _written_at(path), os.path.basename(path).startswith("last")))
 
 
 def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
-    """``null`` -> None; a path -> itself (it must exist); ``last`` -> the newest last.ckpt of
-    this run name (it must exist); ``auto`` -> the same, or None to start fresh."""
+    """``null`` -> None; a path -> itself (it must exist); ``last`` -> the newest complete
+    checkpoint of this run name (one must exist); ``auto`` -> the same, or None to start fresh."""
     if ckpt_path is None:
         return None
     if ckpt_path in RESUME_WORDS:
         found = newest_last_checkpoint(search_dir)
         if found is None and ckpt_path == "last":
             raise ConfigError(
-                f"ckpt_path=last but no checkpoints/last.ckpt exists under {search_dir}; "
+                f"ckpt_path=last but no complete checkpoints/*.ckpt exists under {search_dir}; "
                 "train once first, or use ckpt_path=auto to start fresh when there is none"
             )
         return found

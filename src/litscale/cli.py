@@ -8,7 +8,7 @@ import traceback
 from omegaconf import DictConfig
 
 from litscale.errors import ConfigError
-from litscale.launch import RankFailure
+from litscale.launch import RankFailure, external_rank, is_knock_on_failure
 from litscale.preflight import EXIT_BAD_CONFIG
 
 
@@ -24,10 +24,8 @@ def run_job(cfg: DictConfig) -> float | None:
     except RankFailure as error:  # its traceback was printed by the launcher
         print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    except Exception as error:  # a single-process run: the same report as a failed rank
-        traceback.print_exc()
-        print(f"error: {type(error).__name__}: {str(error).strip().splitlines()[0]}",
-              file=sys.stderr, flush=True)
+    except Exception as error:  # this process's own failure: one run, or one rank of torchrun/srun
+        report_failure(error)
         raise SystemExit(1) from None
     if summary.get("preempted"):
         steps = f" after {summary['steps']} steps" if "steps" in summary else ""
@@ -35,3 +33,23 @@ def run_job(cfg: DictConfig) -> float | None:
               "resume", flush=True)
         return None
     return summary.get("val/loss")
+
+
+def report_failure(error: BaseException) -> None:
+    """The traceback and one ``error:`` line, as litscale's launcher reports a failed rank.
+
+    Under torchrun or srun every rank reports for itself: a rank whose error only says that a
+    peer died (the peer's own report is the cause) prints one line and no traceback.
+    """
+    rank = external_rank()
+    if rank is not None and is_knock_on_failure(error):
+        print(f"litscale: rank {rank} stopped: another rank failed ({_first_line(error)})",
+              file=sys.stderr, flush=True)
+        return
+    traceback.print_exc()
+    where = "" if rank is None else f"rank {rank} failed: "
+    print(f"error: {where}{type(error).__name__}: {_first_line(error)}", file=sys.stderr, flush=True)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]

@@ -75,11 +75,13 @@ NAMED_TARGET_GROUPS = ("logger", "callbacks")
 CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")
 
 
-def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
+def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
+             this_machine: bool = True) -> None:
     """Raise ``ConfigError`` for the first problem found in a composed config.
 
     ``choices`` maps group -> chosen option name (Hydra's runtime choices), used to name
-    options in messages; without it messages fall back to key paths.
+    options in messages; without it messages fall back to key paths. ``this_machine=False``
+    when the job will run on another machine (SLURM): devices are then not counted here.
     """
     choices = choices or {}
     check_schema("", cfg, RunSchema)
@@ -98,7 +100,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> None:
         for name, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig) and "_target_" in node:
                 check_target_node(f"{group}.{name}", node)
-    world_size = check_devices(cfg, choices)
+    world_size = check_devices(cfg, choices, this_machine=this_machine)
     check_data_paths(cfg)
     check_compression_supported(cfg, choices)
     check_strategy(cfg, world_size)
@@ -202,12 +204,13 @@ def count_devices(devices: Any, available: int, accelerator: str = "cpu") -> int
     return None
 
 
-def check_devices(cfg: DictConfig, choices: dict[str, str]) -> int:
+def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: bool = True) -> int:
     """Devices exist on this machine, the strategy fits the count, the precision the accelerator.
-    Returns the world size (devices x nodes)."""
+    Returns the world size (devices x nodes). ``this_machine=False``: the job runs elsewhere
+    (submitted to SLURM), so the machine-dependent checks wait for the job itself."""
     accelerator = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
     available = machine_device_count(accelerator)
-    if accelerator == "gpu" and available == 0:
+    if this_machine and accelerator == "gpu" and available == 0:
         raise ConfigError(
             f"trainer.accelerator={cfg.trainer.accelerator} but no CUDA device is visible; "
             "use trainer.accelerator=cpu or auto"
@@ -223,7 +226,7 @@ def check_devices(cfg: DictConfig, choices: dict[str, str]) -> int:
             "'auto' or a list of device indices"
         )
     unit = "GPUs" if accelerator == "gpu" else "CPU cores"
-    if count > available:
+    if this_machine and count > available:
         raise ConfigError(
             f"trainer.devices={_show(devices)} is more than this machine has: {available} {unit} "
             f"(allowed: 1..{available})"
@@ -235,11 +238,11 @@ def check_devices(cfg: DictConfig, choices: dict[str, str]) -> int:
             "use strategy=ddp (or another multi-device strategy)"
         )
     precision = choices.get("precision")
-    if accelerator == "cpu" and precision and precision not in CPU_PRECISIONS:
+    if this_machine and accelerator == "cpu" and precision and precision not in CPU_PRECISIONS:
         raise ConfigError(
             f"precision={precision} is not supported on cpu; choose one of: {', '.join(CPU_PRECISIONS)}"
         )
-    if accelerator == "gpu" and "bf16" in cfg.precision.lightning:
+    if this_machine and accelerator == "gpu" and "bf16" in cfg.precision.lightning:
         import torch
 
         if not torch.cuda.is_bf16_supported():

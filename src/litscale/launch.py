@@ -6,7 +6,9 @@ environment and, when one fails, stops the others, so no rank is left waiting in
 collective. Each worker receives the job's resolved config as data; nothing re-runs the
 command line, so a Hydra multirun is never re-launched by its own children (the failure
 mode of Lightning's subprocess launcher). Under an external launcher (``torchrun``, SLURM's
-``srun``) the ranks already exist and this process is one of them.
+``srun``) the ranks already exist and this process is one of them: the trainer must describe
+the world they form, and before Hydra composes, ``prepare_external_rank`` makes all of them
+(on every node) name the same run dir, which rank 0 alone records ``.hydra/`` in.
 """
 
 from __future__ import annotations
@@ -32,15 +34,101 @@ def launched_externally() -> bool:
     return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ
 
 
-def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, num_nodes: int = 1) -> Any:
-    """Run ``entrypoint(payload)`` on every rank of this node; return rank 0's result."""
-    if launched_externally() or (processes == 1 and num_nodes == 1):
-        return entrypoint(payload)
-    if num_nodes > 1:
+# The run dir's last part (conf/hydra/default.yaml); every rank of an external launch agrees on it.
+RUN_ID_ENV = "LITSCALE_RUN_ID"
+RUN_ID_TIME_FORMAT = "%Y-%m-%d_%H-%M-%S"  # as Hydra's ${now:...} in a single-process run
+
+
+def external_rank() -> int | None:
+    """This process's global rank under torchrun or srun; None when litscale starts the ranks."""
+    if not launched_externally():
+        return None
+    return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+
+
+def prepare_external_rank() -> list[str]:
+    """Under torchrun or srun, before Hydra composes: set ``LITSCALE_RUN_ID`` (unless the user
+    did) so that every rank, on every node, picks the same run dir; return the Hydra overrides
+    of this rank: rank 0 alone writes ``.hydra/`` (all ranks append to the one ``train.log``)."""
+    rank = external_rank()
+    if rank is None:
+        return []
+    if RUN_ID_ENV not in os.environ:
+        run_id = shared_run_id(rank)
+        if run_id:
+            os.environ[RUN_ID_ENV] = run_id
+    return [] if rank == 0 else ["hydra.output_subdir=null"]
+
+
+def shared_run_id(rank: int) -> str | None:
+    """A name for the run dir that all ranks of this launch compute alike."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return _start_time_of_rank_zero(rank)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return os.environ["TORCHELASTIC_RUN_ID"]
+    if "SLURM_JOB_ID" in os.environ:
+        return slurm_run_id()
+    return None  # another launcher: each rank names its own dir unless hydra.run.dir is given
+
+
+def _start_time_of_rank_zero(rank: int) -> str:
+    """Rank 0's start time, shared through the store that torchrun's agent hosts for its workers.
+
+    NOTE: not TORCHELASTIC_RUN_ID: torchrun's --rdzv-id defaults to "none" on multi-node
+    launches, which would put every launch in one dir. A restarted rank 0 reuses the key if
+    the store still holds it, so an elastic restart stays in its job's dir.
+    """
+    from datetime import datetime, timedelta
+
+    from torch.distributed import TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=timedelta(minutes=5))
+    key = f"litscale/run_id/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    if rank == 0 and not store.check([key]):
+        store.set(key, datetime.now().strftime(RUN_ID_TIME_FORMAT))
+    return store.get(key).decode()
+
+
+def slurm_run_id() -> str:
+    """SLURM's name of this job (``<job>`` or ``<array job>_<task>``, ``.<step>`` after the first
+    step): the same on every task and after a requeue, so a requeued job resumes in its dir."""
+    job = os.environ["SLURM_JOB_ID"]
+    if os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    step = os.environ.get("SLURM_STEP_ID", "0")
+    return job if step == "0" else f"{job}.{step}"
+
+
+def external_world_size() -> int:
+    """The number of ranks an external launcher started (torchrun's, else SLURM's)."""
+    return int(os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS") or 1)
+
+
+def check_launchable(processes: int, num_nodes: int) -> None:
+    """``processes`` per node x ``num_nodes`` ranks can run from here: under torchrun or srun
+    they are the ranks the launcher started; otherwise this node is the only one."""
+    if launched_externally():
+        started = external_world_size()
+        if processes * num_nodes != started:
+            raise ConfigError(
+                f"trainer.devices={processes} x trainer.num_nodes={num_nodes} is "
+                f"{processes * num_nodes} rank(s), but the launcher started {started}; set "
+                "trainer.devices to the processes per node (torchrun --nproc-per-node, srun "
+                "--ntasks-per-node) and trainer.num_nodes to the number of nodes"
+            )
+    elif num_nodes > 1:
         raise ConfigError(
             f"trainer.num_nodes={num_nodes} needs one launcher per node: start train.py with "
-            "torchrun on each node, or use SLURM (hydra/launcher=submitit_slurm); see the README"
+            "torchrun on each node, or use SLURM (srun, or -m hydra/launcher=slurm); see the README"
         )
+
+
+def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, num_nodes: int = 1) -> Any:
+    """Run ``entrypoint(payload)`` on every rank of this node; return rank 0's result."""
+    check_launchable(processes, num_nodes)
+    if launched_externally() or processes == 1:
+        return entrypoint(payload)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -77,9 +165,39 @@ _KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "remote wo
              "NCCL communicator was aborted", "Broken pipe")
 
 
+# How long a rank whose error only says that a peer died waits before exiting (see
+# ``wait_for_the_cause``); the launcher stops it as soon as the peer's own failure is seen.
+KNOCK_ON_GRACE_S = 20.0
+
+
 def _is_knock_on(message: Any) -> bool:
     text = message if isinstance(message, str) else str(message.get("message", ""))
     return any(marker in text for marker in _KNOCK_ON)
+
+
+def is_knock_on_failure(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) only reports that a peer died."""
+    link, seen = error, 0
+    while link is not None and seen < 8:
+        if _is_knock_on(str(link)):
+            return True
+        link, seen = link.__cause__ or link.__context__, seen + 1
+    return False
+
+
+def wait_for_the_cause(error: BaseException) -> None:
+    """On a rank that failed only because a peer did, wait before exiting.
+
+    NOTE: torch's elastic agent (litscale's launcher and torchrun alike) records the failure
+    of the first rank to exit and stops the others, whose errors are then lost. The rank that
+    raised the real error is often still in Lightning's exception handling when its peers,
+    their connections closed, fail within milliseconds; without this wait the report would
+    name a "Connection closed by peer" instead of the cause.
+    """
+    if is_knock_on_failure(error):
+        import time
+
+        time.sleep(KNOCK_ON_GRACE_S)
 
 
 def describe_first_failure(error) -> str:

@@ -125,13 +125,54 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
             except HydraException as error:
                 fail(explain_compose_error(error, overrides, config_dir, base))
             choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
-            cfg = _as_job_config(cfg)
+            on_slurm = args.multirun and _launcher(cfg) in SLURM_LAUNCHERS
             try:
-                validate(cfg, choices=choices)
+                if on_slurm:
+                    check_slurm_resources(cfg)
+                cfg = _as_job_config(cfg)
+                validate(cfg, choices=choices, this_machine=not on_slurm)
                 resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
+                if not on_slurm:
+                    _check_ranks_start_here(cfg)
             except ConfigError as error:
                 fail(str(error))
     GlobalHydra.instance().clear()
+
+
+# Launchers that run each job on other machines, whose devices are not this machine's.
+SLURM_LAUNCHERS = ("hydra_plugins.litscale_launcher.slurm.SlurmLauncher",
+                   "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")
+
+
+def _launcher(cfg) -> str:
+    return str(OmegaConf.select(cfg, "hydra.launcher._target_") or "")
+
+
+def check_slurm_resources(cfg) -> None:
+    """``hydra/launcher=slurm`` sizes each job from ``trainer.devices`` (tasks and GPUs per node)
+    and ``trainer.num_nodes``: they must be counts, and the launcher settings must resolve."""
+    devices = cfg.trainer.get("devices")
+    text = str(devices).strip()
+    if _launcher(cfg) == SLURM_LAUNCHERS[0] and (isinstance(devices, bool) or not text.isdigit()
+                                                   or int(text) < 1):
+        raise ConfigError(
+            f"trainer.devices={devices!r} cannot size a SLURM job: hydra/launcher=slurm asks for "
+            "trainer.devices tasks and GPUs per node; give a count, e.g. trainer.devices=4"
+        )
+    try:
+        OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    except Exception as error:  # noqa: BLE001 - OmegaConf's several error types, one message
+        raise ConfigError(f"hydra.launcher: {str(error).splitlines()[0]}") from None
+
+
+def _check_ranks_start_here(cfg) -> None:
+    """The job's ranks can start from this process (see ``litscale.launch.check_launchable``)."""
+    from litscale.config import count_devices, machine_device_count, resolve_accelerator
+    from litscale.launch import check_launchable
+
+    accelerator = resolve_accelerator(str(cfg.trainer.accelerator))
+    processes = count_devices(cfg.trainer.devices, machine_device_count(accelerator), accelerator)
+    check_launchable(processes, int(cfg.trainer.num_nodes))
 
 
 def _as_job_config(cfg):

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from litscale.checkpoints import resolve_ckpt_path
 from litscale.config import count_devices, machine_device_count, resolve_accelerator, validate
-from litscale.launch import launch
+from litscale.launch import launch, wait_for_the_cause
 from litscale.loggers import prepare_wandb
 from litscale.safety import config_without_environment
 from litscale.scaling import ScalingContext, apply_strong_scaling, job_context
@@ -56,6 +56,14 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
 
 def run_rank(spec: RunSpec) -> dict:
     """Build everything from the resolved config and fit; runs once on every rank."""
+    try:
+        return _fit_on_this_rank(spec)
+    except Exception as error:
+        wait_for_the_cause(error)  # a peer's failure, not ours: let the peer's be reported
+        raise
+
+
+def _fit_on_this_rank(spec: RunSpec) -> dict:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from litscale.build import build_run

@@ -1,0 +1,1 @@
+"""litscale's Hydra launchers (Hydra finds plugins only in the ``hydra_plugins`` package)."""
