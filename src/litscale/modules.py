@@ -55,8 +55,11 @@ class TaskModule(LightningModule):
         self.initial_val_loss: float | None = None
 
     def configure_model(self) -> None:
-        if self.compile_net and not hasattr(self.net, "_orig_mod"):
-            self.net = torch.compile(self.net)
+        # NOTE: nn.Module.compile compiles in place: parameter names, and so checkpoints, stay
+        # those of the eager net (torch.compile(net) would prefix every key with `_orig_mod.`).
+        # Lightning calls this before a strategy wraps or shards the net.
+        if self.compile_net and getattr(self.net, "_compiled_call_impl", None) is None:
+            self.net.compile()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
@@ -66,8 +69,24 @@ class TaskModule(LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        if self._loggers_read_this_step():
+            self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def _loggers_read_this_step(self) -> bool:
+        """Whether this step's ``train/loss`` reaches anyone: the loggers write every
+        ``log_every_n_steps`` optimizer steps, and the summary reads the last step's value.
+
+        NOTE: one ``self.log`` costs about 0.35 ms of Python on a CPU core (Lightning moves its
+        result objects to the value's device on every call), which is 5-10% of a small model's
+        step; the values it would store between logging steps are overwritten unread.
+        """
+        trainer = self._trainer
+        if trainer is None or trainer.log_every_n_steps <= 1:
+            return True
+        step = trainer.global_step + 1  # the optimizer step this batch completes
+        return (step % trainer.log_every_n_steps == 0 or trainer.is_last_batch
+                or 0 < trainer.max_steps <= step)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
@@ -104,6 +123,14 @@ class CausalLMModule(TaskModule):
     def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         tokens, targets = batch
         return self.loss_fn(self.net(tokens), targets)
+
+    def configure_model(self) -> None:
+        compiled = getattr(self.net, "_compiled_call_impl", None) is not None
+        super().configure_model()
+        if self.compile_net and not compiled:
+            # The fp32 cast of the [B, T, vocab] logits fuses into the loss kernels instead of
+            # materialising a float copy (GPT-2 small, batch 32 x 1024: 6.6 GB).
+            self.loss_fn = torch.compile(self.loss_fn)
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy (a pipeline's last stage calls it on its output)."""
