@@ -27,7 +27,9 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     from litscale.launch import prepare_external_rank
     from litscale.preflight import check_command_line
+    from litscale.scaling import baseline_first
 
+    sys.argv[1:] = baseline_first(sys.argv[1:])  # a device sweep runs its 1-device baseline first
     check_command_line(sys.argv[1:], config_dir=CONFIG_DIR, config_name="train")
     # Under torchrun/srun every rank composes its own config: agree on one run dir first.
     sys.argv += prepare_external_rank()

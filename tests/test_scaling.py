@@ -84,7 +84,8 @@ def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     outputs = tmp_path_factory.mktemp("sweep")
-    process = run_train("-m", "trainer.devices=1,2", "strategy=ddp,fsdp", *TINY, "logger=wandb",
+    # Listed 2,1 on purpose: train.py runs the 1-device baseline first.
+    process = run_train("-m", "trainer.devices=2,1", "strategy=ddp,fsdp", *TINY, "logger=wandb",
                         "name=sweep", outputs=outputs, env=NO_WANDB_KEY, timeout=400)
     assert process.returncode == 0, explain(process)
     sweeps = list((outputs / "sweep" / "multiruns").iterdir())
