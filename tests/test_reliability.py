@@ -216,3 +216,23 @@ def test_auto_skips_a_deepspeed_directory_whose_save_did_not_finish(tmp_path):
     _save(files[2], 8, 1000)
     (last / "latest").write_text("missing-tag")
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
+
+
+def test_ranks_share_the_sigterm_flag_every_n_batches_not_every_batch():
+    from types import SimpleNamespace
+
+    from litscale.callbacks.preemption import thin_out_sigterm_checks
+
+    class EpochLoop:
+        checks = 0
+
+        def _broadcast_sigterm_tensor(self) -> None:  # Lightning's per-batch collective
+            self.checks += 1
+
+    loop = EpochLoop()
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop))
+    thin_out_sigterm_checks(trainer, 10)
+    thin_out_sigterm_checks(trainer, 10)  # a second fit wraps nothing twice
+    for _ in range(25):
+        loop._broadcast_sigterm_tensor()
+    assert loop.checks == 3  # batches 0, 10 and 20
