@@ -78,6 +78,9 @@ def record(outputs: Path, args: argparse.Namespace) -> None:
         target.mkdir(parents=True)
         public = {k: v for k, v in summary.items() if k not in ("run_dir", "output_dir",
                                                                  "checkpoint", "export")}
+        # the baseline's temporary run dir, as the summary kept here
+        public["overrides"] = ["scaling.baseline=summaries/ddp-none-1"
+                               if o.startswith("scaling.baseline=") else o for o in summary["overrides"]]
         (target / "summary.json").write_text(json.dumps(public, indent=2))
     plot(rows, str(HERE / "scaling.png"))
     machine = f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
