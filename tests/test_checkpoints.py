@@ -11,6 +11,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from test_fsdp import TINY, assert_matches_reference, fsdp
+from test_reliability import sharded_checkpoint
 from train_cli import explain, run_train, summaries
 
 from litscale.checkpoints import newest_last_checkpoint, resolve_ckpt_path
@@ -129,12 +130,16 @@ def test_unsharded_strategies_export_the_same_file(tmp_path, strategy):
     _assert_plain_model_loads(summary["export"])
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
 def test_resolve_accepts_sharded_checkpoint_directories(tmp_path):
     sharded = tmp_path / "run" / "checkpoints" / "last.ckpt"
     sharded.mkdir(parents=True)
     with pytest.raises(ConfigError, match="is a directory but not a sharded checkpoint"):
         resolve_ckpt_path(str(sharded), search_dir=str(tmp_path))
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) is None
-    (sharded / "meta.pt").write_bytes(b"")
-    assert resolve_ckpt_path("last", search_dir=str(tmp_path)) == str(sharded)
+    (sharded / "meta.pt").write_bytes(b"")  # a sharded checkpoint, but its save never finished
     assert resolve_ckpt_path(str(sharded), search_dir=str(tmp_path)) == str(sharded)
+    with pytest.raises(ConfigError, match="^ckpt_path=last but no complete checkpoints/"):
+        resolve_ckpt_path("last", search_dir=str(tmp_path))
+    sharded_checkpoint(sharded, step=4)  # DCP shards, .metadata, then meta.pt: complete
+    assert resolve_ckpt_path("last", search_dir=str(tmp_path)) == str(sharded)

@@ -162,7 +162,7 @@ def test_auto_skips_a_truncated_last_ckpt_and_never_resumes_from_nonfinite(tmp_p
         resolve_ckpt_path("last", search_dir=str(tmp_path))
 
 
-def _distributed_checkpoint(path: Path, step: int, written_at: float | None = None) -> Path:
+def sharded_checkpoint(path: Path, step: int, written_at: float | None = None) -> Path:
     """Lightning's sharded layout (DCP shards and .metadata, then meta.pt), saved by DCP itself;
     with ``written_at``, every file's time set to it (meta.pt a second later)."""
     import torch.distributed.checkpoint as dcp
@@ -179,20 +179,20 @@ def _distributed_checkpoint(path: Path, step: int, written_at: float | None = No
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group, overwriting
 def test_auto_skips_a_sharded_directory_whose_overwrite_did_not_finish(tmp_path):
     checkpoints = tmp_path / "runs" / "a" / "checkpoints"
-    assert is_complete_checkpoint(str(_distributed_checkpoint(tmp_path / "fresh", 1)))
+    assert is_complete_checkpoint(str(sharded_checkpoint(tmp_path / "fresh", 1)))
     previous = _save(checkpoints / "step000004.ckpt", 4, 500)
-    last = _distributed_checkpoint(checkpoints / "last.ckpt", 8, 1000)
+    last = sharded_checkpoint(checkpoints / "last.ckpt", 8, 1000)
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(last)
     (shard,) = last.glob("*.distcp")
     os.utime(shard, (2000, 2000))  # the next save rewrote a shard, then died before .metadata
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
-    _distributed_checkpoint(last, 12, 1000)
+    sharded_checkpoint(last, 12, 1000)
     os.utime(last / "meta.pt", (999, 999))  # died after .metadata, before meta.pt
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
-    _distributed_checkpoint(last, 12, 1000)
+    sharded_checkpoint(last, 12, 1000)
     _truncate(last / "meta.pt")  # died while writing meta.pt
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
-    _distributed_checkpoint(last, 12, 1000)
+    sharded_checkpoint(last, 12, 1000)
     (last / ".metadata").unlink()  # the first save into the directory died before .metadata
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) == str(previous)
 

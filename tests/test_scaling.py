@@ -72,7 +72,9 @@ def test_flops_counted_for_any_net_and_from_the_gpt_formula():
 
 def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    rng_before = torch.get_rng_state()
     first = measured_cpu_peak(torch.float32, torch.get_num_threads())
+    assert torch.equal(torch.get_rng_state(), rng_before)  # a run's dropout masks stay the same
     assert first > 1e8  # any CPU does more than 0.1 GFLOP/s
     assert measured_cpu_peak(torch.float32, torch.get_num_threads()) == first  # from the cache
     assert (tmp_path / "litscale" / "cpu_peak_flops.json").is_file()

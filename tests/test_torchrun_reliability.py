@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_cli import REPO, explain, final_weights, summaries
+from train_cli import REPO, explain, final_weights, live_processes, summaries
 
 SHORT = ("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=8",
          "trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
@@ -41,13 +41,13 @@ def run_torchrun(*overrides: str, outputs: Path, name: str, max_restarts: int,
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     finally:
+        stray = live_processes(process.pid)
         try:
             os.killpg(process.pid, signal.SIGKILL)  # agent and ranks, whatever happened
-            stray = True
         except ProcessLookupError:
-            stray = False
+            pass
         process.wait()
-    assert not stray, "a rank outlived torchrun"
+    assert stray == [], f"outlived torchrun: {stray}"
     completed = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     return completed, time.monotonic() - started
 

@@ -37,3 +37,13 @@ def final_weights(summary: dict) -> dict[str, torch.Tensor]:
 
 def explain(process: subprocess.CompletedProcess) -> str:
     return f"exit {process.returncode}\nstdout:\n{process.stdout[-3000:]}\nstderr:\n{process.stderr[-3000:]}"
+
+
+def live_processes(group: int) -> list[str]:
+    """The processes of process group ``group`` still running; an exited one that its parent
+    has not reaped yet (a zombie, as the multiprocessing resource tracker briefly is) is not."""
+    listing = subprocess.run(["ps", "-e", "-o", "pgid=,stat=,args="], capture_output=True,
+                             text=True, check=True).stdout
+    rows = [line.split(None, 2) for line in listing.splitlines()]
+    return [row[2] if len(row) > 2 else "" for row in rows
+            if row[0] == str(group) and not row[1].startswith("Z")]

@@ -90,7 +90,10 @@ def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
 def probe_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.5) -> float:
     """The best of several timed batches of ``size``-square matmuls: a peak, so the max (a
     busy machine still lowers it; delete the cache file to measure again)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    # Its own generator: the probe runs inside fit, and drawing from the global one would shift
+    # the run's dropout masks on the first run of a machine only, so resumes stop matching.
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
     a @ b  # first call allocates and picks kernels
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
