@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Callable
@@ -124,6 +125,24 @@ def check_launchable(processes: int, num_nodes: int) -> None:
         )
 
 
+# A rank stopped by a preemption signal, its checkpoint saved, exits with this code (EX_TEMPFAIL:
+# a temporary failure, run again) instead of handing its result back (see ``_run_rank``).
+PREEMPTED_EXIT_CODE = 75
+
+
+def _run_rank(entrypoint: Callable[[Any], Any], payload: Any) -> Any:
+    """``entrypoint(payload)`` on one rank started by the agent below.
+
+    NOTE: torch's worker wrapper, after handing back the result, waits until the agent has
+    read it; an agent shutting down on SIGTERM never does, and kills the rank only after its
+    shutdown timeout (60 s). A preempted rank, whose checkpoint is saved and loggers closed,
+    exits at once instead, with a code that tells the agent why."""
+    result = entrypoint(payload)
+    if isinstance(result, dict) and result.get("preempted"):
+        sys.exit(PREEMPTED_EXIT_CODE)
+    return result
+
+
 def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, num_nodes: int = 1) -> Any:
     """Run ``entrypoint(payload)`` on every rank of this node; return rank 0's result."""
     check_launchable(processes, num_nodes)
@@ -151,15 +170,38 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         start_method="spawn",
         shutdown_timeout=60,  # time for ranks to save a checkpoint after SIGTERM
     )
+    previous_sigusr1 = _pass_sigusr1_to_the_ranks(SignalException)
     try:
-        results = elastic_launch(config, entrypoint)(payload)
+        results = elastic_launch(config, _run_rank)(entrypoint, payload)
     except ChildFailedError as error:
+        if all(f.exitcode == PREEMPTED_EXIT_CODE for f in error.failures.values()):
+            return {"preempted": True}  # a rank alone got the signal; they all stopped and saved
         raise RankFailure(describe_first_failure(error)) from None
     except SignalException:
         # This process was told to stop (SIGTERM, SLURM preemption): the agent passed the
-        # signal on to the ranks, which save last.ckpt at their next step and exit.
+        # signal on to the ranks, which save last.ckpt together after a step and exit.
         return {"preempted": True}
+    finally:
+        if previous_sigusr1 is not None:
+            signal.signal(signal.SIGUSR1, previous_sigusr1)
     return results[0]
+
+
+def _pass_sigusr1_to_the_ranks(signal_exception: type[Exception]) -> Any:
+    """Let SIGUSR1 (SLURM's warning before a time limit) stop the run as SIGTERM does.
+
+    The elastic agent turns SIGTERM into ``SignalException`` and sends the same signal to
+    every rank before it shuts down; SIGUSR1 it leaves to its default action, which would
+    kill this process and orphan the ranks. Raising the same exception for SIGUSR1 makes the
+    agent pass SIGUSR1 on, and each rank's ``PreemptionCheckpoint`` handles it. Returns the
+    handler it replaced (None where there is no SIGUSR1)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return None
+
+    def stop(signum: int, frame: Any) -> None:
+        raise signal_exception(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    return signal.signal(signal.SIGUSR1, stop)
 
 
 # How a rank reports that a peer died; failure timestamps are whole seconds, so ties with the

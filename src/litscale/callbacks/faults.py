@@ -29,8 +29,8 @@ class InjectedFault(RuntimeError):
 
 class InjectFault(Callback):
     """At optimizer step ``at_step`` on rank ``rank`` (every rank if None): raise an
-    exception, SIGKILL this rank, SIGTERM the job (as a scheduler preempting it would), or
-    make the weights NaN. ``during="validation"``: in the first validation batch from that
+    exception, SIGKILL this rank, SIGTERM or SIGUSR1 the job (as a scheduler preempting it, or
+    warning of its time limit, would), or make the weights NaN. ``during="validation"``: in the first validation batch from that
     step on instead. With ``after_resume=False`` a run resumed from a checkpoint
     (``trainer.ckpt_path`` set) is left alone."""
 
@@ -38,7 +38,7 @@ class InjectFault(Callback):
         self,
         *,
         at_step: PositiveInt,
-        kind: Literal["exception", "sigterm", "sigkill", "nan_weights"] = "exception",
+        kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights"] = "exception",
         rank: NonNegativeInt | None = None,
         during: Literal["train", "validation"] = "train",
         after_resume: bool = False,
@@ -84,4 +84,5 @@ class InjectFault(Callback):
         # A scheduler's preemption signal reaches the whole job: under litscale's launcher (or
         # torchrun) that is the agent, which passes it on to every rank.
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ
-        os.kill(os.getppid() if under_agent else os.getpid(), signal.SIGTERM)
+        stop_signal = signal.SIGUSR1 if self.kind == "sigusr1" else signal.SIGTERM
+        os.kill(os.getppid() if under_agent else os.getpid(), stop_signal)

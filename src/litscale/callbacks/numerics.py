@@ -53,7 +53,7 @@ class NonFiniteLossGuard(Callback):
         if streak < self.patience:
             return
         path = os.path.join(self.dirpath, f"nonfinite-step{trainer.global_step}.ckpt")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the full state, to inspect
         raise NonFiniteLossError(
             f"train/loss was NaN/inf for {streak} consecutive steps up to step "
             f"{trainer.global_step}; stopped every rank and saved {path}; resume from the last "

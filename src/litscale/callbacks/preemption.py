@@ -1,16 +1,23 @@
 """Saving a checkpoint when the job is told to stop (SIGTERM, or SIGUSR1 as SLURM sends it).
 
-Lightning already turns SIGTERM into ``SIGTERMException`` at the next batch boundary on every
-rank (rank 0's flag is broadcast each step), and calls ``on_exception`` on every rank. This
-callback saves ``last.ckpt`` there, so ``ckpt_path=auto`` resumes from that step, and routes
-SIGUSR1 to the same path when SLURM's own requeue handler is not in charge of it.
+Every rank stops after the same optimizer step, saves ``last.ckpt`` there with the others,
+and the run exits cleanly, so ``ckpt_path=auto`` resumes exactly where it stopped.
+
+NOTE: Lightning's own handling is not used as it is: each rank's handler sets that rank's
+flag, which Lightning reads in several places (the end of a batch, of an epoch, inside
+validation) besides the per-batch broadcast of rank 0's flag, and it broadcasts from inside
+the signal handler too. Ranks signalled a moment apart then stop at different places and no
+checkpoint is written (seen in about 1 run in 3 with 2 CPU ranks). Here the handler only
+notes the signal; the ranks agree on it at a step boundary, through the strategy's
+``reduce_boolean_decision``, and only then raise Lightning's flag on every rank at once, so
+Lightning stops them all at the end of that same step.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
+from types import FrameType
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -21,56 +28,98 @@ from litscale.constraints import PositiveInt
 
 
 class PreemptionCheckpoint(Callback):
-    """On SIGTERM/SIGUSR1: save ``<dirpath>/last.ckpt`` and let the run stop cleanly.
+    """On SIGTERM/SIGUSR1 (on any rank): every rank stops after the same step and saves
+    ``<dirpath>/last.ckpt``.
 
-    With several ranks, whether rank 0 got the signal is shared every ``check_every_n_batches``
-    training batches (Lightning does it before every batch).
+    With several ranks they agree every ``check_every_n_steps`` optimizer steps (a small
+    collective and a host sync; Lightning does one before every batch); a scheduler's grace
+    period (SLURM's default is 30 s, often set to minutes) leaves room for that many steps.
+    A single process stops after the step in which the signal came.
     """
 
     def __init__(self, *, dirpath: str, handle_sigusr1: bool = True,
-                 check_every_n_batches: PositiveInt = 10) -> None:
+                 check_every_n_steps: PositiveInt = 10) -> None:
         self.dirpath = dirpath
         self.handle_sigusr1 = handle_sigusr1
-        self.check_every_n_batches = check_every_n_batches
+        self.check_every_n_steps = check_every_n_steps
         self.saved_path: str | None = None
+        self.signalled = False  # this rank got a stop signal
+        self.stopping = False  # the ranks agreed to stop
+        self._checked_at_step = -1
+        self._trainer: Trainer | None = None
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning registers its SIGTERM handler before fit starts; SIGUSR1 gets the same
-        # one unless SLURM auto-requeue owns it (it then saves and requeues by itself).
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in on_fit_start: Lightning registers its handlers between the two.
+        self._trainer, self.signalled, self.stopping = trainer, False, False
+        self._checked_at_step = trainer.global_step
+        for signum in self._stop_signals(trainer):
+            signal.signal(signum, self._on_signal)  # Lightning's teardown restores the originals
+        disable_lightning_sigterm_broadcast(trainer)
+
+    def _stop_signals(self, trainer: Trainer) -> list[signal.Signals]:
+        signals = [signal.SIGTERM]
+        # SIGUSR1 stays with SLURM's auto-requeue when that is in charge (it saves and requeues).
         environment = trainer._accelerator_connector.cluster_environment
         slurm_requeues = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
         if self.handle_sigusr1 and not slurm_requeues and hasattr(signal, "SIGUSR1"):
-            signal.signal(signal.SIGUSR1, signal.getsignal(signal.SIGTERM))
-        thin_out_sigterm_checks(trainer, self.check_every_n_batches)
+            signals.append(signal.SIGUSR1)
+        return signals
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        first = not self.signalled
+        self.signalled = True
+        launcher = self._trainer.strategy.launcher if self._trainer is not None else None
+        if first and launcher is not None:
+            launcher.kill(signum)  # processes Lightning itself started get it too, as in Lightning
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.stopping or step == self._checked_at_step:
+            return  # already stopping, or a batch that only accumulated gradients
+        self._checked_at_step = step
+        if trainer.world_size > 1 and step % self.check_every_n_steps:
+            return
+        if trainer.strategy.reduce_boolean_decision(self.signalled, all=False):
+            self.stopping = True
+            _set_lightning_stop_flag(trainer, True)  # Lightning stops at the end of this batch
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A validation due at this step finishes first: Lightning would stop it at its first
+        # batch (and the checkpoint would then be taken mid-validation).
+        if self.stopping and not trainer.sanity_checking:
+            _set_lightning_stop_flag(trainer, False)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.stopping and not trainer.sanity_checking:
+            _set_lightning_stop_flag(trainer, True)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking:
             return
         self.saved_path = os.path.join(self.dirpath, "last.ckpt")
-        trainer.save_checkpoint(self.saved_path)  # every rank: sharded strategies save together
+        # Every rank: sharded strategies save together. The full state (optimizer, loops), to resume.
+        trainer.save_checkpoint(self.saved_path, weights_only=False)
         rank_zero_info(f"litscale: stopping at step {trainer.global_step} on a termination signal; "
                        f"saved {self.saved_path} (resume with ckpt_path=auto)")
 
 
-def thin_out_sigterm_checks(trainer: Trainer, every_n_batches: int) -> None:
-    """Share rank 0's SIGTERM flag every ``every_n_batches`` training batches instead of before
-    every batch.
+def _set_lightning_stop_flag(trainer: Trainer, value: bool) -> None:
+    # NOTE: private: Lightning reads it (``trainer.received_sigterm``) to stop at the end of
+    # the batch, and exposes no setter.
+    trainer._signal_connector.received_sigterm = value
 
-    NOTE: Lightning's training loop broadcasts the flag and reads it back with ``.item()``
-    before each batch of a multi-rank run: a collective and a host synchronisation per step,
-    which on a GPU stops the CPU from queueing the next step's kernels early. A scheduler's
-    grace period (SLURM's default is 30 s, often set to minutes) leaves room for a few steps.
-    Every rank counts the same batches, so all still check at the same ones. Without the
-    (private) hook, as in another Lightning version, Lightning's own check stays as it is.
-    """
+
+def disable_lightning_sigterm_broadcast(trainer: Trainer) -> None:
+    """Drop the broadcast of rank 0's SIGTERM flag that Lightning's training loop does before
+    every batch of a multi-rank run: a collective and a host sync per step (which on a GPU
+    stops the CPU from queueing the next step's kernels early), made redundant by the ranks'
+    own agreement above. Without the (private) hook, as in another Lightning version, nothing
+    is changed."""
     loop = trainer.fit_loop.epoch_loop
-    check = getattr(loop, "_broadcast_sigterm_tensor", None)
-    if check is None or every_n_batches <= 1 or "_broadcast_sigterm_tensor" in vars(loop):
-        return  # absent, not asked for, or already thinned out (a second fit)
-    batches = itertools.count()
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = _no_broadcast
 
-    def check_every_n() -> None:
-        if next(batches) % every_n_batches == 0:
-            check()
 
-    loop._broadcast_sigterm_tensor = check_every_n
+def _no_broadcast() -> None:
+    """Stands in for Lightning's per-batch broadcast of the SIGTERM flag."""
