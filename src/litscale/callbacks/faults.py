@@ -30,9 +30,9 @@ class InjectedFault(RuntimeError):
 class InjectFault(Callback):
     """At optimizer step ``at_step`` on rank ``rank`` (every rank if None): raise an
     exception, SIGKILL this rank, SIGTERM or SIGUSR1 the job (as a scheduler preempting it, or
-    warning of its time limit, would), or make the weights NaN. ``during="validation"``: in the first validation batch from that
-    step on instead. With ``after_resume=False`` a run resumed from a checkpoint
-    (``trainer.ckpt_path`` set) is left alone."""
+    warning of its time limit, would), or make the weights NaN. ``during="validation"``: in
+    the first validation batch from that step on instead. With ``after_resume=False`` a run
+    resumed from a checkpoint (``trainer.ckpt_path`` set) is left alone."""
 
     def __init__(
         self,

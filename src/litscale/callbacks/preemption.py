@@ -49,8 +49,10 @@ class PreemptionCheckpoint(Callback):
         self._trainer: Trainer | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Here, not in on_fit_start: Lightning registers its handlers between the two.
-        self._trainer, self.signalled, self.stopping = trainer, False, False
+        # Here, not in on_fit_start: Lightning registers its handlers between the two. A signal
+        # its handler took during start-up is put to the other ranks like any other.
+        self._trainer, self.signalled, self.stopping = trainer, trainer.received_sigterm, False
+        _set_lightning_stop_flag(trainer, False)
         self._checked_at_step = trainer.global_step
         for signum in self._stop_signals(trainer):
             signal.signal(signum, self._on_signal)  # Lightning's teardown restores the originals
