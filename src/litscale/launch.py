@@ -170,7 +170,7 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         start_method="spawn",
         shutdown_timeout=60,  # time for ranks to save a checkpoint after SIGTERM
     )
-    previous_sigusr1 = _pass_sigusr1_to_the_ranks(SignalException)
+    previous_sigusr1 = _pass_sigusr1_to_the_ranks()
     try:
         results = elastic_launch(config, _run_rank)(entrypoint, payload)
     except ChildFailedError as error:
@@ -187,7 +187,7 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
     return results[0]
 
 
-def _pass_sigusr1_to_the_ranks(signal_exception: type[Exception]) -> Any:
+def _pass_sigusr1_to_the_ranks() -> Any:
     """Let SIGUSR1 (SLURM's warning before a time limit) stop the run as SIGTERM does.
 
     The elastic agent turns SIGTERM into ``SignalException`` and sends the same signal to
@@ -197,9 +197,10 @@ def _pass_sigusr1_to_the_ranks(signal_exception: type[Exception]) -> Any:
     handler it replaced (None where there is no SIGUSR1)."""
     if not hasattr(signal, "SIGUSR1"):
         return None
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     def stop(signum: int, frame: Any) -> None:
-        raise signal_exception(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
 
     return signal.signal(signal.SIGUSR1, stop)
 
