@@ -5,16 +5,13 @@ an uninterrupted run ends; with no restarts left, every rank stops and the cause
 from __future__ import annotations
 
 import csv
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from train_cli import REPO, explain, final_weights, live_processes, summaries
+from train_cli import REPO, explain, final_weights, run_in_own_group, summaries
 
 SHORT = ("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=8",
          "trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
@@ -34,22 +31,10 @@ def run_torchrun(*overrides: str, outputs: Path, name: str, max_restarts: int,
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                f"--max-restarts={max_restarts}", "--monitor-interval=0.5", str(REPO / "train.py"),
                *overrides, f"name={name}", f"hydra.run.dir={outputs}/{name}/runs/torchrun"]
-    env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1", **FRESH_STORE}
-    started = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    finally:
-        stray = live_processes(process.pid)
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # agent and ranks, whatever happened
-        except ProcessLookupError:
-            pass
-        process.wait()
-    assert stray == [], f"outlived torchrun: {stray}"
-    completed = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
-    return completed, time.monotonic() - started
+    completed, seconds, stray = run_in_own_group(command, outputs=outputs, env=FRESH_STORE,
+                                                 timeout=timeout)
+    assert stray == [], f"outlived torchrun: {stray}\n{completed.stderr[-500:]}"
+    return completed, seconds
 
 
 def step_losses(run_dir: str) -> dict[int, str]:

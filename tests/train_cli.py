@@ -5,8 +5,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -16,11 +18,37 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_train(*overrides: str, outputs: Path, timeout: float = 240, env: dict | None = None):
     """``python train.py <overrides>`` with outputs under ``outputs``; returns the process."""
-    full_env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(REPO / "train.py"), *overrides],
-        cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO, env=cli_env(outputs, env), capture_output=True, text=True, timeout=timeout,
     )
+
+
+def cli_env(outputs: Path, env: dict | None = None) -> dict:
+    """The environment of a run whose outputs go under ``outputs``, plus ``env``."""
+    return {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def run_in_own_group(command: list[str], *, outputs: Path, env: dict | None = None,
+                     timeout: float) -> tuple[subprocess.CompletedProcess, float, list[str]]:
+    """Run ``command`` from the repo in a process group of its own, so that nothing it started
+    can outlive it: returns the process (a hang, killed at ``timeout``, says so in stderr),
+    its seconds, and the processes of its group still running when it ended (then killed)."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, cwd=REPO, env=cli_env(outputs, env), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = "", f"hang: killed after {timeout} s"
+    seconds = time.monotonic() - started
+    stray = live_processes(process.pid)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks, whatever happened
+    except ProcessLookupError:
+        pass
+    process.wait()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), seconds, stray
 
 
 def summaries(outputs: Path) -> list[dict]:

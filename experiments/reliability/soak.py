@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from train_cli import live_processes  # noqa: E402  (the stray-rank check the tests use)
+from train_cli import run_in_own_group  # noqa: E402  (runs as the tests run them)
 
 STEPS, CHECKPOINT_EVERY = 24, 4
 RUN = ("trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp", "data.batch_size=8",
@@ -49,26 +48,10 @@ FAULT = "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault"
 TIMEOUT_S = 300
 
 
-def run(command: list[str], outputs: Path) -> tuple[subprocess.CompletedProcess, float, bool]:
-    """Run in a process group of its own; returns the process, seconds, and the processes of
-    the group that outlived it (stray ranks), which are then killed."""
-    env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    started = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        stdout, stderr = "", "hang: killed after the timeout"
-    seconds = time.monotonic() - started
-    stray = live_processes(process.pid)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr), seconds, stray
+def run(command: list[str], outputs: Path) -> tuple[subprocess.CompletedProcess, float, list[str]]:
+    """The process, its seconds, and the processes that outlived it (stray ranks)."""
+    return run_in_own_group(command, outputs=outputs, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                            timeout=TIMEOUT_S)
 
 
 def torchrun(*overrides: str, outputs: Path, name: str):
