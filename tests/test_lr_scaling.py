@@ -9,6 +9,7 @@ import csv
 import functools
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -155,6 +156,20 @@ def test_schedule_ends_at_the_last_optimizer_step_whatever_world_size(fitted, de
         assert lrs[:2] == [lr / 2, lr]  # the callback's 2-step warmup, not the scheduler's 20
         assert lrs[-1] == pytest.approx(0.1 * lr, rel=1e-12)
         assert lrs[-2] > lrs[-1]
+
+
+def test_lr_is_logged_only_on_the_steps_loggers_write():
+    logged = []
+    module = SimpleNamespace(log=lambda name, value, **kwargs: logged.append((name, value)))
+    trainer = SimpleNamespace(log_every_n_steps=10, is_last_batch=False, max_steps=25, global_step=0)
+    optimizer = SimpleNamespace(param_groups=[{"lr": 0.5}])
+    callback = LRScaling(rule="none")
+    steps = []
+    for trainer.global_step in range(25):  # optimizer steps done before this one
+        before = len(logged)
+        callback.on_before_optimizer_step(trainer, module, optimizer)
+        steps += [trainer.global_step + 1] * (len(logged) - before)
+    assert steps == [10, 20, 25] and set(logged) == {("lr_scaling/lr", 0.5)}
 
 
 # --- LARS and LAMB against the papers' update rules -----------------------------------------

@@ -15,6 +15,7 @@ import pytest
 import torch
 from train_cli import REPO, explain, run_train, summaries
 
+from litscale.loggers import is_logging_step
 from litscale.models.gpt import build_gpt
 from litscale.modules import CausalLMModule
 
@@ -96,31 +97,31 @@ def test_default_run_matches_plain_pytorch_loop(default_run, monkeypatch):
     assert summary["train/loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
 
 
-def test_train_loss_logged_on_the_steps_loggers_write(default_run):
+@pytest.mark.parametrize(("key", "logger_steps"), [
+    ("train/loss", [4, 9]),  # log_every_n_steps=5 over 12 steps (0-based logger steps)
+    ("lr_scaling/lr", [4, 9]),
+    ("perf/samples_per_sec", [4, 9, 11]),  # written straight to the loggers, the last step too
+])
+def test_per_step_values_logged_on_the_steps_loggers_write(default_run, key, logger_steps):
     _, summary = default_run
     (metrics,) = glob.glob(f"{summary['output_dir']}/**/metrics.csv", recursive=True)
     with open(metrics) as file:
-        steps = [int(row["step"]) for row in csv.DictReader(file) if row.get("train/loss")]
-    assert steps == [4, 9]  # log_every_n_steps=5 over 12 steps (0-based logger steps)
+        rows = [row for row in csv.DictReader(file) if row.get(key)]
+    assert [int(row["step"]) for row in rows] == logger_steps
+    if key.startswith("perf/"):  # the summary's figure is the last one logged
+        assert float(rows[-1][key]) == pytest.approx(summary[key])
     assert summary["train/loss"] > 0  # the last step's value, for the summary
 
 
-def test_log_decision_follows_the_trainer():
-    module = CausalLMModule(net=build_gpt(n_layer=1, n_embd=32, n_head=2, block_size=8),
-                            optimizer=torch.optim.SGD)
-    assert module._loggers_read_this_step()  # no trainer: log as Lightning would
-    trainer = SimpleNamespace(log_every_n_steps=10, global_step=0, is_last_batch=False, max_steps=95)
-    module._trainer = trainer
-    logged = []
-    for step in range(95):  # global_step counts the optimizer steps done before this batch
-        trainer.global_step = step
-        if module._loggers_read_this_step():
-            logged.append(step + 1)
+def test_logging_steps_follow_the_trainer():
+    assert is_logging_step(None, 7)  # no trainer: log as Lightning would
+    trainer = SimpleNamespace(log_every_n_steps=10, is_last_batch=False, max_steps=95)
+    logged = [step for step in range(1, 96) if is_logging_step(trainer, step)]
     assert logged == [10, 20, 30, 40, 50, 60, 70, 80, 90, 95]  # and the last step, for the summary
-    trainer.global_step, trainer.is_last_batch = 3, True
-    assert module._loggers_read_this_step()
+    trainer.is_last_batch = True
+    assert is_logging_step(trainer, 4)
     trainer.log_every_n_steps, trainer.is_last_batch = 1, False
-    assert module._loggers_read_this_step()
+    assert is_logging_step(trainer, 3)
 
 
 @pytest.mark.timeout(180)

@@ -1,5 +1,6 @@
 """Logger factories for what Lightning's loggers leave to the user: W&B offline without a
-key, one W&B group per sweep, and a resumed run that continues its W&B run."""
+key, one W&B group per sweep, and a resumed run that continues its W&B run; and the steps at
+which the loggers write, so per-step values are logged only when someone reads them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,36 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
+
+
+def is_logging_step(trainer: Trainer | None, step: int) -> bool:
+    """Whether the loggers write the values logged for optimizer step ``step`` (1-based: the
+    step a batch completes): every ``log_every_n_steps``, and the last step, whose values the
+    summary reads. True without a trainer (log as Lightning would).
+
+    NOTE: one ``LightningModule.log`` costs about 0.35 ms of Python on a CPU core (Lightning
+    moves its result objects to the value's device on every call), 5-10% of a small model's
+    step; a value logged between logging steps is overwritten unread.
+    """
+    if trainer is None or trainer.log_every_n_steps <= 1:
+        return True
+    return (step % trainer.log_every_n_steps == 0 or trainer.is_last_batch
+            or 0 < trainer.max_steps <= step)
+
+
+def log_to_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """Write ``metrics`` of the batch that just ended straight to the loggers (rank 0 only, as
+    Lightning's loggers do), in the row of that optimizer step.
+
+    NOTE: for final per-interval figures (throughput, bytes sent), which need no reduction
+    across ranks or steps. ``LightningModule.log_dict`` would pass each key through
+    Lightning's result collection, about 0.35 ms of Python per key: the throughput figures
+    alone took 3-5% of a tiny model's training loop (experiments/bench). Lightning logs a
+    batch's values under its count of stepped batches, one behind ``global_step`` once the
+    step is taken.
+    """
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step - 1)
 
 
 def wandb_api_key_configured() -> bool:

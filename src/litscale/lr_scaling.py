@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from litscale.callbacks.throughput import data_parallel_size
 from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
+from litscale.loggers import is_logging_step
 from litscale.schedulers import check_warmup_keys, constant, warmup_multiplier
 
 Rule = Literal["none", "linear", "sqrt"]
@@ -211,7 +212,8 @@ class LRScaling(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Optimizer) -> None:
-        # Once per optimizer step (not per micro batch), the LR this step is about to use; a
-        # Python float, so no device sync.
-        pl_module.log("lr_scaling/lr", float(optimizer.param_groups[0]["lr"]),
-                      on_step=True, on_epoch=False, rank_zero_only=True)
+        # The LR this optimizer step is about to use (not per micro batch), on the steps the
+        # loggers write; a Python float, so no device sync.
+        if is_logging_step(trainer, trainer.global_step + 1):
+            pl_module.log("lr_scaling/lr", float(optimizer.param_groups[0]["lr"]),
+                          on_step=True, on_epoch=False, rank_zero_only=True)

@@ -16,6 +16,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from litscale.compression import CommHook
+from litscale.loggers import is_logging_step, log_to_loggers
 
 
 class CommunicationCallback(Callback):
@@ -42,7 +43,7 @@ class CommunicationCallback(Callback):
         if state is None or not hasattr(state, "totals"):
             return
         step = trainer.global_step
-        if self._last is not None and step % trainer.log_every_n_steps and step != trainer.max_steps:
+        if self._last is not None and not is_logging_step(trainer, step):
             return  # figures are averaged over the interval Lightning logs
         totals = state.totals()
         last, self._last = self._last, totals
@@ -55,7 +56,7 @@ class CommunicationCallback(Callback):
             "comm/compress_time_s": (totals["compress_seconds"] - last["compress_seconds"]) / steps,
             "comm/compression_ratio": totals["dense_bytes"] / max(1, totals["bytes_sent"]),
         }
-        pl_module.log_dict(self.result, rank_zero_only=True)
+        log_to_loggers(trainer, self.result)
 
     def state_dict(self) -> dict[str, Any]:
         state = self._state()

@@ -17,6 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from litscale.constraints import NonNegativeInt
 from litscale.flops import flops_per_sample, peak_flops_per_device
+from litscale.loggers import is_logging_step, log_to_loggers
 
 _COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
                    "16-mixed": torch.float16, "16-true": torch.float16}
@@ -76,6 +77,7 @@ class ThroughputCallback(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start: tuple[float, int] | None = None
+        self._reported_step: int | None = None
         self._paused_s = 0.0  # validation time inside the measured interval, not training
         self._samples_per_step = 0
         self._peak_flops = None
@@ -101,10 +103,11 @@ class ThroughputCallback(Callback):
             if step >= warmup:
                 self._start = (self._now(pl_module), step)
             return
-        if step == self._start[1] or (step % trainer.log_every_n_steps and step != trainer.max_steps):
+        if step in (self._start[1], self._reported_step) or not is_logging_step(trainer, step):
             return
+        self._reported_step = step  # once per optimizer step, not per accumulated micro batch
         self.result = self._summarise(trainer, self._now(pl_module), step)
-        pl_module.log_dict(self.result, rank_zero_only=True)
+        log_to_loggers(trainer, self.result)
         if self._flops_per_sample:
             self.result["perf/flops_per_sample"] = self._flops_per_sample
 
