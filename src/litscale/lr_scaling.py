@@ -214,6 +214,6 @@ class LRScaling(Callback):
                                  optimizer: Optimizer) -> None:
         # The LR this optimizer step is about to use (not per micro batch), on the steps the
         # loggers write; a Python float, so no device sync.
-        if is_logging_step(trainer, trainer.global_step + 1):
+        if is_logging_step(trainer):
             pl_module.log("lr_scaling/lr", float(optimizer.param_groups[0]["lr"]),
                           on_step=True, on_epoch=False, rank_zero_only=True)

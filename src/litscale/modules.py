@@ -71,8 +71,7 @@ class TaskModule(LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self.loss(batch)
-        trainer = self._trainer
-        if trainer is None or is_logging_step(trainer, trainer.global_step + 1):
+        if is_logging_step(self._trainer):
             self.log("train/loss", loss, prog_bar=True)
         return loss
 
