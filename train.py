@@ -2,7 +2,7 @@
 
 The command line is checked first (every job of a sweep included), so a bad config fails
 in one line before Hydra creates a run dir or any rank starts. Under ``torchrun`` or ``srun``
-each rank runs this script; see ``litscale.launch`` for how they share one run dir.
+each rank runs this script; see ``litscale.app.launch`` for how they share one run dir.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ CONFIG_DIR = str(Path(__file__).resolve().parent / "conf")
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """One Hydra job; returns the final validation loss (for Hydra sweepers)."""
-    from litscale.cli import run_job
+    from litscale.app.cli import run_job
 
     return run_job(cfg)
 
 
 if __name__ == "__main__":
-    from litscale.launch import prepare_external_rank
-    from litscale.preflight import check_command_line
-    from litscale.scaling import baseline_first
+    from litscale.app.launch import prepare_external_rank
+    from litscale.app.preflight import check_command_line
+    from litscale.app.scaling_study import baseline_first
 
     sys.argv[1:] = baseline_first(sys.argv[1:])  # a device sweep runs its 1-device baseline first
     check_command_line(sys.argv[1:], config_dir=CONFIG_DIR, config_name="train")

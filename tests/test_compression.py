@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 from conftest import compose_job
 
+from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook, bf16, fp16, powersgd, qsgd, signsgd, terngrad, topk
 from litscale.compression.allgather import encode_with_error_feedback
 from litscale.compression.codecs import QSGD, ScaledSign, TernGrad, TopK, pack_bits, unpack_bits
 from litscale.compression.state import BucketTensors
-from litscale.config import ConfigError, validate
 
 
 class FakeBucket:

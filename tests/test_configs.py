@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from litscale.build import (
+from litscale.app.build import (
     _build_callbacks,
     _build_named,
     build,
@@ -26,11 +26,12 @@ from litscale.build import (
     build_run,
     build_strategy,
 )
+from litscale.app.safety import locate_target
+from litscale.app.validation import CPU_PRECISIONS, ConfigError, validate
+from litscale.arguments import signature_annotations
 from litscale.compression import CommHook
-from litscale.config import CPU_PRECISIONS, ConfigError, validate
 from litscale.modules import TaskModule
 from litscale.precision import PrecisionDtypes
-from litscale.typecheck import locate_target, signature_annotations
 
 CUDA = torch.cuda.is_available()
 
@@ -262,7 +263,7 @@ def test_option(group, option, tmp_path, outputs_root, wandb_offline, monkeypatc
             validate(cfg, choices=choices)
         assert str(info.value).startswith(error)
         return
-    validate(cfg, choices=choices)
+    layout = validate(cfg, choices=choices)
     if GROUP_CHECKS[group] is not None:
         GROUP_CHECKS[group](cfg, choices, tmp_path)
 
@@ -270,7 +271,7 @@ def test_option(group, option, tmp_path, outputs_root, wandb_offline, monkeypatc
         return  # build_run would log hyperparameters, which starts a wandb run
     # The whole run as each rank builds it, from the resolved config.
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")  # restored after the test; seeding sets it
-    built = build_run(OmegaConf.to_container(cfg, resolve=True), choices)
+    built = build_run(OmegaConf.to_container(cfg, resolve=True), choices, layout)
     assert isinstance(built.trainer, Trainer)
     assert isinstance(built.datamodule, LightningDataModule)
     assert isinstance(built.module, LightningModule)
@@ -299,7 +300,7 @@ def _leaves(node, prefix=""):
 def test_experiment(option, tmp_path, outputs_root, monkeypatch):
     cfg, choices = compose_job([f"experiment={option}"], tmp_path / "run")
     assert choices["experiment"] == option
-    validate(cfg, choices=choices)
+    layout = validate(cfg, choices=choices)
     raw = _option_node("experiment", option)
     assert "# @package _global_" in (CONF_DIR / "experiment" / f"{option}.yaml").read_text()
     for entry in raw.get("defaults", []):
@@ -310,7 +311,7 @@ def test_experiment(option, tmp_path, outputs_root, monkeypatch):
         assert OmegaConf.select(cfg, key) == value, key  # the experiment wins over its groups
     assert model_task(choices["model"]) == data_task(choices["data"])
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")
-    built = build_run(OmegaConf.to_container(cfg, resolve=True), choices)
+    built = build_run(OmegaConf.to_container(cfg, resolve=True), choices, layout)
     assert built.module.task == built.datamodule.task
 
 

@@ -12,8 +12,8 @@ from distributed import run_distributed
 from test_compression_ddp import comm_metrics
 from train_cli import explain, final_weights, run_train, summaries
 
+from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook
-from litscale.config import ConfigError, validate
 from litscale.strategies.local_sgd import LocalSGDState, local_sgd_hook
 
 

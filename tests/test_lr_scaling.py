@@ -290,7 +290,7 @@ ERRORS = {
 
 @pytest.mark.parametrize("case", ERRORS)
 def test_bad_keys_fail_in_one_line_before_anything_starts(case, capsys, outputs_root):
-    from litscale.preflight import check_command_line
+    from litscale.app.preflight import check_command_line
 
     overrides, expected = ERRORS[case]
     with pytest.raises(SystemExit) as exit_info:

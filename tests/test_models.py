@@ -128,7 +128,7 @@ def test_build_gpt_rejects_heads_that_do_not_divide():
 
 
 def test_build_gpt_rejects_unknown_preset():
-    with pytest.raises(ValueError, match="not a GPT preset; choose one of: nano, micro"):
+    with pytest.raises(ValueError, match=r"^model.net.preset=.huge. is not valid: expected one of: .nano., .micro."):
         build_gpt(preset="huge")
 
 

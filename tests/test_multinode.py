@@ -23,9 +23,9 @@ from hydra_plugins.litscale_launcher.slurm import (
     job_resources,
     resume_checkpoint,
 )
+from litscale.app.launch import RUN_ID_ENV, check_launchable, prepare_external_rank
+from litscale.app.preflight import check_command_line
 from litscale.errors import ConfigError
-from litscale.launch import RUN_ID_ENV, check_launchable, prepare_external_rank
-from litscale.preflight import check_command_line
 
 # SGD + momentum, no dropout, a global batch of 8 in every run: 1 process x 8 and 2 ranks x 4
 # (scaling.global_batch splits it) see the same samples, so the weights must agree.

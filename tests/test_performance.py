@@ -70,12 +70,12 @@ def default_run(tmp_path_factory):
 def test_default_run_imports_nothing_heavy(default_run):
     process, _ = default_run
     tree = import_tree(process.stderr)
-    assert len(tree) > 1000 and any(module == "litscale.run" for _, module in tree)
+    assert len(tree) > 1000 and any(module == "litscale.app.run" for _, module in tree)
     assert heavy_imports_by_litscale(tree) == []
 
 
 def test_heavy_import_attribution_reads_the_tree():
-    tree = [(5, "matplotlib"), (3, "torchmetrics.utilities.plot"), (1, "litscale.build"),
+    tree = [(5, "matplotlib"), (3, "torchmetrics.utilities.plot"), (1, "litscale.app.build"),
             (3, "wandb"), (1, "litscale.loggers"), (1, "sklearn")]
     assert heavy_imports_by_litscale(tree) == ["wandb (imported by litscale.loggers)",
                                                "sklearn (imported by train.py)"]

@@ -11,18 +11,18 @@ import pytest
 import torch
 from train_cli import REPO, explain, run_train, summaries
 
-from litscale.errors import ConfigError
-from litscale.flops import flops_per_sample, measured_cpu_peak
-from litscale.models.gpt import build_gpt
-from litscale.scaling import (
+from litscale.app.scaling_study import (
     ScalingContext,
     efficiency,
     find_baseline,
     scaling_metrics,
     speedup,
-    strong_scaling_micro_batch,
     variant_of,
 )
+from litscale.errors import ConfigError
+from litscale.flops import flops_per_sample, measured_cpu_peak
+from litscale.layout import micro_batch_for
+from litscale.models.gpt import build_gpt
 
 TINY = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=12", "trainer.val_check_interval=12",
         "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "data.seq_len=32",
@@ -53,11 +53,11 @@ def test_variant_ignores_device_count_and_order():
 
 
 def test_strong_scaling_splits_the_global_batch():
-    assert strong_scaling_micro_batch(64, 4, 2) == 8
+    assert micro_batch_for(64, data_parallel_size=4, accumulation=2) == 8
     with pytest.raises(ConfigError, match=r"^scaling.global_batch=6 does not split over 4 "
                                           r"data-parallel rank\(s\) x 1 accumulation step\(s\); "
                                           r"allowed: multiples of 4$"):
-        strong_scaling_micro_batch(6, 4, 1)
+        micro_batch_for(6, data_parallel_size=4, accumulation=1)
 
 
 def test_flops_counted_for_any_net_and_from_the_gpt_formula():
@@ -182,7 +182,7 @@ def test_resumed_run_continues_its_wandb_run_and_compares_with_a_named_baseline(
 
 
 def test_device_sweeps_run_their_baseline_first():
-    from litscale.scaling import baseline_first
+    from litscale.app.scaling_study import baseline_first
 
     assert baseline_first(["-m", "trainer.devices=4,1,2", "strategy=ddp,fsdp"]) == \
         ["-m", "trainer.devices=1,2,4", "strategy=ddp,fsdp"]

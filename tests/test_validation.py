@@ -17,19 +17,19 @@ from typing import Annotated, Any, Literal, Optional
 
 import pytest
 import torch
+from annotated_types import Ge, Gt, Interval, Le
 from conftest import REPO_ROOT, compose_full, compose_job, group_options
 from omegaconf import ListConfig
 
-from litscale.config import ConfigError, count_devices, validate
+from litscale.app.validation import ConfigError, count_devices, validate
+from litscale.arguments import check_value, describe
 from litscale.constraints import (
     Fraction,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    Range,
 )
-from litscale.typecheck import check_value, describe
 
 CORES = len(os.sched_getaffinity(0))
 
@@ -115,9 +115,9 @@ def test_check_value(value, annotation, expected):
         (PositiveFloat, "a number > 0"),
         (NonNegativeFloat, "a number >= 0"),
         (Fraction, "a number >= 0 and <= 1"),
-        (Annotated[int, Range(min=2, max=5)], "an int >= 2 and <= 5"),
-        (Annotated[float, Range(max=0.5)], "a number <= 0.5"),
-        (Annotated[float, Range(min=1e-3, exclusive_min=True)], "a number > 0.001"),
+        (Annotated[int, Interval(ge=2, le=5)], "an int >= 2 and <= 5"),
+        (Annotated[float, Le(0.5)], "a number <= 0.5"),
+        (Annotated[float, Gt(1e-3)], "a number > 0.001"),
         (PositiveInt | None, "an int >= 1 or null"),
         (Optional[str], "a string or null"),  # noqa: UP045
         (int | float, "an int or a number"),
@@ -150,18 +150,19 @@ def test_describe_bare_containers(annotation, text):
 @pytest.mark.parametrize(
     ("bounds", "inside", "outside", "text"),
     [
-        (Range(min=1), [1, 1.5, 10**9], [0, 0.999, -1], ">= 1"),
-        (Range(min=0, exclusive_min=True), [1e-9, 1], [0, 0.0, -1e-9], "> 0"),
-        (Range(max=1), [1, 0, -5], [1.0001, 2], "<= 1"),
-        (Range(min=0, max=1), [0, 0.5, 1], [-0.1, 1.1], ">= 0 and <= 1"),
-        (Range(min=0, max=1, exclusive_min=True), [0.5, 1], [0, 1.5], "> 0 and <= 1"),
-        (Range(), [-1e9, 0, 1e9], [], ""),
+        (Ge(1), [1, 1.5, 10**9], [0, 0.999, -1], ">= 1"),
+        (Gt(0), [1e-9, 1], [0, 0.0, -1e-9], "> 0"),
+        (Le(1), [1, 0, -5], [1.0001, 2], "<= 1"),
+        (Interval(ge=0, le=1), [0, 0.5, 1], [-0.1, 1.1], ">= 0 and <= 1"),
+        (Interval(gt=0, le=1), [0.5, 1], [0, 1.5], "> 0 and <= 1"),
+        (Interval(), [-1e9, 0, 1e9], [], ""),
     ],
 )
 def test_range(bounds, inside, outside, text):
-    assert all(bounds.allows(v) for v in inside)
-    assert not any(bounds.allows(v) for v in outside)
-    assert bounds.describe() == text
+    annotation = Annotated[float, bounds]
+    assert all(check_value(v, annotation) is None for v in inside)
+    assert all(check_value(v, annotation) for v in outside)
+    assert describe(annotation) == f"a number {text}".strip()
 
 
 # --- count_devices --------------------------------------------------------------------------
@@ -378,7 +379,7 @@ def run_train(args: list[str], root: Path) -> Outcome:
 # __main__. A few cases also run in a fresh interpreter (EXEC_CASES) as a cross-check.
 FORK_SERVER = r"""
 import contextlib, json, os, runpy, sys, traceback
-from litscale.preflight import check_command_line
+from litscale.app.preflight import check_command_line
 
 # Warm up: checking the default command line imports what every case needs.
 with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(BaseException):

@@ -44,7 +44,7 @@ def measured_warmup(steps: int, warmup: int) -> int:
 
 
 def cpu_threads(local_world_size: int) -> int:
-    """Each rank's share of the cores, as ``litscale.build`` gives it (taskset narrows it)."""
+    """Each rank's share of the cores, as ``litscale.app.build`` gives it (taskset narrows it)."""
     return max(1, len(os.sched_getaffinity(0)) // local_world_size)
 
 

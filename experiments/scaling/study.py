@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from litscale.report import load_summaries, markdown_table, plot, scaling_rows  # noqa: E402
+from litscale.app.report import load_summaries, markdown_table, plot, scaling_rows  # noqa: E402
 
 VARIANTS = [["strategy=ddp"], ["strategy=fsdp"], ["strategy=tensor_parallel"],
             ["strategy=ddp", "compression=powersgd"]]

@@ -1,41 +1,21 @@
-"""Value constraints written into constructor annotations.
+"""Value ranges written into constructor annotations.
 
 Every ``_target_`` in ``conf/`` is a typed keyword-only constructor, and its signature is the
-schema the config validator checks before any process starts. ``Annotated`` metadata from
-this module adds ranges to those types, so a bound is written once, beside the argument.
+schema that ``litscale.arguments`` checks (with pydantic) before any process starts. The
+``annotated_types`` bounds below add ranges to those types, so a bound is written once,
+beside the argument.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated
 
+from annotated_types import Ge, Gt, Interval
 
-@dataclass(frozen=True)
-class Range:
-    """Inclusive bounds (``None`` = unbounded); ``exclusive_min`` makes the lower bound strict."""
-
-    min: float | None = None
-    max: float | None = None
-    exclusive_min: bool = False
-
-    def allows(self, value: float) -> bool:
-        if self.min is not None:
-            if value < self.min or (self.exclusive_min and value == self.min):
-                return False
-        return self.max is None or value <= self.max
-
-    def describe(self) -> str:
-        parts = []
-        if self.min is not None:
-            parts.append(f"{'>' if self.exclusive_min else '>='} {self.min:g}")
-        if self.max is not None:
-            parts.append(f"<= {self.max:g}")
-        return " and ".join(parts)
-
-
-PositiveInt = Annotated[int, Range(min=1)]
-NonNegativeInt = Annotated[int, Range(min=0)]
-PositiveFloat = Annotated[float, Range(min=0, exclusive_min=True)]
-NonNegativeFloat = Annotated[float, Range(min=0)]
-Fraction = Annotated[float, Range(min=0, max=1)]
+PositiveInt = Annotated[int, Ge(1)]
+NonNegativeInt = Annotated[int, Ge(0)]
+PositiveFloat = Annotated[float, Gt(0)]
+NonNegativeFloat = Annotated[float, Ge(0)]
+Fraction = Annotated[float, Interval(ge=0, le=1)]
+# A share that cannot be all or nothing: a held-out split, a top-k ratio's open end.
+OpenFraction = Annotated[float, Interval(gt=0, lt=1)]

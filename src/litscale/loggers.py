@@ -92,17 +92,6 @@ class WandbRunId(Callback):
         return {"run_id": self.run_id}
 
 
-def prepare_wandb(config: dict, *, sweep_dir: str | None) -> None:
-    """Group a sweep's W&B runs by sweep, and continue the W&B run of a resumed checkpoint."""
-    node = (config.get("logger") or {}).get("wandb")
-    if not isinstance(node, dict):
-        return
-    if sweep_dir and not node.get("group"):
-        node["group"] = f"{config.get('name', 'litscale')}-{os.path.basename(sweep_dir.rstrip('/'))}"
-    if config.get("ckpt_path") and not node.get("id"):
-        node["id"] = wandb_run_id_in_checkpoint(config["ckpt_path"])
-
-
 def wandb_run_id_in_checkpoint(path: str) -> str | None:
     """The W&B run id a checkpoint was written under, if it kept one (``WandbRunId``)."""
     import torch

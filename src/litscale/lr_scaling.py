@@ -32,8 +32,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_only
 from torch.optim import Optimizer
 
+from litscale.arguments import checked_arguments
 from litscale.callbacks.throughput import data_parallel_size
 from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
+from litscale.layout import RunLayout
 from litscale.loggers import is_logging_step
 from litscale.schedulers import check_warmup_keys, constant, warmup_multiplier
 
@@ -103,8 +105,11 @@ class LRScaling(Callback):
         warmup_steps: Linear warmup in optimizer steps; replaces the scheduler's warmup.
         warmup_fraction: Warmup as a fraction of the run's optimizer steps (instead of steps).
         micro_batch_size: Per-device batch; by default the datamodule's ``batch_size``.
+        layout: The run's layout (``litscale.layout``): its micro batch, data-parallel size and
+            accumulation make the global batch. Without it they are read from the trainer.
     """
 
+    @checked_arguments("lr_scaling")
     def __init__(
         self,
         *,
@@ -113,17 +118,12 @@ class LRScaling(Callback):
         warmup_steps: NonNegativeInt | None = None,
         warmup_fraction: Fraction | None = None,
         micro_batch_size: PositiveInt | None = None,
+        layout: RunLayout | None = None,
     ) -> None:
-        if rule not in RULES:
-            raise ValueError(f"lr_scaling.rule={rule!r} is not valid: expected one of: "
-                             f"{', '.join(map(repr, RULES))}")
-        if int(base_batch_size) < 1:
-            raise ValueError(f"lr_scaling.base_batch_size={base_batch_size} is not valid: "
-                             "expected an int >= 1")
         check_warmup_keys("lr_scaling", warmup_steps, warmup_fraction)
         self.rule, self.base_batch_size = rule, int(base_batch_size)
         self.warmup_steps, self.warmup_fraction = warmup_steps, warmup_fraction
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.layout = micro_batch_size, layout
         self.global_batch: int | None = None
         self.base_lr: float | None = None
         self.lr: float | None = None
@@ -144,8 +144,12 @@ class LRScaling(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        dp, accumulation = data_parallel_size(trainer), trainer.accumulate_grad_batches
-        micro = self._micro_batch(trainer)
+        if self.layout is not None:
+            micro, dp, accumulation = (self.layout.micro_batch, self.layout.data_parallel_size,
+                                       self.layout.accumulation)
+        else:
+            micro, dp = self._micro_batch(trainer), data_parallel_size(trainer)
+            accumulation = trainer.accumulate_grad_batches
         self.global_batch = global_batch(micro, dp, accumulation)
         factory = getattr(pl_module, "optimizer_factory", None)
         if factory is None and self.rule == "none" and not self.owns_warmup:

@@ -8,7 +8,7 @@ submits all jobs as one array with those resources, so a scaling sweep
 ``trainer.num_nodes``/``trainer.devices``) is resolved in each job's config, and jobs are
 submitted as one array per distinct set of resources, all before waiting on any.
 
-Inside an allocation every SLURM task runs the job as one rank (``litscale.launch`` sees
+Inside an allocation every SLURM task runs the job as one rank (``litscale.app.launch`` sees
 ``srun``'s environment). Task 0 alone writes ``.hydra/``. A requeued job (after a time-out
 signal, which submitit answers by requeueing, or a preemption) resumes from the newest
 ``checkpoints/last.ckpt`` in its own run dir.

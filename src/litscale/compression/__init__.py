@@ -14,39 +14,9 @@ On a plain DDP model::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
-
-
-@dataclass(frozen=True)
-class CommHook:
-    """A DDP communication hook and the state object passed to it on every bucket."""
-
-    hook: Callable[..., Any]
-    state: Any = None
-
-    def register(self, ddp_model: nn.Module) -> None:
-        """Attach to a ``DistributedDataParallel`` model (``register_comm_hook``), first naming
-        its parameters in the state so checkpointed residuals are keyed by name."""
-        bind = getattr(self.state, "bind", None)
-        if bind is not None:
-            bind(ddp_model)
-        ddp_model.register_comm_hook(self.state, self.hook)
-
-
-from litscale.compression.factories import (  # noqa: E402  (they import CommHook)
-    bf16,
-    fp16,
-    powersgd,
-    qsgd,
-    signsgd,
-    terngrad,
-    topk,
-)
-from litscale.compression.state import CompressionState  # noqa: E402
+from litscale.compression.factories import bf16, fp16, powersgd, qsgd, signsgd, terngrad, topk
+from litscale.compression.hook import CommHook
+from litscale.compression.state import CompressionState
 
 __all__ = ["CommHook", "CompressionState", "bf16", "fp16", "powersgd", "qsgd", "signsgd",
            "terngrad", "topk"]

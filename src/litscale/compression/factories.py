@@ -8,16 +8,18 @@ from __future__ import annotations
 from typing import Annotated
 
 import torch
+from annotated_types import Interval
 
-from litscale.compression import CommHook
+from litscale.arguments import checked_arguments
 from litscale.compression.allgather import AllGatherCompressionState, allgather_compression_hook
 from litscale.compression.casts import CastState, cast_compression_hook
 from litscale.compression.codecs import QSGD, ScaledSign, TernGrad, TopK
+from litscale.compression.hook import CommHook
 from litscale.compression.powersgd import PowerSGDCompressionState, powersgd_compression_hook
-from litscale.constraints import NonNegativeInt, PositiveFloat, PositiveInt, Range
+from litscale.constraints import NonNegativeInt, PositiveFloat, PositiveInt
 
-Ratio = Annotated[float, Range(min=0, max=1, exclusive_min=True)]
-Levels = Annotated[int, Range(min=1, max=127)]
+Ratio = Annotated[float, Interval(gt=0, le=1)]
+Levels = Annotated[int, Interval(ge=1, le=127)]
 
 
 def fp16() -> CommHook:
@@ -30,6 +32,7 @@ def bf16() -> CommHook:
     return CommHook(hook=cast_compression_hook, state=CastState(dtype=torch.bfloat16))
 
 
+@checked_arguments("compression")
 def powersgd(
     *,
     rank: PositiveInt = 4,
@@ -76,12 +79,14 @@ def _allgather(codec, *, error_feedback: bool, seed: int) -> CommHook:
     return CommHook(hook=allgather_compression_hook, state=state)
 
 
+@checked_arguments("compression")
 def topk(*, ratio: Ratio = 0.01, error_feedback: bool = True, seed: NonNegativeInt = 0) -> CommHook:
     """Top-k sparsification: the ``ratio`` largest-magnitude entries of each bucket, sent as
     values + int32 indices with all-gather."""
     return _allgather(TopK(ratio=ratio), error_feedback=error_feedback, seed=seed)
 
 
+@checked_arguments("compression")
 def qsgd(*, levels: Levels = 7, block_size: PositiveInt = 512, error_feedback: bool = False,
          seed: NonNegativeInt = 0) -> CommHook:
     """QSGD: ``levels`` quantisation levels per sign, stochastic rounding (unbiased), one
@@ -90,12 +95,14 @@ def qsgd(*, levels: Levels = 7, block_size: PositiveInt = 512, error_feedback: b
                       seed=seed)
 
 
+@checked_arguments("compression")
 def terngrad(*, block_size: PositiveInt = 512, error_feedback: bool = False,
              seed: NonNegativeInt = 0) -> CommHook:
     """TernGrad: stochastic {-1, 0, +1} x max|g| per ``block_size`` elements (unbiased)."""
     return _allgather(TernGrad(block_size=block_size), error_feedback=error_feedback, seed=seed)
 
 
+@checked_arguments("compression")
 def signsgd(*, block_size: PositiveInt = 512, error_feedback: bool = True,
             seed: NonNegativeInt = 0) -> CommHook:
     """1-bit sign x mean|g| per ``block_size`` elements (EF-SignSGD with error feedback)."""

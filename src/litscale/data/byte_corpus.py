@@ -10,9 +10,10 @@ import math
 import os
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
-from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
+from litscale.arguments import checked_arguments
+from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
 from litscale.data.base import ShardedDataModule
 from litscale.data.byte_windows import ByteWindows, coalesce, num_windows
 
@@ -95,28 +96,21 @@ class ByteCorpusDataModule(ShardedDataModule):
 
     task = "causal_lm"
 
+    @checked_arguments("data")
     def __init__(
         self,
         *,
         paths: str | list[str],
         seq_len: PositiveInt,
         batch_size: PositiveInt,
-        vocab_size: PositiveInt = 256,
-        val_fraction: Fraction = 0.05,
+        vocab_size: Literal[256] = 256,
+        val_fraction: OpenFraction = 0.05,
         max_bytes: PositiveInt | None = None,
         cache_dir: str | None = None,
         num_workers: NonNegativeInt = 0,
         seed: int = 0,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
-        if int(vocab_size) != 256:
-            raise ValueError(f"data.vocab_size must be 256 for byte-level data, got {vocab_size}")
-        if int(seq_len) < 1:
-            raise ValueError(f"data.seq_len must be >= 1, got {seq_len}")
-        if not 0.0 < float(val_fraction) < 1.0:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
-        if max_bytes is not None and int(max_bytes) < 1:
-            raise ValueError(f"data.max_bytes must be >= 1 or null, got {max_bytes}")
         self.paths = paths
         self.seq_len = int(seq_len)
         self.vocab_size = 256

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import TensorDataset
 
-from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
+from litscale.arguments import checked_arguments
+from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
 from litscale.data.base import ShardedDataModule
 
 
@@ -35,11 +36,12 @@ class DigitsDataModule(ShardedDataModule):
     input_shape: tuple[int, ...] = (1, 8, 8)
     num_classes: int = 10
 
+    @checked_arguments("data")
     def __init__(
         self,
         *,
         batch_size: PositiveInt,
-        val_fraction: Fraction = 0.2,
+        val_fraction: OpenFraction = 0.2,
         split_seed: int = 0,
         input_shape: Sequence[PositiveInt] = (1, 8, 8),
         num_classes: int = 10,
@@ -57,8 +59,6 @@ class DigitsDataModule(ShardedDataModule):
                 f"data.num_classes={num_classes} does not match the digits data, "
                 f"which has {type(self).num_classes} classes"
             )
-        if not 0.0 < float(val_fraction) < 1.0:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
         self.val_fraction = float(val_fraction)
         self.split_seed = int(split_seed)
         self.mean: float | None = None

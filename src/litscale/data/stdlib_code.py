@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from typing import Literal
 
-from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
+from litscale.arguments import checked_arguments
+from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
 from litscale.data.byte_corpus import ByteCorpusDataModule
 
 # Installed third-party code is not stdlib and differs between machines.
@@ -49,13 +51,14 @@ class StdlibCodeDataModule(ByteCorpusDataModule):
         include_tests: Also take the stdlib test suites.
     """
 
+    @checked_arguments("data")
     def __init__(
         self,
         *,
         seq_len: PositiveInt,
         batch_size: PositiveInt,
-        vocab_size: PositiveInt = 256,
-        val_fraction: Fraction = 0.05,
+        vocab_size: Literal[256] = 256,
+        val_fraction: OpenFraction = 0.05,
         max_bytes: PositiveInt | None = 8_000_000,
         cache_dir: str | None = None,
         include_tests: bool = False,

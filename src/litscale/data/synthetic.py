@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 from torch.utils.data import Dataset
 
+from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt, PositiveInt
 from litscale.data.base import ShardedDataModule
 
@@ -123,6 +124,7 @@ class SyntheticDataModule(ShardedDataModule):
         seed: Seed of the content and of the training order.
     """
 
+    @checked_arguments("data")
     def __init__(
         self,
         *,
@@ -138,22 +140,11 @@ class SyntheticDataModule(ShardedDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
-        if task not in ("causal_lm", "classification"):
-            raise ValueError(f"data.task must be 'causal_lm' or 'classification', got {task!r}")
-        for key, value in (
-            ("num_samples", num_samples),
-            ("val_samples", val_samples),
-            ("seq_len", seq_len),
-            ("vocab_size", vocab_size),
-            ("num_classes", num_classes),
-        ):
-            if int(value) < 1:
-                raise ValueError(f"data.{key} must be >= 1, got {value}")
         if int(num_samples) + int(val_samples) > 2**32:
             raise ValueError("data.num_samples + data.val_samples must be at most 2**32")
         shape = tuple(int(d) for d in input_shape)
-        if not shape or min(shape) < 1:
-            raise ValueError(f"data.input_shape must be positive sizes, got {list(input_shape)}")
+        if not shape:
+            raise ValueError("data.input_shape=[] is not valid: expected a list of ints >= 1")
         self.task = task
         self.num_samples = int(num_samples)
         self.val_samples = int(val_samples)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from litscale.arguments import checked_arguments
 from litscale.constraints import Fraction, PositiveInt
 from litscale.models.gpt_parallel import TENSOR_PARALLEL_PLAN, pipeline_blocks
 
@@ -172,6 +173,7 @@ class GPT(nn.Module):
         return 6 * self.num_params(exclude_embeddings=True) + 12 * c.n_layer * c.n_embd * seq_len
 
 
+@checked_arguments("model.net")
 def build_gpt(
     *,
     preset: PresetName = "nano",
@@ -185,8 +187,6 @@ def build_gpt(
     tie_embeddings: bool | None = None,
 ) -> GPT:
     """A GPT from a named preset, with any architecture number overridden."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is not a GPT preset; choose one of: {', '.join(PRESETS)}")
     overrides = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                      n_embd=n_embd, dropout=dropout, bias=bias, tie_embeddings=tie_embeddings)
     config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})

@@ -108,17 +108,6 @@ def scaling_metrics(summary: dict, baseline: dict | None) -> dict[str, float]:
     }
 
 
-def strong_scaling_micro_batch(global_batch: int, data_parallel: int, accumulation: int) -> int:
-    """The per-device micro batch that keeps ``global_batch`` fixed (strong scaling)."""
-    share = data_parallel * accumulation
-    if global_batch % share:
-        raise ConfigError(
-            f"scaling.global_batch={global_batch} does not split over {data_parallel} data-parallel "
-            f"rank(s) x {accumulation} accumulation step(s); allowed: multiples of {share}"
-        )
-    return global_batch // share
-
-
 def job_context(cfg) -> ScalingContext:
     """This Hydra job's overrides and sweep dir (empty outside Hydra), and the named baseline."""
     from hydra.core.hydra_config import HydraConfig
@@ -135,17 +124,6 @@ def job_context(cfg) -> ScalingContext:
     # Unresolved: an override like `+key=${oc.env:SECRET}` must stay an interpolation.
     overrides = OmegaConf.to_container(hydra.overrides.task, resolve=False)
     return ScalingContext(overrides=overrides, sweep_dir=sweep_dir, baseline=baseline)
-
-
-def apply_strong_scaling(config: dict, cfg, world_size: int) -> None:
-    """With ``scaling.global_batch`` set, replace the micro batch by the global batch's share."""
-    from litscale.config import data_parallel_size
-
-    global_batch = (cfg.get("scaling") or {}).get("global_batch")
-    if global_batch:
-        accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
-        config["data"]["batch_size"] = strong_scaling_micro_batch(
-            global_batch, data_parallel_size(cfg, world_size), accumulation)
 
 
 def baseline_first(arguments: list[str]) -> list[str]:

@@ -1,7 +1,7 @@
 """The scaling report of a sweep: a table and a plot of throughput and efficiency vs devices.
 
 Written to the sweep dir at the end of every multirun (``ScalingReport``, a Hydra callback),
-and logged to W&B when the sweep used ``logger=wandb``. ``python -m litscale.report DIR``
+and logged to W&B when the sweep used ``logger=wandb``. ``python -m litscale.app.report DIR``
 makes it for any folder of finished runs; the notebook and the scaling study use the same
 functions.
 """
@@ -17,7 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from litscale.scaling import THROUGHPUT, scaling_metrics, variant_of
+from litscale.app.scaling_study import THROUGHPUT, scaling_metrics, variant_of
 
 COLUMNS = ("variant", "devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "val/loss")
 

@@ -7,14 +7,14 @@ import traceback
 
 from omegaconf import DictConfig
 
+from litscale.app.launch import RankFailure, external_rank, is_knock_on_failure
+from litscale.app.preflight import EXIT_BAD_CONFIG
 from litscale.errors import ConfigError
-from litscale.launch import RankFailure, external_rank, is_knock_on_failure
-from litscale.preflight import EXIT_BAD_CONFIG
 
 
 def run_job(cfg: DictConfig) -> float | None:
     """Train one job; return its final validation loss, or exit non-zero with one line."""
-    from litscale.run import train
+    from litscale.app.run import train
 
     try:
         summary = train(cfg)

@@ -1,10 +1,12 @@
-"""Validation of a composed config, before any process or process group exists.
+"""Validation of a composed config, before any process or process group exists; it
+returns the run layout (``litscale.layout.RunLayout``), computed here once.
 
 The schema is the code itself: every ``_target_`` is a typed keyword-only constructor, so a
-node's keys and values are checked against that constructor's signature (with the ranges
-of ``litscale.constraints``). Keys that are not constructor arguments (``seed``,
-``ckpt_path``, the precision group) are described by the dataclasses below. Cross-group
-rules (task pairing, devices vs the machine, precision vs accelerator) follow.
+node's keys and values are checked against that constructor's signature (pydantic, through
+``litscale.arguments``, with the ranges of ``litscale.constraints``). Keys that are not
+constructor arguments (``seed``, ``ckpt_path``, the precision group) are described by the
+dataclasses below. Cross-group rules (task pairing, devices vs the machine, precision vs
+accelerator) follow.
 
 Every problem is a ``ConfigError`` whose message is one line naming the key, the bad value
 and what is allowed.
@@ -19,16 +21,18 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from litscale.constraints import PositiveFloat, PositiveInt
-from litscale.errors import ConfigError
-from litscale.safety import allowed_prefixes, check_targets
-from litscale.typecheck import (
+from litscale.app.safety import allowed_prefixes, check_targets, locate_target
+from litscale.arguments import (
     check_value,
     describe,
     forwards_unknown_kwargs,
-    locate_target,
+    invalid_message,
     signature_annotations,
 )
+from litscale.checkpoints import resolve_ckpt_path
+from litscale.constraints import PositiveFloat, PositiveInt
+from litscale.errors import ConfigError
+from litscale.layout import RunLayout, mesh_of, micro_batch_for
 
 __all__ = ["ConfigError", "validate"]
 
@@ -76,8 +80,9 @@ CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")
 
 
 def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
-             this_machine: bool = True) -> None:
-    """Raise ``ConfigError`` for the first problem found in a composed config.
+             this_machine: bool = True) -> RunLayout:
+    """Raise ``ConfigError`` for the first problem found in a composed config; return the
+    run's layout (processes, mesh, batch, the resolved ``ckpt_path``).
 
     ``choices`` maps group -> chosen option name (Hydra's runtime choices), used to name
     options in messages; without it messages fall back to key paths. ``this_machine=False``
@@ -100,12 +105,13 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         for name, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig) and "_target_" in node:
                 check_target_node(f"{group}.{name}", node)
-    world_size = check_devices(cfg, choices, this_machine=this_machine)
+    processes = check_devices(cfg, choices, this_machine=this_machine)
     check_data_paths(cfg)
     check_compression_supported(cfg, choices)
-    check_strategy(cfg, world_size)
-    check_scaling(cfg, world_size)
+    layout = run_layout(cfg, processes)
+    check_baseline(cfg)
     check_warmup(cfg)
+    return layout
 
 
 def check_schema(prefix: str, node: DictConfig, schema: type) -> None:
@@ -144,11 +150,7 @@ def _check_key(prefix: str, node: DictConfig, key: str, annotation: Any) -> None
         value = OmegaConf.to_container(value, resolve=True)
     problem = check_value(value, annotation)
     if problem:
-        raise ConfigError(f"{full_key}={_show(value)} is not valid: expected {problem}")
-
-
-def _show(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else str(value)
+        raise ConfigError(invalid_message(full_key, value, problem))
 
 
 def check_task_pairing(cfg: DictConfig, choices: dict[str, str]) -> None:
@@ -206,7 +208,7 @@ def count_devices(devices: Any, available: int, accelerator: str = "cpu") -> int
 
 def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: bool = True) -> int:
     """Devices exist on this machine, the strategy fits the count, the precision the accelerator.
-    Returns the world size (devices x nodes). ``this_machine=False``: the job runs elsewhere
+    Returns the processes per node. ``this_machine=False``: the job runs elsewhere
     (submitted to SLURM), so the machine-dependent checks wait for the job itself."""
     accelerator = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
     available = machine_device_count(accelerator)
@@ -217,24 +219,24 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
         )
     num_nodes = cfg.trainer.get("num_nodes", 1)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-        raise ConfigError(f"trainer.num_nodes={_show(num_nodes)} is not valid: expected an int >= 1")
+        raise ConfigError(f"trainer.num_nodes={_shown(num_nodes)} is not valid: expected an int >= 1")
     devices = cfg.trainer.get("devices", 1)
     count = count_devices(devices, available, accelerator)
     if count is None:
         raise ConfigError(
-            f"trainer.devices={_show(devices)} is not valid: expected a positive int, -1 (all), "
+            f"trainer.devices={_shown(devices)} is not valid: expected a positive int, -1 (all), "
             "'auto' or a list of device indices"
         )
     unit = "GPUs" if accelerator == "gpu" else "CPU cores"
     if this_machine and count > available:
         raise ConfigError(
-            f"trainer.devices={_show(devices)} is more than this machine has: {available} {unit} "
+            f"trainer.devices={_shown(devices)} is more than this machine has: {available} {unit} "
             f"(allowed: 1..{available})"
         )
     strategy = choices.get("strategy", "")
     if count * int(cfg.trainer.get("num_nodes", 1)) > 1 and strategy == "single":
         raise ConfigError(
-            f"strategy=single runs one process but trainer.devices={_show(devices)}; "
+            f"strategy=single runs one process but trainer.devices={_shown(devices)}; "
             "use strategy=ddp (or another multi-device strategy)"
         )
     precision = choices.get("precision")
@@ -249,7 +251,7 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
             raise ConfigError(
                 f"precision={precision} needs a GPU with bfloat16 (Ampere or newer); use fp16_mixed or fp32"
             )
-    return count * int(cfg.trainer.get("num_nodes", 1))
+    return count
 
 
 def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> None:
@@ -265,42 +267,46 @@ def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> Non
         )
 
 
-def check_strategy(cfg: DictConfig, world_size: int) -> None:
-    """Build the strategy (cheap: no process group) so its constructor's own checks run now,
-    and let it check the world size and the model, built on the meta device (no memory).
+def run_layout(cfg: DictConfig, processes: int) -> RunLayout:
+    """Build the strategy once (cheap: no process group) so that its constructor's checks run
+    now, let it check the world size and the model (built on the meta device: no memory),
+    and lay the run out on its mesh.
 
     Convention: a strategy constructor raises ``ValueError`` with a one-line message naming
-    ``strategy.<key>``; a strategy may define ``validate_setup(*, world_size, net)``.
+    ``strategy.<key>``; a strategy may define ``validate_setup(*, world_size, net)`` and
+    ``resolve_mesh(world_size)`` (``litscale.layout.mesh_of``).
     """
-    from litscale.build import build_strategy
+    from litscale.app.build import build_strategy
 
+    num_nodes = int(cfg.trainer.get("num_nodes", 1))
+    world_size = processes * num_nodes
     try:
         strategy = build_strategy(cfg)
         validate_setup = getattr(strategy, "validate_setup", None)
         if validate_setup is not None:
             validate_setup(world_size=world_size, net=_meta_net(cfg))
+        mesh = mesh_of(strategy, world_size)
     except (ValueError, TypeError) as error:
+        if isinstance(error, ConfigError):
+            raise
         raise ConfigError(str(error).splitlines()[0]) from None
+    accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    global_batch = (cfg.get("scaling") or {}).get("global_batch")
+    micro_batch = micro_batch_for(global_batch, data_parallel_size=mesh.data, accumulation=accumulation) \
+        if global_batch else int(cfg.data.get("batch_size") or 1)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
+    return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
+                     micro_batch=micro_batch, accumulation=accumulation, ckpt_path=ckpt_path,
+                     strong_scaling=bool(global_batch))
 
 
-def check_scaling(cfg: DictConfig, world_size: int) -> None:
-    """A named baseline exists; a strong-scaling global batch splits over the ranks."""
-    from litscale.scaling import baseline_summary_path, strong_scaling_micro_batch
+def check_baseline(cfg: DictConfig) -> None:
+    """A named scaling baseline exists."""
+    from litscale.app.scaling_study import baseline_summary_path
 
     scaling = cfg.get("scaling") or {}
     if scaling.get("baseline"):
         baseline_summary_path(scaling.baseline)
-    if scaling.get("global_batch"):
-        strong_scaling_micro_batch(scaling.global_batch, data_parallel_size(cfg, world_size),
-                                   int(cfg.trainer.get("accumulate_grad_batches") or 1))
-
-
-def data_parallel_size(cfg: DictConfig, world_size: int) -> int:
-    """Ranks that see distinct samples: the world, unless the strategy has a model-parallel mesh."""
-    from litscale.build import build_strategy
-
-    resolve_mesh = getattr(build_strategy(cfg), "resolve_mesh", None)
-    return resolve_mesh(world_size).data if resolve_mesh is not None else world_size
 
 
 def check_warmup(cfg: DictConfig) -> None:
@@ -332,3 +338,7 @@ def check_data_paths(cfg: DictConfig) -> None:
         message = missing(OmegaConf.to_container(cfg.data, resolve=True)["paths"])
         if message:
             raise ConfigError(message)
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else str(value)

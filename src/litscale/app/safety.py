@@ -18,6 +18,16 @@ from litscale.errors import ConfigError
 TRUSTED_PREFIXES = ("litscale.", "torch.", "lightning.", "pytorch_optimizer.")
 
 
+def locate_target(target: str, path: str) -> Any:
+    """The object a ``_target_`` names (importing its module), or a one-line error."""
+    from hydra.utils import get_object
+
+    try:
+        return get_object(target)
+    except Exception as error:  # Hydra wraps ImportError/AttributeError in its own types
+        raise ConfigError(f"{path}._target_={target!r} cannot be imported: {error}".splitlines()[0]) from None
+
+
 def allowed_prefixes(extra: Iterable[str] = ()) -> tuple[str, ...]:
     """The trusted prefixes plus the user's; an entry names a package or module (``mypkg``
     allows ``mypkg.*``) or one object exactly (``mypkg.models.Net``)."""

@@ -15,20 +15,14 @@ import time
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
-from litscale.build import BuiltRun
+from litscale.app.build import BuiltRun
+from litscale.app.scaling_study import ScalingContext, find_baseline, scaling_metrics
 from litscale.callbacks.memory import MemoryCallback
-from litscale.callbacks.throughput import ThroughputCallback, data_parallel_size
-from litscale.scaling import ScalingContext, find_baseline, scaling_metrics
+from litscale.callbacks.throughput import ThroughputCallback
 
 
 def _count_params(module) -> int:
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-
-
-def _global_batch(built: BuiltRun) -> tuple[int, int, int, int]:
-    trainer = built.trainer
-    micro, dp, accumulation = built.config.data.batch_size, data_parallel_size(trainer), trainer.accumulate_grad_batches
-    return micro, dp, accumulation, micro * dp * accumulation
 
 
 def _say(line: str) -> None:
@@ -37,8 +31,9 @@ def _say(line: str) -> None:
 
 @rank_zero_only
 def print_start(built: BuiltRun) -> None:
-    """Derived numbers, computed once and printed: model size, strategy, devices, precision.
-    (The global batch and the LR it implies are the LR-scaling callback's line.)"""
+    """Derived numbers, computed once and printed: model size, strategy, devices, precision,
+    and the run layout (processes, mesh, batch). The LR the global batch implies is the
+    LR-scaling callback's line."""
     trainer, choices = built.trainer, built.choices
     net = built.config.model.get("net", {})
     model = choices.get("model", "model") + (f"-{net.preset}" if "preset" in net else "")
@@ -48,6 +43,7 @@ def print_start(built: BuiltRun) -> None:
         f"{trainer.world_size} x {trainer.strategy.root_device.type} | "
         f"precision {built.config.precision.lightning} | max steps {trainer.max_steps}"
     )
+    _say(f"layout: {built.layout.describe()}")
 
 
 def _metric(trainer: Trainer, name: str) -> float | None:
@@ -62,7 +58,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     trainer, module = built.trainer, built.module
     throughput = next((c.result for c in trainer.callbacks if isinstance(c, ThroughputCallback)), {})
     memory = next((c.result for c in trainer.callbacks if isinstance(c, MemoryCallback)), {})
-    micro, dp, accumulation, global_batch = _global_batch(built)
+    layout = built.layout
     summary = {
         "train/loss": _metric(trainer, "train/loss"),
         "val/loss": _metric(trainer, "val/loss"),
@@ -72,16 +68,17 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         **throughput,
         **memory,
         "steps": trainer.global_step,
-        "global_batch": global_batch,
-        "micro_batch": micro,
-        "data_parallel_size": dp,
-        "accumulate_grad_batches": accumulation,
+        "global_batch": layout.global_batch,
+        "micro_batch": layout.micro_batch,
+        "data_parallel_size": layout.data_parallel_size,
+        "accumulate_grad_batches": layout.accumulation,
+        "layout": layout.as_dict(),
         "lr": _scaled_lr(trainer),
-        "world_size": trainer.world_size,
+        "world_size": layout.world_size,
         "num_params": _count_params(module),
         "choices": built.choices,
         "overrides": scaling.overrides if scaling else [],
-        "scaling/mode": "strong" if (built.config.get("scaling") or {}).get("global_batch") else "weak",
+        "scaling/mode": "strong" if layout.strong_scaling else "weak",
         "output_dir": os.path.abspath(built.config.paths.output_dir),
         "checkpoint": _best_checkpoint(trainer),
         "export": export,  # the consolidated weights of the net (litscale.export)

@@ -60,7 +60,8 @@ def _keys_near(cfg, key: str) -> tuple[str, list[str]]:
 def _target_accepts(cfg, key: str) -> bool:
     """True when ``key``'s parent node builds a ``_target_`` that takes ``key`` as an argument,
     e.g. any Lightning Trainer argument under ``trainer``."""
-    from litscale.typecheck import locate_target, signature_annotations
+    from litscale.app.safety import locate_target
+    from litscale.arguments import signature_annotations
 
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else None
@@ -113,8 +114,8 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
         jobs = job_overrides(args.overrides, args.multirun)
     except OverrideParseException as error:
         fail(f"cannot parse the overrides: {str(error).splitlines()[0]}")
-    from litscale.checkpoints import resolve_ckpt_path
-    from litscale.config import validate
+    from litscale.app.launch import check_launchable
+    from litscale.app.validation import validate
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
@@ -129,11 +130,9 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
             try:
                 if on_slurm:
                     check_slurm_resources(cfg)
-                cfg = _as_job_config(cfg)
-                validate(cfg, choices=choices, this_machine=not on_slurm)
-                resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
-                if not on_slurm:
-                    _check_ranks_start_here(cfg)
+                layout = validate(_as_job_config(cfg), choices=choices, this_machine=not on_slurm)
+                if not on_slurm:  # the ranks can start from this process
+                    check_launchable(layout.processes_per_node, layout.num_nodes)
             except ConfigError as error:
                 fail(str(error))
     GlobalHydra.instance().clear()
@@ -163,16 +162,6 @@ def check_slurm_resources(cfg) -> None:
         OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     except Exception as error:  # noqa: BLE001 - OmegaConf's several error types, one message
         raise ConfigError(f"hydra.launcher: {str(error).splitlines()[0]}") from None
-
-
-def _check_ranks_start_here(cfg) -> None:
-    """The job's ranks can start from this process (see ``litscale.launch.check_launchable``)."""
-    from litscale.config import count_devices, machine_device_count, resolve_accelerator
-    from litscale.launch import check_launchable
-
-    accelerator = resolve_accelerator(str(cfg.trainer.accelerator))
-    processes = count_devices(cfg.trainer.devices, machine_device_count(accelerator), accelerator)
-    check_launchable(processes, int(cfg.trainer.num_nodes))
 
 
 def _as_job_config(cfg):

@@ -1,0 +1,186 @@
+"""Building a run's objects from its resolved config, on each rank.
+
+Each group is instantiated from its ``_target_``; runtime objects that a config cannot hold
+(the compression hook for the strategy, optimizer and scheduler factories for the module,
+the strategy, callbacks and loggers for the Trainer) are passed as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import ProgressBar
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from litscale.app.safety import allowed_prefixes, check_targets, locate_target
+from litscale.arguments import signature_annotations
+from litscale.layout import RunLayout
+from litscale.precision import PrecisionDtypes
+
+
+@dataclass
+class BuiltRun:
+    config: DictConfig
+    choices: dict[str, str]
+    layout: RunLayout
+    datamodule: LightningDataModule
+    module: LightningModule
+    trainer: Trainer
+
+
+def build(node: DictConfig, *, trusted: tuple[str, ...] = allowed_prefixes(), **runtime: Any) -> Any:
+    """``instantiate`` that raises the constructor's own error, not Hydra's multi-line wrapper,
+    and builds only ``trusted`` targets (checked again here: callers may skip validation).
+
+    ``runtime``: objects a config cannot hold (a strategy, the run layout), passed to the
+    constructor as they are. NOTE: given to a partial, not to ``instantiate``, whose
+    ``_convert_="all"`` would turn a dataclass such as the layout into a dict."""
+    check_targets(node, "", trusted)
+    try:
+        if runtime:
+            return instantiate(node, _partial_=True, _convert_="all")(**runtime)
+        return instantiate(node, _convert_="all")
+    except InstantiationException as error:
+        if error.__cause__ is not None:
+            raise error.__cause__ from None
+        raise
+
+
+def trusted_targets(cfg: DictConfig) -> tuple[str, ...]:
+    """The packages a run may build from: litscale's trusted ones and its ``allowed_targets``."""
+    return allowed_prefixes(cfg.get("allowed_targets") or ())
+
+
+def _build_named(group: DictConfig | None, *, trusted: tuple[str, ...] = allowed_prefixes(),
+                 extra: dict[str, dict] | None = None) -> list[Any]:
+    """A group that is a mapping of name -> object config (loggers, callbacks); ``extra``
+    holds runtime keyword arguments by name."""
+    return [build(node, trusted=trusted, **(extra or {}).get(name, {}))
+            for name, node in (group or {}).items()
+            if isinstance(node, DictConfig) and "_target_" in node]
+
+
+def _build_callbacks(cfg: DictConfig, layout: RunLayout | None = None) -> list[Any]:
+    trusted = trusted_targets(cfg)
+    callbacks = _build_named(cfg.get("callbacks"), trusted=trusted)
+    if "_target_" in (cfg.get("lr_scaling") or {}):
+        # An LR-scaling rule is a callback; it scales from the layout's global batch.
+        runtime = {"layout": layout} if layout is not None else {}
+        callbacks.append(build(cfg.lr_scaling, trusted=trusted, **runtime))
+    if cfg.trainer.get("enable_progress_bar") is False:
+        # Lightning refuses a progress-bar callback with the bar turned off; the flag wins.
+        callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+    return callbacks
+
+
+def _share_cpu_threads() -> None:
+    """Give each local rank its share of the cores: N ranks x all cores oversubscribes."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // local_ranks))
+
+
+def build_strategy(cfg: DictConfig):
+    """The strategy, given the runtime objects its constructor asks for by name:
+    ``compression`` (a ``CommHook`` from the compression group) and ``precision_dtypes``."""
+    accepts = signature_annotations(locate_target(cfg.strategy._target_, "strategy"))
+    extra: dict[str, Any] = {}
+    if "compression" in accepts and "_target_" in cfg.compression:
+        extra["compression"] = build(cfg.compression, trusted=trusted_targets(cfg))
+    if "precision_dtypes" in accepts:
+        extra["precision_dtypes"] = PrecisionDtypes.from_names(
+            **{k: cfg.precision[k] for k in ("param_dtype", "compute_dtype", "reduce_dtype")})
+    return build(cfg.strategy, trusted=trusted_targets(cfg), **extra)
+
+
+def build_module(cfg: DictConfig) -> LightningModule:
+    trusted = trusted_targets(cfg)
+    scheduler = build(cfg.scheduler, trusted=trusted) if "_target_" in (cfg.get("scheduler") or {}) else None
+    return build(cfg.model, trusted=trusted, optimizer=build(cfg.optimizer, trusted=trusted),
+                 scheduler=scheduler)
+
+
+def build_datamodule(cfg: DictConfig, layout: RunLayout) -> LightningDataModule:
+    """The data module, with the layout's micro batch (a strong-scaling run derives it)."""
+    extra = {"batch_size": layout.micro_batch} if "batch_size" in cfg.data else {}
+    return build(cfg.data, trusted=trusted_targets(cfg), **extra)
+
+
+def trainer_devices(devices: Any, layout: RunLayout) -> Any:
+    """What the Trainer gets for ``devices``: the layout's process count (Lightning takes only
+    a count on CPU, not -1 or auto), unless the user named device indices."""
+    names_indices = isinstance(devices, (list, ListConfig)) or (isinstance(devices, str) and "," in devices)
+    return devices if names_indices else layout.processes_per_node
+
+
+def wandb_run(node: DictConfig, *, name: str, sweep_dir: str | None, ckpt_path: str | None) -> dict:
+    """Runtime arguments of the W&B logger: a sweep's runs share one group, and a resumed run
+    continues the W&B run its checkpoint was written under (unless the config says)."""
+    from litscale.loggers import wandb_run_id_in_checkpoint
+
+    extra = {}
+    if sweep_dir and not node.get("group"):
+        extra["group"] = f"{name}-{os.path.basename(sweep_dir.rstrip('/'))}"
+    if ckpt_path and not node.get("id"):
+        extra["id"] = wandb_run_id_in_checkpoint(ckpt_path)
+    return extra
+
+
+def _quiet_lightning() -> None:
+    """Drop Lightning's advertisement and a deprecation warning it raises against itself;
+    neither is something a litscale user can act on."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: not str(record.msg).startswith("💡 Tip"))
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # litscale's samplers skip the batches a mid-epoch checkpoint already trained on
+    # (litscale.data.base.resume_position), which this warning does not know.
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
+
+
+def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
+              loggable_config: dict | None = None, sweep_dir: str | None = None) -> BuiltRun:
+    cfg = OmegaConf.create(config)
+    trusted = trusted_targets(cfg)
+    _quiet_lightning()
+    _share_cpu_threads()
+    seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = build_datamodule(cfg, layout)
+    module = build_module(cfg)
+    loggers_cfg = cfg.get("logger") or {}
+    wandb = {name: wandb_run(node, name=cfg.name, sweep_dir=sweep_dir, ckpt_path=layout.ckpt_path)
+             for name, node in loggers_cfg.items()
+             if isinstance(node, DictConfig) and node.get("_target_") == "litscale.loggers.wandb_logger"}
+    loggers = _build_named(loggers_cfg, trusted=trusted, extra=wandb)
+    strategy, callbacks = build_strategy(cfg), _build_callbacks(cfg, layout)
+    if getattr(strategy, "compression", None) is not None:
+        from litscale.callbacks.communication import CommunicationCallback
+
+        callbacks.append(CommunicationCallback(compression=strategy.compression))
+    if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
+        from litscale.loggers import WandbRunId
+
+        callbacks.append(WandbRunId())  # the W&B run id travels in checkpoints
+    trainer = build(
+        cfg.trainer,
+        trusted=trusted,
+        devices=trainer_devices(cfg.trainer.get("devices", 1), layout),
+        strategy=strategy,
+        precision=cfg.precision.lightning,
+        callbacks=callbacks,
+        logger=loggers or False,
+        # The data modules shard with their own DistributedSampler (see litscale.data.base).
+        use_distributed_sampler=False,
+        default_root_dir=cfg.paths.output_dir,
+    )
+    for logger in trainer.loggers:  # never values from the environment (API keys)
+        logger.log_hyperparams(loggable_config if loggable_config is not None else config)
+    return BuiltRun(config=cfg, choices=choices, layout=layout, datamodule=datamodule, module=module,
+                    trainer=trainer)

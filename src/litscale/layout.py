@@ -1,0 +1,117 @@
+"""The run layout: how many processes, how they split into a mesh, and the batch they make.
+
+Computed once, before any process or process group exists (by the app's validation, or by
+hand in a library script), then passed along: the launcher starts ``processes_per_node``
+ranks, the data module gets ``micro_batch``, LR scaling reads ``global_batch``, the start
+line prints it and ``summary.json`` records it. torchtitan's ``ParallelDims`` is the model:
+a frozen dataclass that checks its own arithmetic.
+
+    world size   = nodes x processes per node
+                 = pipeline x data-replicate x data-shard x tensor
+    global batch = micro batch x data-parallel size (replicate x shard) x accumulation
+
+Tensor- and pipeline-parallel ranks share one data shard, so they do not multiply the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from litscale.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MeshSizes:
+    """How many ranks each mesh dimension spans, outermost first; the product is the world.
+
+    ``data_replicate`` ranks hold whole copies (DDP, HSDP's outer dimension); ``data_shard``
+    ranks each hold a shard (FSDP, ZeRO, the data dimension of a 2-D/3-D mesh). Both see
+    distinct samples."""
+
+    pipeline: int = 1
+    data_replicate: int = 1
+    data_shard: int = 1
+    tensor: int = 1
+
+    @property
+    def data(self) -> int:
+        """Ranks that see distinct samples."""
+        return self.data_replicate * self.data_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline * self.data * self.tensor
+
+    def describe(self) -> str:
+        data = f"data {self.data}"
+        if self.data_replicate > 1 and self.data_shard > 1:
+            data += f" (replicate {self.data_replicate} x shard {self.data_shard})"
+        return f"pipeline {self.pipeline} x {data} x tensor {self.tensor}"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Processes, mesh and batch of one run; raises ``ValueError`` if they do not agree."""
+
+    num_nodes: int = 1
+    processes_per_node: int = 1
+    mesh: MeshSizes = field(default_factory=MeshSizes)
+    micro_batch: int = 1
+    accumulation: int = 1
+    ckpt_path: str | None = None
+    strong_scaling: bool = False  # the micro batch was derived from a fixed global batch
+
+    def __post_init__(self) -> None:
+        for name in ("num_nodes", "processes_per_node", "micro_batch", "accumulation"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunLayout.{name}={getattr(self, name)} is not valid: expected >= 1")
+        if self.mesh.world_size != self.world_size:
+            raise ValueError(f"mesh {self.mesh.describe()} = {self.mesh.world_size} ranks but "
+                             f"{self.num_nodes} node(s) x {self.processes_per_node} processes = "
+                             f"{self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.processes_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.mesh.data
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.data_parallel_size * self.accumulation
+
+    def describe(self) -> str:
+        """One line for the start of a run."""
+        return (f"{self.num_nodes} node(s) x {self.processes_per_node} process(es) = world "
+                f"{self.world_size} | mesh {self.mesh.describe()} | batch: micro "
+                f"{self.micro_batch} x data-parallel {self.data_parallel_size} x accumulation "
+                f"{self.accumulation} = global {self.global_batch}"
+                + (" (strong scaling)" if self.strong_scaling else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for ``summary.json``, the derived figures included."""
+        return {**asdict(self), "world_size": self.world_size,
+                "data_parallel_size": self.data_parallel_size, "global_batch": self.global_batch}
+
+
+def micro_batch_for(global_batch: int, *, data_parallel_size: int, accumulation: int) -> int:
+    """The per-device micro batch that keeps ``global_batch`` fixed (strong scaling)."""
+    share = data_parallel_size * accumulation
+    if global_batch % share:
+        raise ConfigError(
+            f"scaling.global_batch={global_batch} does not split over {data_parallel_size} "
+            f"data-parallel rank(s) x {accumulation} accumulation step(s); allowed: multiples of {share}"
+        )
+    return global_batch // share
+
+
+def mesh_of(strategy: Any, world_size: int) -> MeshSizes:
+    """The mesh a strategy lays ``world_size`` ranks out on: its own ``resolve_mesh``, or, for
+    a strategy that has none (a user's own), plain data parallel over every rank."""
+    resolve_mesh = getattr(strategy, "resolve_mesh", None)
+    if resolve_mesh is None:
+        return MeshSizes(data_replicate=world_size)
+    return resolve_mesh(world_size)

@@ -1,0 +1,70 @@
+"""The run layout: computed once by validation, checked by its own arithmetic, read by LR
+scaling and written to the summary."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import compose_job
+
+from litscale.app.validation import ConfigError, validate
+from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.lr_scaling import LRScaling
+
+
+def test_global_batch_counts_data_parallel_ranks_only():
+    layout = RunLayout(num_nodes=2, processes_per_node=4, micro_batch=3, accumulation=2,
+                       mesh=MeshSizes(pipeline=2, data_replicate=1, data_shard=2, tensor=2))
+    assert layout.world_size == 8 and layout.data_parallel_size == 2
+    assert layout.global_batch == 3 * 2 * 2
+    assert layout.as_dict()["global_batch"] == 12 and layout.as_dict()["mesh"]["tensor"] == 2
+
+
+def test_a_mesh_that_does_not_tile_the_world_is_refused():
+    with pytest.raises(ValueError, match=r"mesh pipeline 1 x data 2 x tensor 1 = 2 ranks but "
+                                         r"1 node\(s\) x 4 processes = 4"):
+        RunLayout(processes_per_node=4, mesh=MeshSizes(data_replicate=2))
+
+
+def test_hsdp_mesh_describes_replicate_and_shard():
+    assert MeshSizes(data_replicate=2, data_shard=2).describe() == (
+        "pipeline 1 x data 4 (replicate 2 x shard 2) x tensor 1")
+
+
+def test_strong_scaling_micro_batch_and_its_error():
+    assert micro_batch_for(64, data_parallel_size=4, accumulation=2) == 8
+    with pytest.raises(ConfigError, match=r"^scaling.global_batch=6 does not split over 4"):
+        micro_batch_for(6, data_parallel_size=4, accumulation=1)
+
+
+def test_a_strategy_without_a_mesh_is_data_parallel_over_every_rank():
+    assert mesh_of(object(), 4) == MeshSizes(data_replicate=4)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], dict(world_size=1, data_parallel_size=1, global_batch=16)),
+    (["strategy=ddp", "trainer.devices=2", "data.batch_size=4", "trainer.accumulate_grad_batches=3"],
+     dict(world_size=2, data_parallel_size=2, global_batch=24)),
+    (["strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=4"],
+     dict(world_size=2, data_parallel_size=1, global_batch=4)),
+    (["strategy=ddp", "trainer.devices=2", "scaling.global_batch=32"],
+     dict(world_size=2, data_parallel_size=2, global_batch=32, micro_batch=16, strong_scaling=True)),
+])
+def test_validation_returns_the_layout(overrides, expected, tmp_path, outputs_root):
+    cfg, choices = compose_job(["trainer.accelerator=cpu", *overrides], tmp_path)
+    layout = validate(cfg, choices=choices).as_dict()
+    assert {key: layout[key] for key in expected} == expected
+
+
+def test_lr_scaling_reads_the_layout_not_the_trainer():
+    """Given a layout, the callback scales from its global batch whatever the trainer says."""
+    layout = RunLayout(processes_per_node=2, mesh=MeshSizes(data_replicate=2), micro_batch=8,
+                       accumulation=2)
+    callback = LRScaling(rule="linear", base_batch_size=8, layout=layout)
+    module = SimpleNamespace(optimizer_factory=functools.partial(torch.optim.SGD, lr=0.1))
+    trainer = SimpleNamespace(accumulate_grad_batches=1, strategy=None, datamodule=None)
+    callback.setup(trainer, module, "fit")
+    assert callback.global_batch == 32 and callback.lr == pytest.approx(0.4)
