@@ -146,4 +146,26 @@ def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
         raise ConfigError(
             f"ckpt_path={ckpt_path!r} is not a file; give a checkpoint path, last, auto or null"
         )
-    return os.path.expanduser(ckpt_path)
+    if os.path.isfile(path) and not is_readable_checkpoint(path):
+        raise ConfigError(
+            f"ckpt_path={ckpt_path!r} is not a readable checkpoint (truncated, corrupt, or not a "
+            "Lightning checkpoint); give a checkpoint path, last, auto or null"
+        )
+    return path
+
+
+def is_readable_checkpoint(path: str) -> bool:
+    """A complete ``torch.save`` file that loads as a Lightning checkpoint without running
+    code (``weights_only``; memory-mapped, so tensors are not read).
+
+    NOTE: checked before any rank starts; otherwise a bad file ends in torch's unpickling
+    traceback, whose advice (``weights_only=False``) would run whatever the file holds."""
+    import torch
+
+    if not is_complete_torch_file(path):
+        return False
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - unpickling errors have many types; all mean unreadable
+        return False
+    return isinstance(checkpoint, dict) and "state_dict" in checkpoint

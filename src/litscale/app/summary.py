@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from litscale.app.build import BuiltRun
 from litscale.app.scaling_study import ScalingContext, find_baseline, scaling_metrics
+from litscale.callbacks.communication import CommunicationCallback
 from litscale.callbacks.memory import MemoryCallback
 from litscale.callbacks.throughput import ThroughputCallback
 
@@ -58,6 +59,8 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     trainer, module = built.trainer, built.module
     throughput = next((c.result for c in trainer.callbacks if isinstance(c, ThroughputCallback)), {})
     memory = next((c.result for c in trainer.callbacks if isinstance(c, MemoryCallback)), {})
+    communication = next((c.result for c in trainer.callbacks
+                          if isinstance(c, CommunicationCallback)), {})
     layout = built.layout
     summary = {
         "train/loss": _metric(trainer, "train/loss"),
@@ -67,6 +70,8 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         "val/accuracy": _metric(trainer, "val/accuracy"),
         **throughput,
         **memory,
+        **communication,
+        **_lr_scaling(trainer),
         "steps": trainer.global_step,
         "global_batch": layout.global_batch,
         "micro_batch": layout.micro_batch,
@@ -109,9 +114,19 @@ def _log_scaling(trainer: Trainer, summary: dict, context: ScalingContext) -> di
 
 def _scaled_lr(trainer: Trainer) -> float | None:
     """The peak LR after the lr_scaling rule (None without the callback)."""
+    return _lr_scaling(trainer).get("lr_scaling/peak_lr")
+
+
+def _lr_scaling(trainer: Trainer) -> dict:
+    """What the LR-scaling rule did: rule, base and scaled peak LR, the global batch it saw."""
     from litscale.lr_scaling import LRScaling
 
-    return next((c.lr for c in trainer.callbacks if isinstance(c, LRScaling)), None)
+    rule = next((c for c in trainer.callbacks if isinstance(c, LRScaling) and c.lr is not None), None)
+    if rule is None:
+        return {}
+    return {"lr_scaling/rule": rule.rule, "lr_scaling/base_lr": rule.base_lr,
+            "lr_scaling/peak_lr": rule.lr, "lr_scaling/base_batch_size": rule.base_batch_size,
+            "lr_scaling/global_batch": rule.global_batch}
 
 
 def _best_checkpoint(trainer: Trainer) -> str | None:
@@ -145,6 +160,11 @@ def _print_end(summary: dict) -> None:
             f" | gradient all-reduce {summary['perf/comm_share']:.0%} of a step, "
             f"{summary.get('perf/comm_exposed_share', float('nan')):.0%} not overlapped")
         _say(f"MFU {summary['perf/mfu']:.1%} ({summary['perf/tflops']:.3g} TFLOP/s){comm}")
+    if "comm/compression_ratio" in summary:
+        _say(f"compression {summary['comm/compression_ratio']:.1f}x fewer bytes than dense over the "
+             f"run | {summary['comm/bytes_per_step'] / 2**20:.3g} MiB sent per step by rank 0 "
+             f"(dense {summary['comm/dense_bytes_per_step'] / 2**20:.3g} MiB) | "
+             f"{summary['comm/compress_time_s'] * 1e3:.2f} ms compressing per step")
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
              f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")

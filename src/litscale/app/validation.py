@@ -294,10 +294,22 @@ def run_layout(cfg: DictConfig, processes: int) -> RunLayout:
     global_batch = (cfg.get("scaling") or {}).get("global_batch")
     micro_batch = micro_batch_for(global_batch, data_parallel_size=mesh.data, accumulation=accumulation) \
         if global_batch else int(cfg.data.get("batch_size") or 1)
+    check_microbatches(strategy, micro_batch)
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
     return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
                      micro_batch=micro_batch, accumulation=accumulation, ckpt_path=ckpt_path,
                      strong_scaling=bool(global_batch))
+
+
+def check_microbatches(strategy: Any, micro_batch: int) -> None:
+    """A pipeline splits each rank's micro batch into ``strategy.microbatches`` equal parts."""
+    microbatches = getattr(strategy, "microbatches", None)
+    if isinstance(microbatches, int) and micro_batch % microbatches:
+        divisors = [d for d in range(1, micro_batch + 1) if micro_batch % d == 0]
+        raise ConfigError(
+            f"strategy.microbatches={microbatches} does not divide the micro batch of {micro_batch} "
+            f"samples per data-parallel rank (data.batch_size); allowed: "
+            f"{', '.join(map(str, divisors))} (or a data.batch_size that is a multiple of {microbatches})")
 
 
 def check_baseline(cfg: DictConfig) -> None:
