@@ -68,3 +68,11 @@ def test_lr_scaling_reads_the_layout_not_the_trainer():
     trainer = SimpleNamespace(accumulate_grad_batches=1, strategy=None, datamodule=None)
     callback.setup(trainer, module, "fit")
     assert callback.global_batch == 32 and callback.lr == pytest.approx(0.4)
+
+
+def test_a_device_sweep_gives_every_job_the_largest_jobs_thread_share():
+    from litscale.app.scaling_study import threads_per_rank_of_sweep
+
+    assert threads_per_rank_of_sweep(["-m", "trainer.devices=1,2", "strategy=ddp"], cores=2) == 1
+    assert threads_per_rank_of_sweep(["trainer.devices=1,2,4"], cores=16) == 4
+    assert threads_per_rank_of_sweep(["trainer.devices=2"], cores=2) is None

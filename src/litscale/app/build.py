@@ -82,10 +82,13 @@ def _build_callbacks(cfg: DictConfig, layout: RunLayout | None = None) -> list[A
 
 
 def _share_cpu_threads() -> None:
-    """Give each local rank its share of the cores: N ranks x all cores oversubscribes."""
+    """Give each local rank its share of the cores: N ranks x all cores oversubscribes. In a
+    device sweep every job gets the largest job's share (``scaling_study.THREADS_ENV``)."""
+    from litscale.app.scaling_study import THREADS_ENV
+
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // local_ranks))
+    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or max(1, cores // local_ranks)))
 
 
 def build_strategy(cfg: DictConfig):

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -80,6 +81,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         "layout": layout.as_dict(),
         "lr": _scaled_lr(trainer),
         "world_size": layout.world_size,
+        "threads_per_rank": torch.get_num_threads(),
         "num_params": _count_params(module),
         "choices": built.choices,
         "overrides": scaling.overrides if scaling else [],
