@@ -13,7 +13,8 @@ from train_cli import explain, run_train, summaries
 
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.modules import CausalLMModule
-from litscale.strategies.pipeline import SCHEDULES, balanced_cuts, stage_ranks
+from litscale.strategies.pipeline import SCHEDULES
+from litscale.strategies.stages import balanced_cuts, stage_ranks
 
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
 STEPS, GLOBAL_BATCH, MICROBATCHES, CLIP = 5, 8, 4, 0.5

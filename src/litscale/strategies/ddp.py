@@ -6,12 +6,12 @@ from datetime import timedelta
 from typing import Literal
 
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
-from lightning.pytorch.strategies.ddp import _register_ddp_comm_hook
 from typing_extensions import override
 
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
+from litscale.strategies.mesh import MeshSizes
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -43,19 +43,19 @@ class DDPStrategy(LightningDDPStrategy):
         )
         self.compression = compression
 
+    def resolve_mesh(self, world_size: int) -> MeshSizes:
+        """Every rank holds a full replica and sees distinct samples."""
+        return MeshSizes(data_replicate=world_size)
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         destroy_process_group_at_exit()
 
+    # NOTE: `_register_ddp_hooks` is a private method of Lightning's DDPStrategy, overridden
+    # because it is where Lightning attaches comm hooks once the model is wrapped in DDP (and it
+    # does so only on CUDA). The hook is registered through litscale's own CommHook.register.
     @override
     def _register_ddp_hooks(self) -> None:
         if self.compression is not None:
-            bind = getattr(self.compression.state, "bind", None)
-            if bind is not None:  # names parameters, so checkpointed hook state is keyed by name
-                bind(self.model)
-            _register_ddp_comm_hook(
-                model=self.model,
-                ddp_comm_state=self.compression.state,
-                ddp_comm_hook=self.compression.hook,
-            )
+            self.compression.register(self.model)

@@ -27,6 +27,7 @@ from typing_extensions import override
 from litscale.constraints import PositiveInt
 from litscale.precision import PrecisionDtypes
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
+from litscale.strategies.mesh import MeshSizes
 
 _DEEPSPEED_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -94,6 +95,11 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
         self.exclude_frozen_parameters = False
         self.loss_scale, self.initial_scale_power, self.loss_scale_window = 0, 16, 1000
         self.hysteresis, self.min_loss_scale = 2, 1
+
+    def resolve_mesh(self, world_size: int) -> MeshSizes:
+        """Every rank holds a shard (of the optimizer state, gradients, parameters: by stage)
+        and sees distinct samples."""
+        return MeshSizes(data_shard=world_size)
 
     @override
     def setup_environment(self) -> None:

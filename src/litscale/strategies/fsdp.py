@@ -8,27 +8,35 @@ subclasses the latter and does the sharding itself, from what the model declares
 with their global shapes, a run saved on N ranks resumes on M ranks.
 
 ``apply_fsdp`` is the reusable part (torchtitan style): it shards a module on a given mesh,
-so a 2D/3D strategy can apply it to the data-parallel dimension of its own mesh.
+so a 2D/3D strategy can apply it to the data-parallel dimension of its own mesh
+(``fsdp_options`` and ``shard_units`` are its steps, for a strategy that picks its own roots).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
 from litscale.constraints import PositiveInt
+from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
-from litscale.strategies.lifecycle import destroy_process_group_at_exit
+from litscale.strategies.declarations import declared, name_matches
+from litscale.strategies.mesh import (
+    MeshSizes,
+    ShapeAndNames,
+    is_parallelized,
+    sampler_kwargs,
+    setup_parallel_module,
+    start_mesh,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,25 +62,17 @@ def mixed_precision_policy(dtypes: PrecisionDtypes | None) -> MixedPrecisionPoli
     return MixedPrecisionPolicy(param_dtype=dtypes.compute, reduce_dtype=dtypes.reduce)
 
 
-def _name_matches(name: str, pattern: str) -> bool:
-    """``fnmatch`` per dotted component, so ``net.blocks.*`` matches blocks, not their children."""
-    parts, pattern_parts = name.split("."), pattern.split(".")
-    return len(parts) == len(pattern_parts) and all(
-        fnmatch.fnmatchcase(part, want) for part, want in zip(parts, pattern_parts, strict=True))
-
-
 def find_sharding_units(module: nn.Module, patterns: Sequence[str] | None = None) -> list[nn.Module]:
     """The submodules to shard one by one: from ``patterns`` if given, else what ``module``
-    or its ``net`` declares with ``sharding_units()``; ``[]`` (with a warning) if neither."""
+    or its ``net`` declares as ``sharding_units``; ``[]`` (with a warning) if neither."""
     if patterns:
-        units = [m for name, m in module.named_modules() if any(_name_matches(name, p) for p in patterns)]
+        units = [m for name, m in module.named_modules() if any(name_matches(name, p) for p in patterns)]
         if not units:
             raise ValueError(f"strategy.sharding_units={list(patterns)} matches no submodule of the model")
         return units
-    for owner in (module, getattr(module, "net", None)):
-        declare = getattr(owner, "sharding_units", None)
-        if callable(declare):
-            return list(declare())
+    found = declared(module, "sharding_units")
+    if found is not None:
+        return list(found[1])
     warnings.warn(NO_UNITS_WARNING, stacklevel=2)
     return []
 
@@ -93,6 +93,33 @@ def _roots(module: nn.Module) -> list[nn.Module]:
     return [child for child in module.children() if any(True for _ in child.parameters())]
 
 
+def fsdp_options(mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
+                 cpu_offload: bool = False) -> dict[str, Any]:
+    """``fully_shard`` keyword arguments shared by every FSDP group on ``mesh``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return {
+        "mesh": mesh,
+        "mp_policy": mp_policy or mixed_precision_policy(None),
+        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
+        else OffloadPolicy(),
+    }
+
+
+def shard_units(units: Sequence[nn.Module], *, reshard_after_forward: bool,
+                activation_checkpointing: bool = False, **options: Any) -> None:
+    """Make each unit its own FSDP group (gathered just before its forward and, with
+    ``reshard_after_forward``, freed after it: ZeRO-3; without, kept until backward: ZeRO-2).
+    Activation checkpointing, applied per unit first, recomputes a unit's activations in backward."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        if activation_checkpointing:
+            checkpoint(unit)  # composable: parameter names (and checkpoint keys) stay the same
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
+
+
 def apply_fsdp(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -105,24 +132,14 @@ def apply_fsdp(
 ) -> None:
     """Shard ``module`` in place with FSDP2 on ``mesh`` (1D: shard; 2D: replicate x shard).
 
-    Each of ``units`` becomes its own FSDP group (gathered just before its forward and, with
-    ``reshard_after_forward``, freed after it: ZeRO-3; without, kept until backward: ZeRO-2);
-    the roots (``net``, or the children holding parameters) take the rest. Activation
-    checkpointing, applied per unit first, recomputes a unit's activations in backward.
+    Each of ``units`` becomes its own FSDP group (``shard_units``); the roots (``net``, or the
+    children holding parameters) take the rest.
     """
-    from torch.distributed._composable import checkpoint
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    options: dict[str, Any] = {
-        "mesh": mesh,
-        "mp_policy": mp_policy or mixed_precision_policy(None),
-        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
-        else OffloadPolicy(),
-    }
-    for unit in units:
-        if activation_checkpointing:
-            checkpoint(unit)  # composable: parameter names (and checkpoint keys) stay the same
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
+    options = fsdp_options(mesh, mp_policy=mp_policy, cpu_offload=cpu_offload)
+    shard_units(units, reshard_after_forward=reshard_after_forward,
+                activation_checkpointing=activation_checkpointing, **options)
     for root in _roots(module):
         # NOTE: a root is resharded after forward only when it is not the last to run; keeping
         # it gathered (False) avoids an all-gather at the start of backward, as torchtitan does.
@@ -137,6 +154,13 @@ class _NoAutocast(MixedPrecision):
     @override
     def forward_context(self):
         return nullcontext()
+
+
+def _shape_and_names(sizes: MeshSizes) -> ShapeAndNames:
+    """FSDP's mesh: ``shard``, or ``replicate x shard`` (HSDP) with replicas."""
+    if sizes.data_replicate > 1:
+        return (sizes.data_replicate, sizes.data_shard), ("replicate", "shard")
+    return (sizes.data_shard,), ("shard",)
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -173,13 +197,18 @@ class FSDPStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
         self.activation_checkpointing = activation_checkpointing
 
-    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
-        """Pre-flight: the replicate x shard mesh must tile the world, and unit patterns must
-        match modules of the LightningModule (whose network is ``net``)."""
+    def resolve_mesh(self, world_size: int) -> MeshSizes:
+        """``replicate_size`` replicas of ``world_size / replicate_size`` shards."""
         if world_size % self.replicate_size:
             raise ValueError(
                 f"strategy.replicate_size={self.replicate_size} must divide the world size "
                 f"({world_size}); allowed: a divisor of {world_size}")
+        return MeshSizes(data_replicate=self.replicate_size, data_shard=world_size // self.replicate_size)
+
+    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
+        """Pre-flight: the replicate x shard mesh must tile the world, and unit patterns must
+        match modules of the LightningModule (whose network is ``net``)."""
+        self.resolve_mesh(world_size)
         if self.sharding_unit_patterns:
             find_sharding_units(nn.ModuleDict({"net": net}), self.sharding_unit_patterns)
 
@@ -188,58 +217,29 @@ class FSDPStrategy(ModelParallelStrategy):
         """Parameters, gradients and optimizer state are all sharded (ZeRO-3's memory)."""
         return 3
 
-    @property
-    def shard_size(self) -> int:
-        return self.world_size // self.replicate_size
-
     @override
     def setup_environment(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._setup_distributed()
-        destroy_process_group_at_exit()
-        if self.world_size % self.replicate_size:
-            self.validate_setup(world_size=self.world_size, net=nn.Module())
-        if self.replicate_size > 1:
-            shape, names = (self.replicate_size, self.shard_size), ("replicate", "shard")
-        else:
-            shape, names = (self.world_size,), ("shard",)
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        self.lightning_module._device_mesh = self._device_mesh
+        start_mesh(self, _shape_and_names)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank is a data-parallel rank (replicas and shards alike see distinct samples).
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from lightning.fabric.utilities.init import _materialize_distributed_module
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        self.accelerator.setup(trainer)
-        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in self.model.parameters()):
-            # bf16-true converts parameters before sharding, so shards are stored in bf16.
-            self.model = self.precision_plugin.convert_module(self.model)
-            self.model.to(self.root_device)
-            apply_fsdp(
-                self.model, self.device_mesh,
-                units=find_sharding_units(self.model, self.sharding_unit_patterns),
-                reshard_after_forward=self.reshard_after_forward,
-                mp_policy=mixed_precision_policy(self.precision_dtypes),
-                cpu_offload=self.cpu_offload and self.root_device.type == "cuda",
-                activation_checkpointing=self.activation_checkpointing,
-            )
-            _materialize_distributed_module(self.model, self.root_device)  # after meta-device init
         if type(self.precision_plugin) is MixedPrecision:
             plugin = self.precision_plugin
             self.precision_plugin = _NoAutocast(plugin.precision, plugin.device, plugin.scaler)
-        self.model.to(self.root_device)  # buffers and metrics FSDP did not move
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        setup_parallel_module(self, trainer, self._shard, parallelized=is_parallelized(self.model))
+
+    def _shard(self, module: nn.Module) -> None:
+        apply_fsdp(
+            module, self.device_mesh,
+            units=find_sharding_units(module, self.sharding_unit_patterns),
+            reshard_after_forward=self.reshard_after_forward,
+            mp_policy=mixed_precision_policy(self.precision_dtypes),
+            cpu_offload=self.cpu_offload and self.root_device.type == "cuda",
+            activation_checkpointing=self.activation_checkpointing,
+        )
+        materialize_distributed_module(module, self.root_device)  # after meta-device init

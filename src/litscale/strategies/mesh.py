@@ -1,43 +1,76 @@
-"""The model-parallel device mesh: its sizes, their validation, and sums across it.
+"""The device mesh of a strategy: its sizes, their validation, and what every mesh strategy
+shares (starting the mesh, the ``setup`` body, sampler arguments, clipping across the mesh).
 
 One place decides how ``world_size`` ranks split into pipeline x data x tensor parallel
-(torchtitan's ``ParallelDims``), and checks that the model fits the split: heads and hidden
-sizes divisible by the tensor-parallel size, enough pipeline blocks for the stages. Every
-check raises ``ValueError`` with one line naming the ``strategy.<key>``, so the pre-flight
-check (``validate_setup``) reports it before any process group exists.
+(torchtitan's ``ParallelDims``), the data dimension itself into replicas x shards, and checks
+that the model fits the split. Every check raises ``ValueError`` with one line naming the
+``strategy.<key>``, so the pre-flight check (``validate_setup``) reports it before any process
+group exists. Every strategy answers ``resolve_mesh(world_size) -> MeshSizes`` without one.
+
+The FSDP, tensor-parallel and pipeline strategies are siblings on Lightning's
+``ModelParallelStrategy``; the helpers below are the parts they have in common.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+
+from litscale.lightning_private import optimizers_to_device
+from litscale.strategies.lifecycle import destroy_process_group_at_exit
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
 # Mesh dimension names, outermost first. "data_parallel" is the name Lightning's
 # ModelParallelStrategy reads for its sampler arguments.
 PIPELINE, DATA, TENSOR = "pipeline_parallel", "data_parallel", "tensor_parallel"
 
+ShapeAndNames = tuple[tuple[int, ...], tuple[str, ...]]
+
 
 @dataclass(frozen=True)
 class MeshSizes:
-    """How many ranks each dimension spans; the product is the world size."""
+    """How many ranks each dimension spans; the product is the world size.
+
+    ``data_replicate`` ranks hold copies (DDP, FSDP's replicate dimension), ``data_shard`` ranks
+    hold shards (FSDP, ZeRO, the data dimension of a tensor-parallel mesh); both see distinct
+    samples. NOTE: ``data_replicate`` comes last so that ``MeshSizes(pipeline, data, tensor)``
+    keeps its meaning from when the data dimension had one size.
+    """
 
     pipeline: int = 1
-    data: int = 1
+    data_shard: int = 1
     tensor: int = 1
+    data_replicate: int = 1
+
+    @property
+    def data(self) -> int:
+        """The data-parallel size: ranks that see distinct samples."""
+        return self.data_replicate * self.data_shard
 
     @property
     def world_size(self) -> int:
         return self.pipeline * self.data * self.tensor
 
-    def shape_and_names(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    def shape_and_names(self) -> ShapeAndNames:
+        """The ``pipeline x data x tensor`` mesh of the tensor-parallel and pipeline strategies
+        (the pipeline dimension is kept at size 1, so 2D and 3D meshes have the same names)."""
         return (self.pipeline, self.data, self.tensor), (PIPELINE, DATA, TENSOR)
 
     def describe(self) -> str:
-        return f"pipeline {self.pipeline} x data {self.data} x tensor {self.tensor}"
+        data = f"data {self.data}"
+        if self.data_replicate > 1:
+            data += f" (replicate {self.data_replicate} x shard {self.data_shard})"
+        return f"pipeline {self.pipeline} x {data} x tensor {self.tensor}"
 
 
 def resolve_mesh_sizes(
@@ -60,7 +93,7 @@ def resolve_mesh_sizes(
     elif known != world_size:
         raise ValueError(f"{shown} = {known} but the world size is {world_size} "
                          "(trainer.devices x trainer.num_nodes); the product must equal it")
-    return MeshSizes(pipeline=given["pipeline_parallel_size"], data=given["data_parallel_size"],
+    return MeshSizes(pipeline=given["pipeline_parallel_size"], data_shard=given["data_parallel_size"],
                      tensor=given["tensor_parallel_size"])
 
 
@@ -77,19 +110,65 @@ def check_tensor_parallel_fits(net: nn.Module, tensor_parallel_size: int) -> Non
                 f"model.net.{field}={value}; allowed: a divisor of {value}")
 
 
-def check_enough_blocks(num_blocks: int, num_stages: int, *, pipeline_parallel_size: int) -> None:
-    if num_blocks < num_stages:
-        raise ValueError(
-            f"strategy.pipeline_parallel_size={pipeline_parallel_size} needs {num_stages} pipeline "
-            f"stages but the model declares only {num_blocks} blocks to cut between; allowed: "
-            f"at most {num_blocks} stages (pipeline_parallel_size x virtual_stages)")
+# --- what the mesh strategies share ------------------------------------------------------------
+
+def start_mesh(strategy: ModelParallelStrategy,
+               shape_and_names: Callable[[MeshSizes], ShapeAndNames] = MeshSizes.shape_and_names) -> MeshSizes:
+    """Start the process group, then build the strategy's device mesh from its
+    ``resolve_mesh(world_size)`` (laid out by ``shape_and_names``); returns the sizes.
+
+    Replaces ``ModelParallelStrategy.setup_environment``, which would build Lightning's own
+    data x tensor mesh. NOTE: ``_setup_distributed`` (ranks, then the process group) and
+    ``_device_mesh`` (what ``device_mesh`` returns) are Lightning's private method and attribute.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    strategy._setup_distributed()
+    destroy_process_group_at_exit()
+    sizes = strategy.resolve_mesh(strategy.world_size)
+    shape, names = shape_and_names(sizes)
+    strategy._device_mesh = init_device_mesh(strategy.root_device.type, shape, mesh_dim_names=names)
+    # As with Lightning's strategy, the LightningModule reaches the mesh (e.g. in configure_model).
+    strategy.lightning_module._device_mesh = strategy._device_mesh
+    return sizes
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def sampler_kwargs(sizes: MeshSizes, global_rank: int) -> dict[str, int]:
+    """``DistributedSampler`` arguments: only data-parallel ranks see distinct samples; tensor-
+    and pipeline-parallel ranks share a batch. From the sizes, not the mesh, so it also answers
+    before the processes start; every mesh lays ranks out row-major over (pipeline, data, tensor)."""
+    return {"num_replicas": sizes.data, "rank": (global_rank // sizes.tensor) % sizes.data}
+
+
+def is_parallelized(module: nn.Module) -> bool:
+    """Whether tensor parallel or FSDP has already split ``module``'s parameters."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
+
+def setup_parallel_module(strategy: ModelParallelStrategy, trainer: pl.Trainer,
+                          parallelize: Callable[[nn.Module], None], *, parallelized: bool) -> None:
+    """``ModelParallelStrategy.setup`` with the strategy's ``parallelize`` in place of the user's
+    ``configure_model``. ``parallelized``: ``setup`` runs again for each trainer call (fit, then
+    validate or test), and the model is converted and split only the first time."""
+    strategy.accelerator.setup(trainer)
+    if not parallelized:
+        # bf16-true converts parameters before sharding, so shards are stored in bf16.
+        strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+        strategy.model.to(strategy.root_device)
+        parallelize(strategy.model)
+    strategy.model.to(strategy.root_device)  # buffers and metrics that parallelizing did not move
+    strategy.barrier()
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    if fitting:
+        strategy.setup_optimizers(trainer)
+    strategy.setup_precision_plugin()
+    if fitting:
+        optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+
+# --- gradient clipping across the mesh ---------------------------------------------------------
 
 def _values_and_copies(grad: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tensor, int]:
     """This rank's gradient values and on how many ranks of the world the same values live:
@@ -116,24 +195,38 @@ def clip_grad_norm_across_mesh(
 ) -> torch.Tensor:
     """Clip gradients by their global 2-norm when parameters are split across ranks.
 
-    Written by hand because ``torch.nn.utils.clip_grad_norm_`` sees only this rank's
-    parameters: with pipeline stages each rank holds different layers, and it cannot mix
-    DTensor with plain tensors. Each rank sums its local squares, weighted by 1 / (number of
-    ranks holding the same values), and one all-reduce over the world gives the total.
-    ``ranks_per_stage``: world size / pipeline size (data x tensor parallel).
+    NOTE: the norm is summed by hand: ``torch.nn.utils.get_total_norm`` (and so
+    ``clip_grad_norm_``) raises on a mix of DTensor and plain gradients (tensor parallel leaves
+    the parameters its plan does not name plain, e.g. GPT's position embedding), and sees only
+    this rank's pipeline stage (``tests/test_torch_apis.py`` shows both). Here each rank sums
+    its local squares, weighted by 1 / (number of ranks holding the same values), and one
+    all-reduce over the world gives the total. ``ranks_per_stage``: world size / pipeline size
+    (data x tensor parallel). The scaling is torch's ``clip_grads_with_norm_``.
     """
     import torch.distributed as dist
 
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
-    device = _local(grads[0]).device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
     for grad in grads:
         values, copies = _values_and_copies(grad.detach(), ranks_per_stage)
         total += values.double().pow(2).sum() / copies
     if dist.is_initialized():
         dist.all_reduce(total)
     norm = total.sqrt().float()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for grad in grads:  # scaling is linear, so a partial gradient is scaled as it is
-        _local(grad).detach().mul_(scale.to(grad.dtype))
+    # NOTE: foreach=False: torch's foreach path cannot mix DTensor and plain gradients either.
+    # One by one, a partial DTensor gradient is scaled as it is (scaling is linear).
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=False)
     return norm
+
+
+def clip_by_norm_across_mesh(plugin: Precision, sizes: MeshSizes) -> None:
+    """Route Lightning's ``gradient_clip_val`` (by norm) through ``clip_grad_norm_across_mesh``:
+    the precision plugin's own clipping calls torch's ``clip_grad_norm_``."""
+    ranks_per_stage = sizes.world_size // sizes.pipeline
+
+    def clip_grad_by_norm(optimizer, clip_val) -> None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_across_mesh(parameters, float(clip_val), ranks_per_stage=ranks_per_stage)
+
+    plugin.clip_grad_by_norm = clip_grad_by_norm

@@ -2,15 +2,16 @@
 with tensor parallel and FSDP2 data parallel on one ``pipeline x data x tensor`` mesh (3D).
 
 Lightning has no pipeline strategy (Lightning #17180). Here the model declares the ordered
-units a pipeline may cut between (``GPT.pipeline_blocks``); the strategy cuts them into
-stages (balanced by parameter count, or at ``split_points``), keeps on each rank only what
-its stages own (the others become ``None``, so checkpoint keys stay stable, torchtitan's
-approach), and runs a torch schedule (GPipe, 1F1B, interleaved, zero-bubble) per step.
+units a pipeline may cut between (``GPT.pipeline_blocks``); ``stages.py`` cuts them into
+stages (balanced by parameter count, or at ``split_points``) and keeps on each rank only what
+its stages own; this module runs a torch schedule (GPipe, 1F1B, interleaved, zero-bubble) per
+step. Tensor parallel and FSDP2 are the same functions the sibling strategies apply
+(``apply_declared_plan`` on the whole model, then ``fsdp.shard_units`` per stage).
 
 In the fit loop: ``training_step`` runs ``schedule.step`` (forward and backward of every
 micro-batch), broadcasts the last stage's mean loss to the pipeline group, and lets the
 LightningModule log it through its own ``training_step``; ``backward`` only hands the
-gradients back (see ``_stash_gradients``); Lightning's optimizer step, LR schedulers and
+gradients back (see ``_take_gradients``); Lightning's optimizer step, LR schedulers and
 gradient clipping (a norm across stages, ``mesh.clip_grad_norm_across_mesh``) run as usual.
 Validation runs forward-only through the stages (``schedule.eval``). Checkpoints are DCP
 directories in which each stage writes its own parameters.
@@ -18,29 +19,54 @@ directories in which each stage writes its own parameters.
 
 from __future__ import annotations
 
-import copy
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
 from litscale.constraints import PositiveInt
+from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
+from litscale.strategies.fsdp import (
+    find_sharding_units,
+    fsdp_options,
+    mixed_precision_policy,
+    shard_units,
+)
 from litscale.strategies.mesh import (
     DATA,
     PIPELINE,
+    TENSOR,
     MeshSizes,
-    check_enough_blocks,
-    check_tensor_parallel_fits,
+    clip_by_norm_across_mesh,
     resolve_mesh_sizes,
+    sampler_kwargs,
+    setup_parallel_module,
+    start_mesh,
 )
-from litscale.strategies.tensor_parallel import StyleName, TensorParallelStrategy, find_plan
+from litscale.strategies.stages import (
+    Units,
+    check_enough_blocks,
+    find_blocks,
+    keep_stages,
+    plan_stages,
+)
+from litscale.strategies.tensor_parallel import (
+    StyleName,
+    apply_declared_plan,
+    check_tensor_parallel_setup,
+)
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                        "zbv_zero_bubble", "dualpipev"]
@@ -55,116 +81,9 @@ SCHEDULES: dict[str, tuple[str, str]] = {
     "zbv_zero_bubble": ("ScheduleZBVZeroBubble", "v"),
     "dualpipev": ("ScheduleDualPipeV", "v"),
 }
-Units = list[list[str]]
 
 
-def find_blocks(module: nn.Module, blocks: Units | None = None) -> tuple[nn.Module, Units]:
-    """(the module the block names are relative to, the units in forward order): ``blocks`` if
-    given (relative to ``module``), else what ``module`` or its ``net`` declares as
-    ``pipeline_blocks`` (a list, or a method returning one)."""
-    if blocks:
-        return module, [[name] if isinstance(name, str) else list(name) for name in blocks]
-    for owner in (module, getattr(module, "net", None)):
-        declared = getattr(owner, "pipeline_blocks", None)
-        if declared:
-            units = declared() if callable(declared) else declared
-            return owner, [[name] if isinstance(name, str) else list(name) for name in units]
-    raise ValueError(
-        f"{type(module).__name__} declares no pipeline blocks; declare `pipeline_blocks` (the "
-        "ordered submodule names a pipeline may cut between) on the LightningModule or its `net`, "
-        "or pass blocks= to the strategy")
-
-
-def _unit_sizes(owner: nn.Module, units: Units) -> list[int]:
-    return [sum(p.numel() for name in unit for p in owner.get_submodule(name).parameters())
-            for unit in units]
-
-
-def balanced_cuts(sizes: Sequence[int], num_stages: int) -> list[int]:
-    """Start index of each stage: contiguous runs of ``sizes`` minimising the largest stage
-    (exact dynamic programme; the unit count is small)."""
-    n, prefix = len(sizes), [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    best = {(0, 0): (0, [])}  # (units used, stages made) -> (largest stage, starts)
-    for stages in range(1, num_stages + 1):
-        for end in range(stages, n - (num_stages - stages) + 1):
-            options = [(max(best[(start, stages - 1)][0], prefix[end] - prefix[start]),
-                        best[(start, stages - 1)][1] + [start])
-                       for start in range(stages - 1, end) if (start, stages - 1) in best]
-            best[(end, stages)] = min(options)
-    return best[(n, num_stages)][1]
-
-
-def stage_cuts(owner: nn.Module, units: Units, num_stages: int, split_points: Sequence[str] | None) -> list[int]:
-    """Start unit of each stage, from ``split_points`` (the first module name of each stage
-    after the first) or balanced by parameter count."""
-    if not split_points:
-        return balanced_cuts(_unit_sizes(owner, units), num_stages)
-    first_names = {unit[0]: index for index, unit in enumerate(units)}
-    if len(split_points) != num_stages - 1:
-        raise ValueError(f"strategy.split_points={list(split_points)} gives {len(split_points) + 1} "
-                         f"stages but the pipeline has {num_stages}; allowed: {num_stages - 1} names")
-    unknown = [name for name in split_points if name not in first_names or first_names[name] == 0]
-    if unknown:
-        raise ValueError(f"strategy.split_points={list(split_points)}: {unknown[0]!r} is not a block to "
-                         f"cut before; allowed: {', '.join(list(first_names)[1:])}")
-    cuts = [0] + [first_names[name] for name in split_points]
-    if cuts != sorted(set(cuts)):
-        raise ValueError(f"strategy.split_points={list(split_points)} must be in forward order, no repeats")
-    return cuts
-
-
-def stage_ranks(num_stages: int, pipeline_size: int, placement: str) -> list[int]:
-    """The pipeline rank that runs each stage."""
-    if placement == "v":
-        return [s if s < pipeline_size else 2 * pipeline_size - 1 - s for s in range(num_stages)]
-    return [s % pipeline_size for s in range(num_stages)]
-
-
-def _check_ties(owner: nn.Module, units: Units, cuts: list[int], pipeline_parallel_size: int) -> None:
-    stage_of = {}
-    for stage, (start, end) in enumerate(zip(cuts, cuts[1:] + [len(units)], strict=True)):
-        for unit in units[start:end]:
-            for name in unit:
-                for param_name, param in owner.get_submodule(name).named_parameters():
-                    other = stage_of.setdefault(id(param), (stage, f"{name}.{param_name}"))
-                    if other[0] != stage:
-                        raise ValueError(
-                            f"strategy.pipeline_parallel_size={pipeline_parallel_size} cuts between tied parameters ({other[1]} "
-                            f"and {name}.{param_name} are one tensor on stages {other[0]} and {stage}); "
-                            "untie them (model.net.tie_embeddings=false) or keep them on one stage")
-
-
-def _shallow(module: nn.Module) -> nn.Module:
-    clone = copy.copy(module)
-    clone._modules = dict(module._modules)
-    return clone
-
-
-def without(root: nn.Module, names: Sequence[str], *, in_place: bool) -> nn.Module:
-    """``root`` with the submodules ``names`` removed (``None``, or deleted from a container).
-    Not ``in_place``: a view that shares every remaining module with ``root``."""
-    view = root if in_place else _shallow(root)
-    copied = {id(view)}
-    for name in names:
-        *path, leaf = name.split(".")
-        parent = view
-        for part in path:
-            child = parent._modules[part]
-            if not in_place and id(child) not in copied:
-                child = _shallow(child)
-                parent._modules[part] = child
-                copied.add(id(child))
-            parent = child
-        if isinstance(parent, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
-            del parent._modules[leaf]
-        else:
-            parent._modules[leaf] = None
-    return view
-
-
-class PipelineParallelStrategy(TensorParallelStrategy):
+class PipelineParallelStrategy(ModelParallelStrategy):
     """Pipeline x data x tensor parallel as a Lightning strategy; stages from the model's blocks.
 
     ``Trainer(strategy=PipelineParallelStrategy(schedule="1f1b", microbatches=4),
@@ -203,20 +122,20 @@ class PipelineParallelStrategy(TensorParallelStrategy):
         if placement == "v" and virtual_stages != 2:
             raise ValueError(f"strategy.virtual_stages={virtual_stages} is not valid for "
                              f"strategy.schedule={schedule}: its V shape holds exactly 2 stages per rank")
-        super().__init__(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
-                         sequence_parallel=sequence_parallel, plan=plan, precision_dtypes=precision_dtypes,
-                         reshard_after_forward=reshard_after_forward,
-                         # NOTE: always sharded (DCP): a single-file checkpoint is gathered on
-                         # rank 0, which holds only the first stage.
-                         save_distributed_checkpoint=True,
-                         process_group_backend=process_group_backend, timeout_s=timeout_s)
+        # NOTE: always sharded (DCP): a single-file checkpoint is gathered on rank 0, which holds
+        # only the first stage.
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
+                         timeout=timedelta(seconds=timeout_s))
         self.pipeline_parallel_size, self.schedule_name = pipeline_parallel_size, schedule
+        self.data_parallel_size, self.tensor_parallel_size = data_parallel_size, tensor_parallel_size
         self.microbatches, self.virtual_stages = microbatches, virtual_stages
         self.split_points, self.blocks, self.loss_fn = split_points, blocks, loss_fn
+        self.sequence_parallel, self.plan = sequence_parallel, plan
+        self.precision_dtypes, self.reshard_after_forward = precision_dtypes, reshard_after_forward
+        self.mesh_sizes: MeshSizes | None = None
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._stage_modules: dict[int, nn.Module] = {}
 
-    @override
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         return resolve_mesh_sizes(world_size, pipeline=self.pipeline_parallel_size,
                                   data=self.data_parallel_size, tensor=self.tensor_parallel_size)
@@ -229,42 +148,53 @@ class PipelineParallelStrategy(TensorParallelStrategy):
             raise ValueError(f"strategy.microbatches={self.microbatches} is fewer than the "
                              f"{sizes.pipeline} pipeline ranks, which strategy.schedule="
                              f"{self.schedule_name} needs; allowed: >= {sizes.pipeline} (or schedule=gpipe)")
-        cuts = stage_cuts(owner, units, num_stages, self.split_points)
-        _check_ties(owner, units, cuts, sizes.pipeline)
-        return cuts, stage_ranks(num_stages, sizes.pipeline, SCHEDULES[self.schedule_name][1])
+        return plan_stages(owner, units, num_stages=num_stages, pipeline_size=sizes.pipeline,
+                           placement=SCHEDULES[self.schedule_name][1], split_points=self.split_points)
 
-    @override
     def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
         """Pre-flight: mesh sizes, TP divisibility, enough blocks, split points, ties."""
         sizes = self.resolve_mesh(world_size)
-        check_tensor_parallel_fits(net, sizes.tensor)
         if sizes.tensor > 1:
-            find_plan(net, self.plan and {k.removeprefix("net."): v for k, v in self.plan.items()})
+            check_tensor_parallel_setup(net, sizes.tensor, self.plan)
         self._layout(*find_blocks(net, self.blocks), sizes)
 
     @override
-    def _parallelize_once(self, module: nn.Module) -> None:
-        if not self._stage_modules:
-            self._cut_into_stages(module)
+    def setup_environment(self) -> None:
+        self.mesh_sizes = start_mesh(self)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        setup_parallel_module(self, trainer, self._cut_into_stages, parallelized=bool(self._stage_modules))
+        clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
     def _cut_into_stages(self, module: nn.Module) -> None:
         """Tensor parallel on the whole model, then keep this rank's stages, then FSDP2 per stage."""
         owner, units = find_blocks(module, self.blocks)
         cuts, ranks = self._layout(owner, units, self.mesh_sizes)
-        self.apply_plan(module)  # on the whole model, so the plan's patterns all match
-        pipeline_rank = self.device_mesh[PIPELINE].get_local_rank()
-        ends = cuts[1:] + [len(units)]
-        names_of = [[n for unit in units[start:end] for n in unit] for start, end in zip(cuts, ends, strict=True)]
-        mine = [stage for stage, rank in enumerate(ranks) if rank == pipeline_rank]
-        owned = {name for stage in mine for name in names_of[stage]}
-        every = [name for unit in units for name in unit]
-        without(owner, [n for n in every if n not in owned], in_place=True)
-        for stage in mine:
-            view = without(owner, [n for n in every if n in owned and n not in names_of[stage]], in_place=False)
-            if self.mesh_sizes.data > 1:
+        if self.mesh_sizes.tensor > 1:  # on the whole model, so the plan's patterns all match
+            apply_declared_plan(module, self.device_mesh[TENSOR], self.plan,
+                                sequence_parallel=self.sequence_parallel)
+        self._stage_modules = keep_stages(owner, units, cuts, ranks, self.device_mesh[PIPELINE].get_local_rank())
+        if self.mesh_sizes.data > 1:
+            for view in self._stage_modules.values():
                 self._shard_stage(view)
-            self._stage_modules[stage] = view
         self._num_stages, self._stage_rank = len(ranks), ranks
+
+    def _shard_stage(self, view: nn.Module) -> None:
+        """FSDP2 on the data dimension: the stage's sharding units (GPT: its blocks), then the
+        stage itself as the root for the rest. (Not ``fsdp.apply_fsdp``: its roots are a
+        LightningModule's children; a stage's root is the stage, which the schedule calls, and
+        it is always kept gathered after forward, as the last module of the stage to run.)"""
+        from torch.distributed.fsdp import fully_shard
+
+        options = fsdp_options(self.device_mesh[DATA], mp_policy=mixed_precision_policy(self.precision_dtypes))
+        shard_units(find_sharding_units(view), reshard_after_forward=self.reshard_after_forward, **options)
+        fully_shard(view, reshard_after_forward=False, **options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -272,10 +202,6 @@ class PipelineParallelStrategy(TensorParallelStrategy):
 
         Mirrors the sharded branch of Lightning's loader, which finds "the distributed model"
         by its DTensor parameters and so refuses a pure pipeline stage (plain tensors)."""
-        from lightning.fabric.strategies.model_parallel import (
-            _METADATA_FILENAME,
-            _distributed_checkpoint_load,
-        )
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -285,7 +211,7 @@ class PipelineParallelStrategy(TensorParallelStrategy):
 
         path = Path(self.broadcast(checkpoint_path))
         model_state = {"state_dict": get_model_state_dict(self.model)}
-        _distributed_checkpoint_load(model_state, path)
+        distributed_checkpoint_load(model_state, path)
         self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
         for index, optimizer in enumerate(self.optimizers):
             # NOTE: only the per-parameter state (keyed by this stage's parameter names): DCP
@@ -294,24 +220,11 @@ class PipelineParallelStrategy(TensorParallelStrategy):
             # the LR from their own state.
             key, current = f"optimizer_{index}", get_optimizer_state_dict(self.model, optimizer)
             loaded = {key: {"state": current["state"]}}
-            _distributed_checkpoint_load(loaded, path)
+            distributed_checkpoint_load(loaded, path)
             set_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True),
                                      optim_state_dict={"state": loaded[key]["state"],
                                                        "param_groups": current["param_groups"]})
-        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
-
-    def _shard_stage(self, view: nn.Module) -> None:
-        """FSDP2 on the data dimension: the stage's sharding units (GPT: its blocks), then the
-        stage itself as the root for the rest. (Not ``fsdp.apply_fsdp``: its roots are a
-        LightningModule's children; a stage's root is the stage, which the schedule calls.)"""
-        from torch.distributed.fsdp import fully_shard
-
-        from litscale.strategies.fsdp import find_sharding_units, mixed_precision_policy
-
-        options = {"mesh": self.device_mesh[DATA], "mp_policy": mixed_precision_policy(self.precision_dtypes)}
-        for unit in find_sharding_units(view):
-            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
-        fully_shard(view, reshard_after_forward=False, **options)
+        return torch.load(path / CHECKPOINT_METADATA_FILENAME, weights_only=weights_only)
 
     def _schedule(self, batch_size: int, training: bool):
         """The torch schedule for this micro-batch shape (stages infer shapes once, so a

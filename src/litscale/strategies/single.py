@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from litscale.constraints import NonNegativeInt
+from litscale.strategies.mesh import MeshSizes
 
 
 class SingleStrategy(SingleDeviceStrategy):
@@ -27,3 +28,7 @@ class SingleStrategy(SingleDeviceStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             return torch.device("cuda", self.device_index)
         return self._root_device
+
+    def resolve_mesh(self, world_size: int) -> MeshSizes:
+        """One process: every mesh dimension has size 1."""
+        return MeshSizes()

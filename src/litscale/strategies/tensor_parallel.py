@@ -12,26 +12,29 @@ load: a run saved at TP=2 loads at TP=1 or into the plain network.
 
 from __future__ import annotations
 
-import fnmatch
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
 from litscale.constraints import PositiveInt
 from litscale.precision import PrecisionDtypes
-from litscale.strategies.lifecycle import destroy_process_group_at_exit
+from litscale.strategies.declarations import declared, name_matches
+from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
 from litscale.strategies.mesh import (
     DATA,
     TENSOR,
     MeshSizes,
     check_tensor_parallel_fits,
-    clip_grad_norm_across_mesh,
+    clip_by_norm_across_mesh,
+    is_parallelized,
     resolve_mesh_sizes,
+    sampler_kwargs,
+    setup_parallel_module,
+    start_mesh,
 )
 
 if TYPE_CHECKING:
@@ -98,19 +101,20 @@ def find_plan(module: nn.Module, plan: dict[str, str] | None = None) -> tuple[nn
     ``module``), else what ``module`` or its ``net`` declares as ``tensor_parallel_plan``."""
     if plan:
         return module, dict(plan)
-    for owner in (module, getattr(module, "net", None)):
-        declared = getattr(owner, "tensor_parallel_plan", None)
-        if declared:
-            return owner, dict(declared() if callable(declared) else declared)
+    found = declared(module, "tensor_parallel_plan")
+    if found and found[1]:
+        return found[0], dict(found[1])
     raise ValueError(
         f"{type(module).__name__} declares no tensor-parallel plan; declare "
         "`tensor_parallel_plan = {'pattern': 'colwise', ...}` on the LightningModule or its `net`, "
         "or pass strategy.plan (module-name pattern -> style)")
 
 
-def _matches(name: str, pattern: str) -> bool:
-    parts, wanted = name.split("."), pattern.split(".")
-    return len(parts) == len(wanted) and all(map(fnmatch.fnmatchcase, parts, wanted))
+def check_tensor_parallel_setup(net: nn.Module, tensor_parallel_size: int, plan: dict[str, str] | None) -> None:
+    """Pre-flight: the model splits by the TP size and a plan exists (``plan``'s names are
+    relative to the LightningModule, whose network is ``net``)."""
+    check_tensor_parallel_fits(net, tensor_parallel_size)
+    find_plan(net, plan and {k.removeprefix("net."): v for k, v in plan.items()})
 
 
 def _tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -122,31 +126,7 @@ def _tied_parameters(root: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
-def apply_tensor_parallel(
-    root: nn.Module, mesh: DeviceMesh, plan: dict[str, str], *, sequence_parallel: bool = True,
-    loss_parallel: bool = False, strict: bool = True,
-) -> None:
-    """Split ``root``'s submodules in place on the 1D ``mesh`` following ``plan``.
-
-    ``strict``: every pattern must match a module. Sequence parallelism applies only if the
-    plan marks where the sequence-sharded region starts (a ``sequence_start`` entry). Tied parameters (an embedding shared with the head, both split by
-    vocabulary rows) are tied again after the split.
-    """
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    check_plan(plan)
-    # Sequence parallelism needs to know where the sequence-sharded residual stream begins; a
-    # plan that does not say (e.g. a user's MLP plan) runs plain tensor parallel.
-    sequence_parallel = sequence_parallel and "sequence_start" in plan.values()
-    tied = _tied_parameters(root)
-    names = [name for name, _ in root.named_modules() if name]
-    for pattern, style_name in plan.items():
-        matched = [name for name in names if _matches(name, pattern)]
-        if strict and not matched:
-            raise ValueError(f"strategy.plan pattern {pattern!r} matches no submodule of {type(root).__name__}")
-        style = parallel_style(style_name, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-        for name in matched if style is not None else ():
-            parallelize_module(root.get_submodule(name), mesh, style)
+def _tie_again(tied: list[list[tuple[nn.Module, str]]]) -> None:
     for group in tied:
         first_module, first_attribute = group[0]
         shared = getattr(first_module, first_attribute)
@@ -155,6 +135,44 @@ def apply_tensor_parallel(
                 raise ValueError(f"tied parameter {attribute} is split two different ways by the "
                                  "tensor-parallel plan; untie it or give both the same split")
             setattr(module, attribute, shared)
+
+
+def apply_tensor_parallel(
+    root: nn.Module, mesh: DeviceMesh, plan: dict[str, str], *, sequence_parallel: bool = True,
+    loss_parallel: bool = False, strict: bool = True,
+) -> None:
+    """Split ``root``'s submodules in place on the 1D ``mesh`` following ``plan``.
+
+    ``strict``: every pattern must match a module. Sequence parallelism applies only if the
+    plan marks where the sequence-sharded region starts (a ``sequence_start`` entry). Tied
+    parameters (an embedding shared with the head, both split by vocabulary rows) are tied
+    again after the split.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    check_plan(plan)
+    # Sequence parallelism needs to know where the sequence-sharded residual stream begins; a
+    # plan that does not say (e.g. a user's MLP plan) runs plain tensor parallel.
+    sequence_parallel = sequence_parallel and "sequence_start" in plan.values()
+    names = [name for name, _ in root.named_modules() if name]
+    unmatched = [pattern for pattern in plan if not any(name_matches(name, pattern) for name in names)]
+    if strict and unmatched:
+        raise ValueError(f"strategy.plan pattern {unmatched[0]!r} matches no submodule of {type(root).__name__}")
+    styles = {pattern: parallel_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+              for pattern, style in plan.items() if pattern not in unmatched}
+    tied = _tied_parameters(root)
+    # torch matches the wildcards itself, as name_matches does (fnmatch per dotted component),
+    # and applies the entries in order. NOTE: it only warns for a pattern that matches nothing,
+    # hence the check above (and unmatched patterns are left out, so strict=False stays quiet).
+    parallelize_module(root, mesh, {pattern: style for pattern, style in styles.items() if style is not None})
+    _tie_again(tied)
+
+
+def apply_declared_plan(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str] | None = None, *,
+                        sequence_parallel: bool = True, loss_parallel: bool = False) -> None:
+    """Tensor parallel on ``mesh`` from ``plan`` (relative to ``module``) or the declared plan."""
+    root, found = find_plan(module, plan)
+    apply_tensor_parallel(root, mesh, found, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
 class TensorParallelStrategy(ModelParallelStrategy):
@@ -198,82 +216,31 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
         """Pre-flight: the mesh tiles the world, the model splits by the TP size, the plan exists."""
-        sizes = self.resolve_mesh(world_size)
-        check_tensor_parallel_fits(net, sizes.tensor)
-        find_plan(net, self.plan and {k.removeprefix("net."): v for k, v in self.plan.items()})
+        check_tensor_parallel_setup(net, self.resolve_mesh(world_size).tensor, self.plan)
 
     @override
     def setup_environment(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self._setup_distributed()
-        destroy_process_group_at_exit()
-        self.mesh_sizes = self.resolve_mesh(self.world_size)
-        shape, names = self.mesh_sizes.shape_and_names()
-        # The pipeline dimension is kept (size 1 here) so 2D and 3D meshes have the same names.
-        self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
-        self.lightning_module._device_mesh = self._device_mesh
+        self.mesh_sizes = start_mesh(self)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Tensor- (and pipeline-) parallel ranks share a batch: only data-parallel ranks differ.
-        # From the sizes, not the mesh, so it also answers before the processes start; the
-        # mesh lays ranks out row-major over (pipeline, data, tensor).
-        sizes = self.mesh_sizes or self.resolve_mesh(self.world_size)
-        return {"num_replicas": sizes.data, "rank": (self.global_rank // sizes.tensor) % sizes.data}
+        return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
 
-    def apply_plan(self, module: nn.Module) -> None:
-        """Tensor parallel on the tensor dimension of the mesh, from the plan found for ``module``."""
-        if self.mesh_sizes.tensor > 1:
-            root, plan = find_plan(module, self.plan)
-            apply_tensor_parallel(root, self.device_mesh[TENSOR], plan,
-                                  sequence_parallel=self.sequence_parallel,
-                                  loss_parallel=self.loss_parallel)
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        setup_parallel_module(self, trainer, self._parallelize, parallelized=is_parallelized(self.model))
+        clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
-    def parallelize(self, module: nn.Module) -> None:
+    def _parallelize(self, module: nn.Module) -> None:
         """TP on the tensor dimension, then FSDP2 on the data dimension (torchtitan's order)."""
-        from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
-
-        self.apply_plan(module)
+        if self.mesh_sizes.tensor > 1:
+            apply_declared_plan(module, self.device_mesh[TENSOR], self.plan,
+                                sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
         if self.mesh_sizes.data > 1:
             apply_fsdp(module, self.device_mesh[DATA], units=find_sharding_units(module),
                        reshard_after_forward=self.reshard_after_forward,
                        mp_policy=mixed_precision_policy(self.precision_dtypes))
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model.to(self.root_device)
-        self._parallelize_once(self.model)
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        self._clip_across_mesh()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _parallelize_once(self, module: nn.Module) -> None:
-        """Apply the plan unless it already was (``setup`` runs again for each stage: fit, test)."""
-        if not any(isinstance(p, torch.distributed.tensor.DTensor) for p in module.parameters()):
-            self.parallelize(module)
-
-    def _clip_across_mesh(self) -> None:
-        """Route Lightning's ``gradient_clip_val`` (norm) through the mesh-wide norm: torch's
-        ``clip_grad_norm_`` cannot mix DTensor and plain parameters, nor see other stages."""
-        plugin = self.precision_plugin
-        ranks_per_stage = self.world_size // self.mesh_sizes.pipeline
-
-        def clip_grad_by_norm(optimizer, clip_val) -> None:
-            parameters = [p for group in optimizer.param_groups for p in group["params"]]
-            clip_grad_norm_across_mesh(parameters, float(clip_val), ranks_per_stage=ranks_per_stage)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
 
     @contextmanager
     def _loss_context(self):
