@@ -20,19 +20,24 @@ from typing import Any
 
 from litscale.errors import ConfigError
 
+# Mesh dimension names, outermost first. "data_parallel" is the name Lightning's
+# ModelParallelStrategy reads for its sampler arguments.
+PIPELINE, DATA, TENSOR = "pipeline_parallel", "data_parallel", "tensor_parallel"
+
 
 @dataclass(frozen=True)
 class MeshSizes:
-    """How many ranks each mesh dimension spans, outermost first; the product is the world.
+    """How many ranks each mesh dimension spans; the product is the world.
 
     ``data_replicate`` ranks hold whole copies (DDP, HSDP's outer dimension); ``data_shard``
     ranks each hold a shard (FSDP, ZeRO, the data dimension of a 2-D/3-D mesh). Both see
-    distinct samples."""
+    distinct samples. NOTE: ``data_replicate`` comes last so that ``MeshSizes(pipeline, data,
+    tensor)`` keeps its meaning from when the data dimension had one size."""
 
     pipeline: int = 1
-    data_replicate: int = 1
     data_shard: int = 1
     tensor: int = 1
+    data_replicate: int = 1
 
     @property
     def data(self) -> int:
@@ -42,6 +47,11 @@ class MeshSizes:
     @property
     def world_size(self) -> int:
         return self.pipeline * self.data * self.tensor
+
+    def shape_and_names(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """The ``pipeline x data x tensor`` mesh of the tensor-parallel and pipeline strategies
+        (the pipeline dimension is kept at size 1, so 2-D and 3-D meshes have the same names)."""
+        return (self.pipeline, self.data, self.tensor), (PIPELINE, DATA, TENSOR)
 
     def describe(self) -> str:
         data = f"data {self.data}"

@@ -8,6 +8,7 @@ from typing import Literal
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
+from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
@@ -22,6 +23,7 @@ class DDPStrategy(LightningDDPStrategy):
     attaches them.
     """
 
+    @checked_arguments("strategy")
     def __init__(
         self,
         *,

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 from typing_extensions import override
 
+from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.precision import PrecisionDtypes
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
@@ -51,6 +52,7 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
     gradient-communication dtype, so ``bf16_mixed`` reduces gradients in fp32.
     """
 
+    @checked_arguments("strategy")
     def __init__(
         self,
         *,

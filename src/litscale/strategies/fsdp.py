@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
+from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
@@ -171,6 +172,7 @@ class FSDPStrategy(ModelParallelStrategy):
     devices=2)`` or ``Trainer(strategy="litscale_fsdp")``.
     """
 
+    @checked_arguments("strategy")
     def __init__(
         self,
         *,
@@ -184,10 +186,6 @@ class FSDPStrategy(ModelParallelStrategy):
         process_group_backend: Literal["gloo", "nccl"] | None = None,
         timeout_s: PositiveInt = 1800,
     ) -> None:
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"strategy.reshard_after_forward={reshard_after_forward!r} is not valid: expected "
-                "true (free gathered parameters after forward, ZeRO-3-like) or false (ZeRO-2-like)")
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
         self.precision_dtypes = precision_dtypes

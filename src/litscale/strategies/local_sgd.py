@@ -21,6 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as to
 from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from typing_extensions import override
 
+from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.compression.state import CompressionState
 from litscale.constraints import Fraction, NonNegativeInt, PositiveFloat, PositiveInt
@@ -123,6 +124,7 @@ class LocalSGDStrategy(DDPStrategy):
     Takes no ``compression``: there is no per-step gradient exchange to compress.
     """
 
+    @checked_arguments("strategy")
     def __init__(
         self,
         *,

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from litscale.layout import DATA, PIPELINE, TENSOR, MeshSizes
 from litscale.lightning_private import optimizers_to_device
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 
@@ -30,47 +30,11 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-# Mesh dimension names, outermost first. "data_parallel" is the name Lightning's
-# ModelParallelStrategy reads for its sampler arguments.
-PIPELINE, DATA, TENSOR = "pipeline_parallel", "data_parallel", "tensor_parallel"
+# The sizes and the dimension names live with the run layout (litscale.layout), which the app
+# computes before any strategy runs; the strategies share them from there.
+__all__ = ["DATA", "PIPELINE", "TENSOR", "MeshSizes"]
 
 ShapeAndNames = tuple[tuple[int, ...], tuple[str, ...]]
-
-
-@dataclass(frozen=True)
-class MeshSizes:
-    """How many ranks each dimension spans; the product is the world size.
-
-    ``data_replicate`` ranks hold copies (DDP, FSDP's replicate dimension), ``data_shard`` ranks
-    hold shards (FSDP, ZeRO, the data dimension of a tensor-parallel mesh); both see distinct
-    samples. NOTE: ``data_replicate`` comes last so that ``MeshSizes(pipeline, data, tensor)``
-    keeps its meaning from when the data dimension had one size.
-    """
-
-    pipeline: int = 1
-    data_shard: int = 1
-    tensor: int = 1
-    data_replicate: int = 1
-
-    @property
-    def data(self) -> int:
-        """The data-parallel size: ranks that see distinct samples."""
-        return self.data_replicate * self.data_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.pipeline * self.data * self.tensor
-
-    def shape_and_names(self) -> ShapeAndNames:
-        """The ``pipeline x data x tensor`` mesh of the tensor-parallel and pipeline strategies
-        (the pipeline dimension is kept at size 1, so 2D and 3D meshes have the same names)."""
-        return (self.pipeline, self.data, self.tensor), (PIPELINE, DATA, TENSOR)
-
-    def describe(self) -> str:
-        data = f"data {self.data}"
-        if self.data_replicate > 1:
-            data += f" (replicate {self.data_replicate} x shard {self.data_shard})"
-        return f"pipeline {self.pipeline} x {data} x tensor {self.tensor}"
 
 
 def resolve_mesh_sizes(

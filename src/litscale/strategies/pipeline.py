@@ -32,6 +32,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
+from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
@@ -93,6 +94,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
     ``validation_step`` run with the pipeline's loss in its place (so it logs as usual).
     """
 
+    @checked_arguments("strategy")
     def __init__(
         self,
         *,
@@ -112,9 +114,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         process_group_backend: Literal["gloo", "nccl"] | None = None,
         timeout_s: PositiveInt = 1800,
     ) -> None:
-        placement = SCHEDULES[schedule][1] if schedule in SCHEDULES else None
-        if placement is None:
-            raise ValueError(f"strategy.schedule={schedule!r} is not valid; allowed: {', '.join(SCHEDULES)}")
+        placement = SCHEDULES[schedule][1]
         virtual_stages = virtual_stages or (1 if placement == "single" else 2)
         if placement == "single" and virtual_stages != 1:
             raise ValueError(f"strategy.virtual_stages={virtual_stages} needs a multi-stage schedule; "

@@ -7,6 +7,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
+from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt
 from litscale.strategies.mesh import MeshSizes
 
@@ -18,6 +19,7 @@ class SingleStrategy(SingleDeviceStrategy):
     accelerator; this one follows it (``cuda:<device_index>`` on GPU, else CPU).
     """
 
+    @checked_arguments("strategy")
     def __init__(self, *, device_index: NonNegativeInt = 0) -> None:
         super().__init__(device="cpu")
         self.device_index = device_index

@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
+from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.precision import PrecisionDtypes
 from litscale.strategies.declarations import declared, name_matches
@@ -184,6 +185,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     -> style (``STYLES``), instead of the model's ``tensor_parallel_plan``.
     """
 
+    @checked_arguments("strategy")
     def __init__(
         self,
         *,
