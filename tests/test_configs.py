@@ -10,7 +10,14 @@ import functools
 
 import pytest
 import torch
-from conftest import CONF_DIR, as_job, compose_full, compose_job, config_groups, group_options
+from helpers.configs import (
+    CONF_DIR,
+    as_job,
+    compose_full,
+    compose_job,
+    config_groups,
+    group_options,
+)
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
