@@ -352,6 +352,14 @@ def test_known_strategies_registered():
     assert {"litscale_single", "litscale_ddp"} <= set(StrategyRegistry.available_strategies())
 
 
+def test_sqrt_rule_is_the_linear_option_but_for_its_rule():
+    """``lr_scaling/sqrt.yaml`` extends ``linear.yaml``: base batch and warmup stay in one file."""
+    linear, sqrt = (OmegaConf.to_container(compose_full([f"lr_scaling={rule}"]).lr_scaling)
+                    for rule in ("linear", "sqrt"))
+    assert (linear.pop("rule"), sqrt.pop("rule")) == ("linear", "sqrt")
+    assert sqrt == linear
+
+
 # --- runtime objects reach the strategy as built --------------------------------------------
 
 HOOKED = [o for o in group_options("compression") if "_target_" in _option_node("compression", o)]

@@ -42,3 +42,15 @@ def as_job(cfg: DictConfig, output_dir: Path) -> tuple[DictConfig, dict[str, str
 def compose_job(overrides: list[str], output_dir: Path) -> tuple[DictConfig, dict[str, str]]:
     return as_job(compose_full(overrides), output_dir)
 
+
+def compose_options(options: list[tuple[str, str]]) -> DictConfig:
+    """Each ``(group, option)`` as Hydra composes it for ``group=option`` (its defaults list
+    followed), all in one composition: option ``o`` of group ``g`` at ``options.<g>.<o>``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        # `+g@p=o` adds option o of group g at package p: one pass instead of one per option.
+        cfg = compose("train", overrides=[f"+{g}@options.{g}.{o}={o}" for g, o in options])
+    return cfg.options
