@@ -1,47 +1,10 @@
-"""Shared helpers: where the configs live, and composing them as a job will see them."""
+"""Fixtures every test module may ask for; shared harnesses live in ``tests/helpers/``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from omegaconf import DictConfig, open_dict
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = REPO_ROOT / "conf"
-
-
-def group_options(group: str) -> list[str]:
-    """The options of a config group: the ``conf/<group>/*.yaml`` file stems, sorted."""
-    return sorted(path.stem for path in (CONF_DIR / group).glob("*.yaml"))
-
-
-def config_groups() -> list[str]:
-    return sorted(path.name for path in CONF_DIR.iterdir() if path.is_dir())
-
-
-def compose_full(overrides: list[str] = ()) -> DictConfig:
-    """``conf/train.yaml`` composed with ``overrides``, the ``hydra`` node included."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides), return_hydra_config=True)
-
-
-def as_job(cfg: DictConfig, output_dir: Path) -> tuple[DictConfig, dict[str, str]]:
-    """``(config, choices)`` as a job sees them: no ``hydra`` node, a real run dir (as
-    ``litscale.app.preflight._as_job_config`` does, with a path instead of a placeholder)."""
-    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
-    with open_dict(cfg):
-        del cfg["hydra"]
-        cfg.paths.output_dir = str(output_dir)
-    return cfg, choices
-
-
-def compose_job(overrides: list[str], output_dir: Path) -> tuple[DictConfig, dict[str, str]]:
-    return as_job(compose_full(overrides), output_dir)
 
 
 @pytest.fixture

@@ -4,15 +4,15 @@ loads, and ``ckpt_path`` resolution of sharded checkpoint directories."""
 
 from __future__ import annotations
 
-import csv
 import os
 
 import pytest
 import torch
-from distributed import run_distributed
-from test_fsdp import TINY, assert_matches_reference, fsdp
-from test_reliability import sharded_checkpoint
-from train_cli import explain, run_train, summaries
+from helpers.checkpoints import sharded_checkpoint
+from helpers.cli import explain, run_train, summaries, train_losses
+from helpers.distributed import run_distributed
+from helpers.parity import TINY, ParitySetup, StepRecorder, assert_weights_match, tiny_module
+from helpers.strategies import fsdp
 
 from litscale.checkpoints import newest_last_checkpoint, resolve_ckpt_path
 from litscale.errors import ConfigError
@@ -24,25 +24,15 @@ def _fit(rank: int, world_size: int, ckpt_dir: str, resume_from: str | None):
     """Fit the tiny GPT on synthetic data to STEPS, saving a sharded checkpoint every SAVE_AT
     steps; global batch 8 whatever the world size. Returns (export, losses by step)."""
     import lightning as L
-    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-    from test_fsdp import tiny_module
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
     from litscale.data.synthetic import SyntheticDataModule
     from litscale.export import consolidated_state_dict
 
-    class Losses(Callback):
-        def __init__(self):
-            self.by_step = {}
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            # The global batch's loss: each rank's is over its own micro batch only.
-            loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean")
-            self.by_step[trainer.global_step] = float(loss)
-
-    losses = Losses()
+    losses = StepRecorder()  # the global batch's loss, by the number of steps done
     data = SyntheticDataModule(batch_size=8 // world_size, num_samples=64, val_samples=8,
                                seq_len=TINY.block_size, vocab_size=TINY.vocab_size, seed=3)
-    module = tiny_module("adamw")
+    module = tiny_module(ParitySetup(optimizer="adamw"))
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="step{step}", every_n_train_steps=SAVE_AT,
                                   save_top_k=-1, auto_insert_metric_name=False)
     trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=fsdp(), max_steps=STEPS,
@@ -50,13 +40,14 @@ def _fit(rank: int, world_size: int, ckpt_dir: str, resume_from: str | None):
                         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
                         callbacks=[checkpoints, losses])
     trainer.fit(module, datamodule=data, ckpt_path=resume_from)
-    return consolidated_state_dict(trainer, module), losses.by_step
+    return consolidated_state_dict(trainer, module), losses.losses
 
 
 def _fits(rank, world_size, jobs):
     return [_fit(rank, world_size, *job) for job in jobs]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_resumes_at_another_world_size(tmp_path):
     """2 ranks save at step 2; 1 rank resumes from it. 1 rank saves; 2 ranks resume. Each
@@ -74,20 +65,14 @@ def test_fsdp_resumes_at_another_world_size(tmp_path):
     for step in (3, 4, 5):
         assert resumed_losses_one[step] == pytest.approx(losses_two[step], rel=1e-5)
         assert resumed_losses_two[step] == pytest.approx(losses_one[step], rel=1e-5)
-    assert_matches_reference(resumed_one, full_two, rtol=1e-5, atol=1e-5)
-    assert_matches_reference(resumed_two, full_one, rtol=1e-5, atol=1e-5)
+    assert_weights_match(resumed_one, full_two, rtol=1e-5, atol=1e-5)
+    assert_weights_match(resumed_two, full_one, rtol=1e-5, atol=1e-5)
 
 
 SHORT = ("model.net.preset=nano", "data.seq_len=32", "data.max_bytes=400000", "data.batch_size=4",
          "trainer.accelerator=cpu", "trainer.devices=2", "trainer.val_check_interval=3",
          "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "scheduler=constant",
          "trainer.enable_progress_bar=false")
-
-
-def _train_losses(summary: dict) -> dict[int, float]:
-    with open(os.path.join(summary["output_dir"], "csv", "metrics.csv")) as handle:
-        rows = [r for r in csv.DictReader(handle) if r.get("train/loss")]
-    return {int(r["step"]) + 1: float(r["train/loss"]) for r in rows}  # logged at step-1
 
 
 @pytest.mark.slow
@@ -105,9 +90,10 @@ def test_ckpt_path_last_resumes_exactly_and_exports(tmp_path, strategy):
     assert resumed.returncode == 0, explain(resumed)
     reference, _, after = summaries(tmp_path)
     assert after["steps"] == 6
-    assert _train_losses(after)[4] == _train_losses(reference)[4]  # step k+1, bit for bit
+    # Step k+1 (the 4th step, logged at Lightning's 0-based step 3), bit for bit.
+    assert train_losses(after["output_dir"])[3] == train_losses(reference["output_dir"])[3]
     expected, actual = torch.load(reference["export"]), torch.load(after["export"])
-    assert_matches_reference(actual, expected, rtol=0, atol=0)
+    assert_weights_match(actual, expected, rtol=0, atol=0)
     _assert_plain_model_loads(reference["export"])
 
 

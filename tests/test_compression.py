@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_job
+from helpers.configs import compose_job
 
 from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook, bf16, fp16, powersgd, qsgd, signsgd, terngrad, topk

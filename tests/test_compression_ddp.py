@@ -4,17 +4,18 @@ the ranks' decoded gradients; top-k 1% + error feedback against dense training t
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
-from train_cli import explain, final_weights, run_train, summaries
+from helpers.cli import comm_metrics, explain, final_weights, run_train, summaries
+from helpers.distributed import run_distributed
 
 from litscale import compression
 from litscale.callbacks.communication import CommunicationCallback
+
+pytestmark = pytest.mark.slow  # every test here starts ranks or train.py
 
 LOSSY = {
     "topk": lambda: compression.topk(ratio=0.05),
@@ -134,13 +135,6 @@ SHORT_RUN = (
     "data.max_bytes=400000", "data.batch_size=8", "trainer.limit_val_batches=4",
     "trainer.enable_progress_bar=false", "optimizer=sgd", "optimizer.lr=0.3",
 )
-
-
-def comm_metrics(summary: dict) -> list[dict[str, float]]:
-    path = Path(summary["output_dir"]) / "csv" / "metrics.csv"
-    rows = list(csv.DictReader(path.open()))
-    return [{k: float(v) for k, v in row.items() if k.startswith("comm/") and v}
-            for row in rows if row.get("comm/bytes_per_step")]
 
 
 @pytest.mark.timeout(300)

@@ -10,7 +10,14 @@ import functools
 
 import pytest
 import torch
-from conftest import CONF_DIR, as_job, compose_full, compose_job, config_groups, group_options
+from helpers.configs import (
+    CONF_DIR,
+    as_job,
+    compose_full,
+    compose_job,
+    config_groups,
+    group_options,
+)
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
@@ -344,6 +351,14 @@ def test_known_strategies_registered():
     import litscale.strategies  # noqa: F401
 
     assert {"litscale_single", "litscale_ddp"} <= set(StrategyRegistry.available_strategies())
+
+
+def test_sqrt_rule_is_the_linear_option_but_for_its_rule():
+    """``lr_scaling/sqrt.yaml`` extends ``linear.yaml``: base batch and warmup stay in one file."""
+    linear, sqrt = (OmegaConf.to_container(compose_full([f"lr_scaling={rule}"]).lr_scaling)
+                    for rule in ("linear", "sqrt"))
+    assert (linear.pop("rule"), sqrt.pop("rule")) == ("linear", "sqrt")
+    assert sqrt == linear
 
 
 # --- runtime objects reach the strategy as built --------------------------------------------

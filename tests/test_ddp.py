@@ -8,7 +8,9 @@ import sys
 
 import pytest
 import torch
-from train_cli import REPO, explain, final_weights, run_train, summaries
+from helpers.cli import REPO, explain, final_weights, run_train, summaries
+
+pytestmark = pytest.mark.slow  # every test here starts train.py or a script in processes
 
 # 5 optimizer steps, SGD + momentum, no dropout: 2 ranks x micro batch 4 see the same global
 # batches as 1 process x 8 (litscale's samplers guarantee it), so the weights must agree.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from train_cli import explain, run_train, summaries
+from helpers.cli import explain, run_train, summaries
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 

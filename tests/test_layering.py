@@ -115,6 +115,7 @@ def test_every_module_imports_on_its_own():
     assert [(module, error) for module, code, error in results if code != 0] == []
 
 
+@pytest.mark.slow
 def test_the_library_imports_without_hydra():
     """Importing the library (strategies, compression, callbacks, models, data, layout) must
     not load Hydra or OmegaConf: a plain Lightning script never pays for them."""

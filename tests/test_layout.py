@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import compose_job
+from helpers.configs import compose_job
 
 from litscale.app.validation import ConfigError, validate
 from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for

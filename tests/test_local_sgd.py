@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import compose_job
-from distributed import run_distributed
-from test_compression_ddp import comm_metrics
-from train_cli import explain, final_weights, run_train, summaries
+from helpers.cli import comm_metrics, explain, final_weights, run_train, summaries
+from helpers.configs import compose_job
+from helpers.distributed import run_distributed
 
 from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook
@@ -84,6 +83,7 @@ def schedules():
     return run_distributed(_schedules, 2, timeout=150)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("outer_optimizer", ["none", "nesterov"])
 def test_parameters_synchronise_every_period_with_the_outer_step(outer_optimizer, schedules):
@@ -130,6 +130,7 @@ RUN = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=6", "trainer.val
        "trainer.log_every_n_steps=3")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sync_every_step_matches_single_process_of_same_global_batch(tmp_path):
     """Averaging parameters after every SGD+momentum step is averaging the gradients
@@ -146,6 +147,7 @@ def test_sync_every_step_matches_single_process_of_same_global_batch(tmp_path):
         torch.testing.assert_close(actual[name], expected[name], rtol=1.3e-6, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_diloco_trains_and_sends_parameters_once_per_period(tmp_path):
     diloco = run_train(*RUN, "data.batch_size=4", "strategy=local_sgd", "strategy.sync_every=3",

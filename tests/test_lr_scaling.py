@@ -5,18 +5,16 @@ whatever the world size, LARS/LAMB against the papers' update rules, 2 ranks tra
 
 from __future__ import annotations
 
-import csv
 import functools
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CONF_DIR
-from distributed import run_distributed
+from helpers.cli import explain, metrics_rows, run_train, summaries
+from helpers.configs import CONF_DIR
+from helpers.distributed import run_distributed
 from lightning.pytorch import Callback, Trainer
-from train_cli import explain, run_train, summaries
 
 from litscale.lr_scaling import LRScaling, global_batch, scaled_lr
 from litscale.optimizers import LAMB, LARS
@@ -133,6 +131,7 @@ def fitted() -> dict[int, list[dict]]:
     return {1: fit_cases(0, 1), 2: ranks[0]}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("devices", [1, 2])
 def test_callback_lr_is_the_rule_formula_of_the_global_batch(fitted, devices):
@@ -144,6 +143,7 @@ def test_callback_lr_is_the_rule_formula_of_the_global_batch(fitted, devices):
         assert peak == [case["lr"], case["lr"]]  # both param groups, at the end of warmup
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("devices", [1, 2])
 def test_schedule_ends_at_the_last_optimizer_step_whatever_world_size(fitted, devices):
@@ -235,6 +235,7 @@ TRACKING_RUN = ("lr_scaling=linear", "lr_scaling.base_batch_size=8", "data.batch
                 "trainer.log_every_n_steps=1", "optimizer=sgd", "optimizer.lr=0.3")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_with_linear_rule_track_one_rank_at_same_samples(tmp_path):
     one = run_train(*TRACKING_RUN, "trainer.max_steps=24", "trainer.val_check_interval=24",
@@ -255,7 +256,7 @@ def test_two_ranks_with_linear_rule_track_one_rank_at_same_samples(tmp_path):
     # larger step differ most there: measured 3.18 vs 3.04 (4.5%) on this machine.
     assert distributed["val/loss"] == pytest.approx(reference["val/loss"], rel=0.06)
     assert distributed["val/loss"] < 0.8 * distributed["val/loss_initial"]
-    metrics = list(csv.DictReader(open(Path(distributed["output_dir"]) / "csv" / "metrics.csv")))
+    metrics = metrics_rows(distributed["output_dir"])
     assert [float(row["lr_scaling/global_batch"]) for row in metrics
             if row["lr_scaling/global_batch"]] == [16.0]
     lrs = [float(row["lr_scaling/lr"]) for row in metrics if row["lr_scaling/lr"]]

@@ -6,17 +6,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-from distributed import run_distributed
-from test_deepspeed import zero
-from test_fsdp import fit_tiny, fsdp
+from helpers.distributed import run_distributed
+from helpers.parity import ParitySetup, fit_with
+from helpers.strategies import ddp, fsdp, zero
 
 KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3")
-
-
-def ddp():
-    from litscale.strategies import DDPStrategy
-
-    return DDPStrategy()
 
 
 def measure_all(rank: int, world_size: int) -> dict[str, dict[str, float]]:
@@ -26,7 +20,8 @@ def measure_all(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     results = {}
     for kind in KINDS:
         callback = MemoryCallback()
-        fit_tiny(rank, world_size, factories[kind], "adamw", steps=1, callbacks=[callback])
+        fit_with(rank, world_size, factories[kind], ParitySetup(optimizer="adamw", steps=1),
+                 callbacks=[callback])
         results[kind] = callback.result
     return results
 
@@ -41,6 +36,7 @@ def _total(figures: dict, *, without_master: bool = False) -> float:
     return total - (figures.get("memory/optimizer_master_bytes", 0) if without_master else 0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("rank", [0, 1])
 def test_sharded_strategies_hold_about_half_of_ddp_per_rank(memory, rank):
@@ -63,6 +59,7 @@ def test_sharded_strategies_hold_about_half_of_ddp_per_rank(memory, rank):
     assert _total(figures["zero3"], without_master=True) <= 0.55 * _total(ddp_)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_estimates_follow_the_zero_paper(memory):
     figures = memory[0]

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF_DIR, compose_full
-from distributed import free_port
-from train_cli import REPO, explain, final_weights, run_train, summaries
+from helpers.cli import REPO, explain, final_weights, run_train, summaries
+from helpers.configs import CONF_DIR, compose_full
+from helpers.distributed import free_port
 
 from hydra_plugins.litscale_launcher.slurm import (
     SlurmLauncher,
@@ -98,6 +98,7 @@ def two_nodes(tmp_path_factory, local_sweep):
     return outputs, nodes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_submitit_sweep_gives_each_job_its_dir_and_world_size(local_sweep):
     sweeps = list((local_sweep / "submitit" / "multiruns").iterdir())
@@ -116,6 +117,7 @@ def test_submitit_sweep_gives_each_job_its_dir_and_world_size(local_sweep):
     assert_same_weights(final_weights(two), final_weights(one))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_torchrun_nodes_match_one_process_of_the_same_global_batch(two_nodes, local_sweep):
     outputs, nodes = two_nodes

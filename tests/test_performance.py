@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_cli import REPO, explain, run_train, summaries
+from helpers.cli import REPO, explain, run_train, summaries
 
 from litscale.loggers import is_logging_step
 from litscale.models.gpt import build_gpt
@@ -66,6 +66,7 @@ def default_run(tmp_path_factory):
     return process, summary
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_default_run_imports_nothing_heavy(default_run):
     process, _ = default_run
@@ -81,6 +82,7 @@ def test_heavy_import_attribution_reads_the_tree():
                                                "sklearn (imported by train.py)"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_default_run_matches_plain_pytorch_loop(default_run, monkeypatch):
     """The benchmark's premise: train.py and plain_loop.py train the same model on the same
@@ -97,6 +99,7 @@ def test_default_run_matches_plain_pytorch_loop(default_run, monkeypatch):
     assert summary["train/loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("key", "logger_steps"), [
     ("train/loss", [4, 9]),  # log_every_n_steps=5 over 12 steps (0-based logger steps)
     ("lr_scaling/lr", [4, 9]),
@@ -124,6 +127,7 @@ def test_logging_steps_follow_the_trainer():
     assert is_logging_step(trainer, 3)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_profile_callbacks_write_a_trace_of_the_active_steps(tmp_path):
     process = run_train(*TINY_RUN, "callbacks=profile", "callbacks.profiler.wait=2",

@@ -4,54 +4,40 @@ checkpoints, stage cutting, and the one-line errors for bad meshes."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import pytest
 import torch
-from distributed import run_distributed
-from train_cli import explain, run_train, summaries
+from helpers.cli import explain, run_train, summaries
+from helpers.distributed import run_distributed
+from helpers.parity import (
+    TINY_WITH_BIASES,
+    ParitySetup,
+    global_batches,
+    rank_loader,
+    reference,
+    tiny_module,
+)
 
-from litscale.models.gpt import GPT, GPTConfig
-from litscale.modules import CausalLMModule
 from litscale.strategies.pipeline import SCHEDULES
 from litscale.strategies.stages import balanced_cuts, stage_ranks
 
-TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16)
-STEPS, GLOBAL_BATCH, MICROBATCHES, CLIP = 5, 8, 4, 0.5
+# SGD + momentum, 5 steps of a global batch of 8 (every stage sees all of it), clipped.
+SETUP = ParitySetup(config=TINY_WITH_BIASES, gradient_clip_val=0.5)
+VALIDATION = dataclasses.replace(SETUP, data_seed=1, steps=2)  # 2 other batches of 8
+MICROBATCHES = 4
 TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
-SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
 
 
-def batches(seed: int, count: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, TINY.vocab_size, (count, GLOBAL_BATCH, TINY.block_size + 1), generator=generator)
-
-
-def loader(tokens: torch.Tensor):
-    tokens = tokens.reshape(-1, TINY.block_size + 1)
-    dataset = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    return torch.utils.data.DataLoader(dataset, batch_size=GLOBAL_BATCH, shuffle=False)
-
-
-def _loss(net, tokens):
-    return CausalLMModule.loss_fn(None, net(tokens[:, :-1]), tokens[:, 1:])
-
-
-def reference() -> tuple[dict, float, float]:
+def expected_results() -> tuple[dict, float, float]:
     """Weights, last train loss and final validation loss of a single-process loop."""
-    torch.manual_seed(0)
-    net = GPT(TINY)
-    optimizer = SGD(net.parameters())
-    for tokens in batches(0, STEPS):
-        optimizer.zero_grad()
-        loss = _loss(net, tokens)
-        loss.backward()
-        if CLIP:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
-        optimizer.step()
+    trace = reference(SETUP)
+    module = tiny_module(SETUP)
+    module.net.load_state_dict(trace.weights)
     with torch.no_grad():
-        val = torch.stack([_loss(net, tokens) for tokens in batches(1, 2)]).mean()
-    return {k: v.detach().clone() for k, v in net.state_dict().items()}, loss.item(), val.item()
+        val = torch.stack([module.loss((tokens[:, :-1], tokens[:, 1:]))
+                           for tokens in global_batches(VALIDATION)]).mean()
+    return trace.weights, trace.losses[-1], val.item()
 
 
 def fit_pipeline(rank, world_size, strategy_kwargs, checkpoint_dir=None):
@@ -60,14 +46,15 @@ def fit_pipeline(rank, world_size, strategy_kwargs, checkpoint_dir=None):
 
     from litscale.strategies import PipelineParallelStrategy
 
-    torch.manual_seed(0)
-    module = CausalLMModule(net=GPT(TINY), optimizer=SGD)
+    module = tiny_module(SETUP)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world_size, max_steps=STEPS, gradient_clip_val=CLIP,
+        accelerator="cpu", devices=world_size, max_steps=SETUP.steps,
+        gradient_clip_val=SETUP.gradient_clip_val,
         strategy=PipelineParallelStrategy(microbatches=MICROBATCHES, **strategy_kwargs),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, val_check_interval=STEPS,
-        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
-    trainer.fit(module, train_dataloaders=loader(batches(0, STEPS)), val_dataloaders=loader(batches(1, 2)))
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        val_check_interval=SETUP.steps, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False)
+    trainer.fit(module, train_dataloaders=rank_loader(SETUP), val_dataloaders=rank_loader(VALIDATION))
     if checkpoint_dir is not None:
         trainer.save_checkpoint(f"{checkpoint_dir}/pp.ckpt")
     weights = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
@@ -102,7 +89,7 @@ def assert_stages_match(results, expected_weights, expected_loss, expected_val, 
 
 @pytest.fixture(scope="module")
 def expected():
-    return reference()
+    return expected_results()
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +99,7 @@ def every_schedule(tmp_path_factory):
         checkpoint_dir
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_two_stage_pipeline_matches_single_process(schedule, every_schedule, expected):
@@ -121,12 +109,13 @@ def test_two_stage_pipeline_matches_single_process(schedule, every_schedule, exp
     assert_stages_match([result[schedule] for result in results], *expected, label=schedule)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_checkpoint_holds_each_stage_and_loads_into_the_plain_network(every_schedule, expected):
     import torch.distributed.checkpoint as dcp
 
     _, checkpoint_dir = every_schedule
-    plain = CausalLMModule(net=GPT(TINY), optimizer=SGD)
+    plain = tiny_module(SETUP)
     state = {"state_dict": plain.state_dict()}
     dcp.load(state, checkpoint_id=str(checkpoint_dir / "pp.ckpt"))  # written by both stages
     for name, value in expected[0].items():
@@ -158,6 +147,7 @@ MESH_ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(MESH_ERRORS))
 def test_bad_mesh_exits_2_with_one_line_before_starting(case, tmp_path):
@@ -218,6 +208,7 @@ SHORT_RUN = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=5", "train
              "data.batch_size=8")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
     """Both strategies see the same global batches, so they train to the same losses."""
@@ -237,6 +228,7 @@ def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
         assert "terminate called" not in process.stdout + process.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_pipeline_resumes_from_its_per_stage_checkpoint(tmp_path):
     """5 steps + resume to 10 (each stage reloads its weights and momentum) == 10 straight."""

@@ -3,7 +3,6 @@ untrusted targets and secrets (each scenario as a short CPU run through train.py
 
 from __future__ import annotations
 
-import csv
 import os
 import signal
 import time
@@ -11,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_cli import explain, final_weights, run_train, summaries
+from helpers.checkpoints import sharded_checkpoint
+from helpers.cli import explain, final_weights, run_train, summaries, train_losses
 
 from litscale.checkpoints import is_complete_checkpoint, newest_last_checkpoint, resolve_ckpt_path
 from litscale.errors import ConfigError
@@ -27,15 +27,11 @@ def fault(at_step: int, kind: str, rank: int | None = None) -> tuple[str, ...]:
     return (FAULT, f"+callbacks.fault.at_step={at_step}", f"+callbacks.fault.kind={kind}", *extra)
 
 
-def step_losses(run_dir: str) -> dict[int, float]:
-    rows = csv.DictReader((Path(run_dir) / "csv" / "metrics.csv").open())
-    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
-
-
 def run_dirs(outputs: Path, name: str) -> list[Path]:
     return sorted((outputs / name / "runs").iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize(("strategy", "stop_signal"), [
     ("single", "sigterm"), ("ddp", "sigterm"), ("ddp", "sigusr1")])
@@ -59,7 +55,7 @@ def test_stop_signal_saves_checkpoint_and_auto_resume_reproduces_losses(tmp_path
     resumed = run_train(*setup, "name=resumed", "ckpt_path=auto", outputs=tmp_path)
     assert resumed.returncode == 0, explain(resumed)
     reference, continued = summaries(tmp_path / "clean")[0], summaries(tmp_path / "resumed")[0]
-    expected, actual = step_losses(reference["output_dir"]), step_losses(continued["output_dir"])
+    expected, actual = train_losses(reference["output_dir"]), train_losses(continued["output_dir"])
     assert sorted(actual) == list(range(saved_step, 10))  # Lightning's 0-based step index
     for step in actual:
         assert actual[step] == expected[step], step
@@ -67,6 +63,7 @@ def test_stop_signal_saves_checkpoint_and_auto_resume_reproduces_losses(tmp_path
         assert torch.equal(final_weights(continued)[name], tensor), name
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("kind", "expected"), [
     ("exception", "error: rank 1 failed: InjectedFault: injected fault at step 2 on rank 1"),
@@ -84,6 +81,7 @@ def test_failing_rank_stops_every_rank_with_one_error(tmp_path, kind, expected):
         assert process.stderr.count("Traceback") == 1  # the root cause's traceback, once
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_persistent_nan_loss_stops_after_saving_a_checkpoint(tmp_path):
     process = run_train(*SHORT, *fault(2, "nan_weights"), "callbacks.nonfinite_guard.patience=2",
@@ -98,6 +96,7 @@ def test_persistent_nan_loss_stops_after_saving_a_checkpoint(tmp_path):
     assert not (run_dir / "summary.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_untrusted_target_is_refused_before_anything_runs(tmp_path):
     process = run_train("+callbacks.evil._target_=os.system", outputs=tmp_path)
@@ -109,6 +108,7 @@ def test_untrusted_target_is_refused_before_anything_runs(tmp_path):
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_values_from_the_environment_never_reach_logs_or_checkpoints(tmp_path):
     secret = "sk-litscale-test-0123456789"
@@ -155,20 +155,6 @@ def test_auto_skips_a_truncated_last_ckpt_and_never_resumes_from_nonfinite(tmp_p
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) is None
     with pytest.raises(ConfigError, match="^ckpt_path=last but no complete checkpoints/"):
         resolve_ckpt_path("last", search_dir=str(tmp_path))
-
-
-def sharded_checkpoint(path: Path, step: int, written_at: float | None = None) -> Path:
-    """Lightning's sharded layout (DCP shards and .metadata, then meta.pt), saved by DCP itself;
-    with ``written_at``, every file's time set to it (meta.pt a second later)."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({"state_dict": {"weight": torch.full((4,), float(step))}}, checkpoint_id=str(path))
-    torch.save({"global_step": step}, path / "meta.pt")
-    if written_at is not None:
-        for file in path.iterdir():
-            os.utime(file, (written_at, written_at))
-        os.utime(path / "meta.pt", (written_at + 1, written_at + 1))
-    return path
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group, overwriting

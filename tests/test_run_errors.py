@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import compose_job
+from helpers.configs import compose_job
 
 from litscale.app.validation import ConfigError, validate
 from litscale.checkpoints import resolve_ckpt_path

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_cli import REPO, explain, run_train, summaries
+from helpers.cli import REPO, explain, run_train, summaries
 
 from litscale.app.scaling_study import (
     ScalingContext,
@@ -94,6 +94,7 @@ def sweep(tmp_path_factory):
     return process, outputs, sweeps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_multirun_runs_each_job_once_with_its_own_world_size(sweep):
     process, outputs, sweeps = sweep
@@ -106,6 +107,7 @@ def test_multirun_runs_each_job_once_with_its_own_world_size(sweep):
     assert process.stdout.count("litscale: done:") == 4  # one summary per job, from rank 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_each_job_logs_efficiency_against_its_one_device_job(sweep):
     _, outputs, _ = sweep
@@ -127,6 +129,7 @@ def test_each_job_logs_efficiency_against_its_one_device_job(sweep):
         assert b"scaling/efficiency" in wandb_files[0].read_bytes()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sweep_writes_report_and_logs_it_to_wandb(sweep):
     process, _, sweeps = sweep
@@ -143,6 +146,7 @@ def test_sweep_writes_report_and_logs_it_to_wandb(sweep):
     assert len(job_runs) == 4 and all(group in path.read_bytes() for path in job_runs + report_runs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_notebook_reads_the_sweep_and_runs(sweep, tmp_path):
     nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
@@ -160,6 +164,7 @@ def test_notebook_reads_the_sweep_and_runs(sweep, tmp_path):
 # --- a single run: a named baseline, and a resumed run continuing its W&B run --------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resumed_run_continues_its_wandb_run_and_compares_with_a_named_baseline(tmp_path):
     secret = "wandb-secret-0123456789abcdef"

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_distributed
+from helpers.distributed import run_distributed
 
 from litscale.models.gpt import GPT, GPTConfig
 
@@ -75,6 +75,7 @@ def torch_and_litscale_on_two_ranks(rank, world_size):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_torch_wildcard_plans_and_norms_against_litscale():
     for results in run_distributed(torch_and_litscale_on_two_ranks, 2, timeout=140):

@@ -4,14 +4,15 @@ an uninterrupted run ends; with no restarts left, every rank stops and the cause
 
 from __future__ import annotations
 
-import csv
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from train_cli import REPO, explain, final_weights, run_in_own_group, summaries
+from helpers.cli import REPO, explain, final_weights, run_in_own_group, summaries, train_losses
+
+pytestmark = pytest.mark.slow  # every test here runs torchrun
 
 SHORT = ("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=8",
          "trainer.max_steps=12", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
@@ -37,11 +38,6 @@ def run_torchrun(*overrides: str, outputs: Path, name: str, max_restarts: int,
     return completed, seconds
 
 
-def step_losses(run_dir: str) -> dict[int, str]:
-    rows = csv.DictReader((Path(run_dir) / "csv" / "metrics.csv").open())
-    return {int(r["step"]): r["train/loss"] for r in rows if r.get("train/loss")}
-
-
 @pytest.mark.timeout(500)
 def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_path):
     """SIGKILL on rank 1 at step 6 (checkpoint at step 4), --max-restarts=1, ckpt_path=auto:
@@ -60,7 +56,7 @@ def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_pa
     assert f"Restored all states from the checkpoint at {checkpoint}" in output
     [reference], [resumed] = summaries(tmp_path / "clean"), summaries(tmp_path / "killed")
     assert resumed["steps"] == reference["steps"] == 12
-    expected, actual = step_losses(reference["output_dir"]), step_losses(resumed["output_dir"])
+    expected, actual = train_losses(reference["output_dir"]), train_losses(resumed["output_dir"])
     assert sorted(actual) == list(range(4, 12))  # the steps after the checkpoint, run again
     assert {step: expected[step] for step in actual} == actual
     for name, tensor in final_weights(reference).items():

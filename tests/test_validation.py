@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Optional
 import pytest
 import torch
 from annotated_types import Ge, Gt, Interval, Le
-from conftest import REPO_ROOT, compose_full, compose_job, group_options
+from helpers.configs import REPO_ROOT, compose_full, compose_job, group_options
 from omegaconf import ListConfig
 
 from litscale.app.validation import ConfigError, count_devices, validate
@@ -473,6 +473,7 @@ def outcomes(tmp_path_factory) -> dict[tuple[str, str], Outcome]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("name", "mode"),
@@ -490,6 +491,7 @@ def test_train_py_rejects_in_one_line(name, mode, outcomes):
     assert processes_for(outcome.root) == [], "a process of the run outlived it"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fork_servers_left_nothing_running(outcomes):
     for sentinel in outcomes["servers"]:
@@ -497,6 +499,7 @@ def test_fork_servers_left_nothing_running(outcomes):
         assert list(sentinel.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_process_check_sees_a_live_run(tmp_path):
     """The leftover-process check above finds a process that carries the run's env."""

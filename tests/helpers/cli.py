@@ -1,7 +1,9 @@
-"""Running ``train.py`` in a subprocess, as a user would, for end-to-end tests."""
+"""Running ``train.py`` in a subprocess, as a user would, and reading what a run leaves behind
+(``summary.json``, the last checkpoint, the CSV logger's ``metrics.csv``)."""
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
 import os
@@ -13,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers.configs import REPO_ROOT
+
+REPO = REPO_ROOT  # where train.py is, and where runs start
 
 
 def run_train(*overrides: str, outputs: Path, timeout: float = 240, env: dict | None = None):
@@ -75,3 +79,21 @@ def live_processes(group: int) -> list[str]:
     rows = [line.split(None, 2) for line in listing.splitlines()]
     return [row[2] if len(row) > 2 else "" for row in rows
             if row[0] == str(group) and not row[1].startswith("Z")]
+
+
+def metrics_rows(run_dir: str | Path) -> list[dict[str, str]]:
+    """The rows of a run's ``csv/metrics.csv`` (the CSV logger, ``logger=csv``), as written."""
+    with open(Path(run_dir) / "csv" / "metrics.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def train_losses(run_dir: str | Path) -> dict[int, float]:
+    """``train/loss`` by the step it is logged at (Lightning's 0-based logger step)."""
+    return {int(row["step"]): float(row["train/loss"]) for row in metrics_rows(run_dir)
+            if row.get("train/loss")}
+
+
+def comm_metrics(summary: dict) -> list[dict[str, float]]:
+    """The ``comm/*`` figures of each logged row that has them, oldest first."""
+    return [{k: float(v) for k, v in row.items() if k.startswith("comm/") and v}
+            for row in metrics_rows(summary["output_dir"]) if row.get("comm/bytes_per_step")]

@@ -1,8 +1,8 @@
 """Running a test function on several gloo ranks, with a free port and a deadline.
 
-``run_distributed(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in each of
-``world_size`` processes with the default process group initialised (gloo, CPU), and returns
-the list of per-rank return values. A rank that raises fails the test with its traceback; a
+``run_distributed(fn, world_size, *args, **kwargs)`` calls ``fn(rank, world_size, *args,
+**kwargs)`` in each of ``world_size`` processes with the default process group initialised
+(gloo, CPU), and returns the list of per-rank return values. A rank that raises fails the test with its traceback; a
 rank that hangs fails it after ``timeout`` seconds; every process group is destroyed.
 """
 
@@ -24,7 +24,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, results, timeout):
+def _worker(rank, world_size, port, fn, args, kwargs, results, timeout):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -34,7 +34,7 @@ def _worker(rank, world_size, port, fn, args, results, timeout):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     try:
-        results[rank] = ("ok", fn(rank, world_size, *args))
+        results[rank] = ("ok", fn(rank, world_size, *args, **kwargs))
     except BaseException:
         results[rank] = ("error", traceback.format_exc())
         raise
@@ -42,16 +42,17 @@ def _worker(rank, world_size, port, fn, args, results, timeout):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120) -> list:
-    """``[fn(rank, world_size, *args) for each rank]``, computed on ``world_size`` gloo ranks.
+def run_distributed(fn, world_size: int, *args, timeout: float = 120, **kwargs) -> list:
+    """``[fn(rank, world_size, *args, **kwargs) for each rank]``, computed on ``world_size``
+    gloo ranks.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes) and its
-    return values picklable (tensors are fine).
+    ``fn`` must be a module-level function (it is pickled into spawned processes), and its
+    arguments and return values picklable (tensors are fine).
     """
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
-    context = mp.start_processes(_worker, args=(world_size, free_port(), fn, args, results, timeout),
-                                 nprocs=world_size, join=False, start_method="spawn")
+    context = mp.start_processes(_worker, nprocs=world_size, join=False, start_method="spawn",
+                                 args=(world_size, free_port(), fn, args, kwargs, results, timeout))
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=1):
