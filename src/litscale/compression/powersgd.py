@@ -192,4 +192,16 @@ def powersgd_compression_hook(
     sent = (torch_state.total_numel_after_compression - numel_before) * gradient.element_size() \
         if compressing else dense_bytes
     state.record(bucket, sent_bytes=sent, dense_bytes=dense_bytes)
+    if compressing and _is_gloo(torch_state.process_group):
+        # NOTE: torch's hook waits for its P and Q all-reduces inside future callbacks, which
+        # run on the process group's worker threads. Gloo has two: with two buckets in flight
+        # both can block there while the all-reduces they wait for need a free worker, a
+        # deadlock (every run of 50 steps with 8 small buckets on CPU). Finishing each bucket
+        # before DDP hands over the next keeps at most one callback waiting. It gives up
+        # overlapping this bucket's communication with the rest of backward, on CPU only.
+        future.wait()
     return future
+
+
+def _is_gloo(group: Any) -> bool:
+    return dist.get_backend(group) == dist.Backend.GLOO
