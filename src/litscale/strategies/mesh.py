@@ -66,7 +66,7 @@ def check_tensor_parallel_fits(net: nn.Module, tensor_parallel_size: int) -> Non
     if tensor_parallel_size == 1:
         return
     config = getattr(net, "config", None)
-    for field in ("n_head", "n_embd", "vocab_size"):
+    for field in ("n_head", "n_kv_heads", "n_embd", "vocab_size"):
         value = getattr(config, field, None)
         if isinstance(value, int) and value % tensor_parallel_size:
             raise ValueError(

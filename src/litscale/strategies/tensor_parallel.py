@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-StyleName = Literal["colwise", "rowwise", "embedding", "head", "norm", "sequence_input",
+StyleName = Literal["colwise", "rowwise", "embedding", "head", "head_norm", "norm", "sequence_input",
                     "sequence_start"]
 STYLES: dict[str, str] = {
     "colwise": "split the output features (weight rows); input replicated, output sharded",
@@ -50,6 +50,8 @@ STYLES: dict[str, str] = {
                "over the sequence with sequence parallelism)",
     "embedding": "split the vocabulary rows of an embedding; output all-reduced",
     "head": "column-wise output layer; logits gathered, or kept vocabulary-sharded with loss parallel",
+    "head_norm": "a norm over each head's features (QK-norm) on this rank's heads; its gain's "
+                 "gradient summed over the ranks",
     "norm": "sequence parallel only: the module runs on this rank's slice of the sequence",
     "sequence_input": "sequence parallel only: gather the sequence before a tensor-parallel sub-layer",
     "sequence_start": "sequence parallel only: slice the sequence where the residual stream begins",
@@ -77,6 +79,8 @@ def parallel_style(name: str, *, sequence_parallel: bool, loss_parallel: bool):
         return ColwiseParallel(input_layouts=sequence if sequence_parallel else Replicate(),
                                output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                use_local_output=not loss_parallel)
+    if name == "head_norm":  # on [batch, sequence, heads, head_dim], the heads split
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if not sequence_parallel:
         return None
     if name == "norm":
