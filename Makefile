@@ -1,11 +1,12 @@
 # Two commands set everything up on a fresh machine:
 #   make train   create .venv, install litscale, train GPT-nano on the default config
-#   make test    install the dev extras and run the whole test suite
+#   make test    install the dev extras and run the test suite (all but the `full` set)
+#   make test-full  the `full` set: parity at 4 and 8 ranks (long on 2 cores; CI runs it too)
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test install install-dev lint clean
+.PHONY: train test test-full install install-dev lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +28,10 @@ train: install
 	$(BIN)/python train.py $(ARGS)
 
 test: install-dev
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not full" $(PYTEST_ARGS)
+
+test-full: install-dev
+	$(BIN)/python -m pytest -m full $(PYTEST_ARGS)
 
 lint: install-dev
 	$(BIN)/ruff check src tests train.py

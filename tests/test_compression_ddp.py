@@ -4,6 +4,8 @@ the ranks' decoded gradients; top-k 1% + error feedback against dense training t
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,97 @@ def test_checkpointed_state_of_every_rank_resumes_exactly():
             assert saved_ranks == 2  # residuals differ per rank: each rank's are kept
             for a, b in zip(expected, resumed, strict=True):
                 torch.testing.assert_close(b, a, rtol=1.3e-6, atol=1e-5, msg=name)
+
+
+# --- PowerSGD against its math ------------------------------------------------------------
+
+POWERSGD_RANK, WARM_UP, COMPRESSED_STEPS = 4, 2, 12
+# Each rank's gradient of the weight matrix: fixed, so the mean M is too. M's spectrum has a
+# wide gap after the 4th singular value, so warm-started power iteration converges in a few steps.
+SINGULAR_VALUES = [10.0, 8.0, 6.0, 4.0] + [0.4 / (i + 1) for i in range(28)]
+
+
+def _rank_gradient(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's gradient, the mean over 2 ranks): the mean is U diag(s) V^T, and rank r's
+    gradient is the mean plus (-1)^r times a fixed noise matrix, so the two average to it."""
+    generator = torch.Generator().manual_seed(7)
+    u, _ = torch.linalg.qr(torch.randn(64, 32, generator=generator))
+    v, _ = torch.linalg.qr(torch.randn(32, 32, generator=generator))
+    mean = u @ torch.diag(torch.tensor(SINGULAR_VALUES)) @ v.T
+    noise = torch.randn(64, 32, generator=generator)
+    return mean + (noise if rank == 0 else -noise), mean
+
+
+def _powersgd_steps(rank: int, world_size: int) -> dict:
+    """DDP with PowerSGD (no error feedback: each step compresses the same mean) on a layer
+    whose gradient is ``_rank_gradient(rank)`` (loss = <W, G_r>) and a bias that gets a dense
+    all-reduce; the synced gradients of each step."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    gradient, _ = _rank_gradient(rank)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 64)
+    model = DistributedDataParallel(layer)
+    compression.powersgd(rank=POWERSGD_RANK, start_iteration=WARM_UP, error_feedback=False,
+                         min_compression_rate=1.0).register(model)
+    bias_gradient = torch.full((64,), float(rank))
+    synced = []
+    for _ in range(WARM_UP + COMPRESSED_STEPS):
+        model.zero_grad()
+        x = torch.zeros(1, 32)  # the output is the bias: <W, G_r> carries the weight's gradient
+        ((layer.weight * gradient).sum() + (model(x)[0] * bias_gradient).sum()).backward()
+        synced.append((layer.weight.grad.clone(), layer.bias.grad.clone()))
+    return {"synced": synced}
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_after_warm_up_is_the_rank_r_approximation_of_the_mean_gradient():
+    """torch's PowerSGD through litscale's hook, against the math (Vogels et al. 2019): during
+    warm-up the dense mean; then at every step a projection of the mean gradient M onto a
+    rank-4 subspace (P P^T M, P orthonormal: one step of subspace iteration), converging under
+    warm start to the best rank-4 approximation, computed here by SVD."""
+    _, mean = _rank_gradient(0)
+    u, s, vh = torch.linalg.svd(mean, full_matrices=False)
+    best = u[:, :POWERSGD_RANK] @ torch.diag(s[:POWERSGD_RANK]) @ vh[:POWERSGD_RANK]
+    for rank_result in run_distributed(_powersgd_steps, 2, timeout=100):
+        steps = rank_result["synced"]
+        for weight, _ in steps[:WARM_UP]:
+            torch.testing.assert_close(weight, mean, rtol=1e-5, atol=1e-5)
+        for step, (_, bias) in enumerate(steps):  # 1-D: all-reduced dense at every step
+            torch.testing.assert_close(bias, torch.full((64,), 0.5), msg=f"bias at step {step}")
+        for step, (weight, _) in enumerate(steps[WARM_UP:], start=WARM_UP):
+            assert torch.linalg.matrix_rank(weight, atol=1e-4) == POWERSGD_RANK, step
+            basis = torch.linalg.svd(weight, full_matrices=False)[0][:, :POWERSGD_RANK]
+            torch.testing.assert_close(weight, basis @ basis.T @ mean, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, step=step: f"step {step} is not P P^T M: {m}")
+        torch.testing.assert_close(steps[-1][0], best, rtol=1e-4, atol=1e-4)
+        assert (steps[WARM_UP][0] - best).abs().max() > 1e-3  # it converged: it did not start there
+
+
+POWERSGD_ON_MANY_BUCKETS = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from litscale.compression import powersgd
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.manual_seed(0)
+model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)]),
+                                bucket_cap_mb=0.01)
+powersgd(rank=2, start_iteration=2).register(model)
+for _ in range(50):
+    model(torch.randn(8, 64)).square().mean().backward()
+dist.destroy_process_group()
+print("done")
+"""
+
+
+@pytest.mark.timeout(150)
+def test_powersgd_on_gloo_with_many_buckets_does_not_deadlock():
+    """torch's PowerSGD hook blocks gloo's worker threads while buckets are in flight; before
+    litscale finished each bucket on gloo, this run hung every time. In a subprocess: a hang
+    inside a C++ wait cannot be interrupted in this one."""
+    process = subprocess.run([sys.executable, "-c", POWERSGD_ON_MANY_BUCKETS], capture_output=True,
+                             text=True, timeout=120)
+    assert process.returncode == 0 and process.stdout.strip() == "done", process.stderr[-2000:]
 
 
 # --- end to end through train.py ----------------------------------------------------------

@@ -1,40 +1,14 @@
-"""DeepSpeed ZeRO 1/2/3 on CPU (gloo, ``DS_ACCELERATOR=cpu``) inside Lightning's fit loop:
-parity with a single process of the same global batch, the config it builds, and imports."""
+"""DeepSpeed ZeRO 1/2/3 on CPU (gloo, ``DS_ACCELERATOR=cpu``): the config it builds, and
+imports (parity with one process, offload included, is in ``test_parity.py``)."""
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 
 import pytest
 from helpers.cli import REPO, run_train
-from helpers.distributed import run_distributed
-from helpers.parity import OPTIMIZERS, ParitySetup, assert_traces_match, fit_variants, reference
 from helpers.strategies import zero
-
-STAGES = (1, 2, 3)
-SETUPS = {optimizer: ParitySetup(optimizer=optimizer) for optimizer in OPTIMIZERS}
-
-
-@pytest.fixture(scope="module")
-def zero_fits():
-    """All stages x optimizers in one process group (DeepSpeed's engine is rebuilt per fit)."""
-    factories = {stage: functools.partial(zero, stage) for stage in STAGES}
-    return run_distributed(fit_variants, 2, factories, SETUPS, timeout=500)[0]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(550)
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("stage", STAGES)
-def test_zero_two_ranks_match_single_process(zero_fits, stage, optimizer):
-    """Every step's loss and the final weights (ZeRO keeps its gradients in its own partitions,
-    not in ``.grad``: there are none to compare)."""
-    # DeepSpeed's ZeRO optimizers step an fp32 copy with torch's own (non-fused) optimizer on
-    # CPU, and reduce in fp32: PyTorch's default fp32 tolerances hold.
-    assert_traces_match(zero_fits[stage, optimizer], reference(SETUPS[optimizer]), gradients=False,
-                        rtol=1.3e-6, atol=1e-5)
 
 
 def test_config_maps_stage_offload_and_precision():
@@ -53,7 +27,7 @@ def test_config_maps_stage_offload_and_precision():
 def test_offload_rules_and_stage_range():
     from litscale.strategies.deepspeed_zero import check_offload
 
-    for stage in STAGES:
+    for stage in (1, 2, 3):
         check_offload(stage, offload_optimizer=True, offload_parameters=stage == 3)
     with pytest.raises(ValueError, match=r"^strategy.offload_parameters=true needs strategy.stage=3"):
         check_offload(2, offload_optimizer=False, offload_parameters=True)

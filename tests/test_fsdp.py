@@ -1,9 +1,8 @@
-"""FSDP2 strategy: parity with a single process of the same global batch (CPU, 2 gloo ranks),
-sharding units, mixed precision, and use from a plain Lightning script."""
+"""FSDP2 strategy: sharding units, mixed precision, and use from a plain Lightning script
+(parity with one process, step by step, is in ``test_parity.py``)."""
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 import warnings
@@ -13,41 +12,15 @@ import torch
 from helpers.cli import REPO, explain, run_train
 from helpers.distributed import run_distributed
 from helpers.parity import (
-    OPTIMIZERS,
     TINY,
     ParitySetup,
-    assert_traces_match,
     assert_weights_match,
     fit,
-    fit_variants,
     reference,
     tiny_module,
 )
 from helpers.strategies import fsdp
 from lightning.pytorch import Callback
-
-SETUPS = {optimizer: ParitySetup(optimizer=optimizer) for optimizer in OPTIMIZERS}
-FSDP_VARIANTS = {
-    "reshard": {"reshard_after_forward": True},
-    "no_reshard": {"reshard_after_forward": False},
-    "activation_checkpointing": {"activation_checkpointing": True},
-}
-
-
-@pytest.fixture(scope="module")
-def fsdp_fits():
-    factories = {name: functools.partial(fsdp, **options) for name, options in FSDP_VARIANTS.items()}
-    return run_distributed(fit_variants, 2, factories, SETUPS, gradients=True, timeout=400)[0]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(450)
-@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
-@pytest.mark.parametrize("variant", list(FSDP_VARIANTS))
-def test_fsdp_two_ranks_match_single_process(fsdp_fits, variant, optimizer):
-    """Every step's loss and gradients, and the final weights."""
-    assert_traces_match(fsdp_fits[variant, optimizer], reference(SETUPS[optimizer]),
-                        rtol=1.3e-6, atol=1e-5)
 
 
 class ShardLayout(Callback):

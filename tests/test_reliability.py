@@ -3,15 +3,18 @@ untrusted targets and secrets (each scenario as a short CPU run through train.py
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.checkpoints import sharded_checkpoint
-from helpers.cli import explain, final_weights, run_train, summaries, train_losses
+from helpers.cli import REPO, cli_env, explain, final_weights, run_train, summaries, train_losses
 
 from litscale.checkpoints import is_complete_checkpoint, newest_last_checkpoint, resolve_ckpt_path
 from litscale.errors import ConfigError
@@ -52,15 +55,77 @@ def test_stop_signal_saves_checkpoint_and_auto_resume_reproduces_losses(tmp_path
     # The signal is handled at the next step boundary every rank agrees on.
     saved_step = torch.load(interrupted / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
     assert 5 <= saved_step < 10, explain(stopped)
+    assert_resume_reproduces_the_uninterrupted_run(tmp_path, setup, saved_step, max_steps=10)
+
+
+def assert_resume_reproduces_the_uninterrupted_run(tmp_path: Path, setup: tuple[str, ...],
+                                                   saved_step: int, *, max_steps: int) -> None:
+    """``ckpt_path=auto`` continues run ``resumed`` from ``saved_step``: every later step's
+    loss and the final weights equal those of run ``clean`` bit for bit."""
     resumed = run_train(*setup, "name=resumed", "ckpt_path=auto", outputs=tmp_path)
     assert resumed.returncode == 0, explain(resumed)
     reference, continued = summaries(tmp_path / "clean")[0], summaries(tmp_path / "resumed")[0]
     expected, actual = train_losses(reference["output_dir"]), train_losses(continued["output_dir"])
-    assert sorted(actual) == list(range(saved_step, 10))  # Lightning's 0-based step index
+    assert sorted(actual) == list(range(saved_step, max_steps))  # Lightning's 0-based step index
     for step in actual:
         assert actual[step] == expected[step], step
     for name, tensor in final_weights(reference).items():
         assert torch.equal(final_weights(continued)[name], tensor), name
+
+
+def rank_pid(group: int, rank: int) -> int | None:
+    """The pid of the worker of global rank ``rank`` among process group ``group`` (the job
+    started in a session of its own), read from each process's environment (Linux)."""
+    for pid in map(int, subprocess.run(["pgrep", "-g", str(group)], capture_output=True,
+                                       text=True).stdout.split()):
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone
+        if f"RANK={rank}".encode() in environment and b"LOCAL_RANK=" + str(rank).encode() in environment:
+            return pid
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_sigterm_to_rank_one_alone_stops_every_rank_at_one_step_and_resumes_exactly(tmp_path):
+    """A real 2-rank job; SIGTERM goes to rank 1's process only (not through the launcher)
+    once a first checkpoint shows that training is under way. Every rank stops after the same
+    step and saves with the others, the job exits 0, and resuming reproduces the uninterrupted
+    run bit for bit."""
+    max_steps = 40
+    setup = (*SHORT, f"trainer.max_steps={max_steps}", "strategy=ddp", "trainer.devices=2",
+             "data.batch_size=8", "callbacks.preemption.check_every_n_steps=2", "model.net.dropout=0.1")
+    clean = run_train(*setup, "name=clean", outputs=tmp_path)
+    assert clean.returncode == 0, explain(clean)
+    job = subprocess.Popen([sys.executable, str(REPO / "train.py"), *setup, "name=resumed"], cwd=REPO,
+                           env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "resumed").glob("runs/*/checkpoints/last.ckpt")):
+            assert job.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.2)
+        pid = rank_pid(job.pid, rank=1)
+        assert pid is not None and pid != job.pid
+        os.kill(pid, signal.SIGTERM)
+        stdout, stderr = job.communicate(timeout=240)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+    stopped = subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
+    assert stopped.returncode == 0, explain(stopped)
+    (interrupted,) = run_dirs(tmp_path, "resumed")
+    last = interrupted / "checkpoints" / "last.ckpt"
+    assert is_complete_checkpoint(str(last))
+    saved_step = torch.load(last, weights_only=True)["global_step"]
+    assert saved_step % 2 == 0 and 4 <= saved_step < max_steps, explain(stopped)
+    # One agreed step: the one message, from rank 0, names the step the checkpoint holds.
+    assert f"stopping at step {saved_step} on a termination signal" in stopped.stdout, explain(stopped)
+    assert "litscale: preempted" in stopped.stdout  # stopped, not finished: no summary
+    assert summaries(tmp_path / "resumed") == []
+    assert_resume_reproduces_the_uninterrupted_run(tmp_path, setup, saved_step, max_steps=max_steps)
 
 
 @pytest.mark.slow

@@ -31,29 +31,36 @@ from litscale.modules import CausalLMModule
 # PyTorch's fp32 defaults for assert_close: what a sharded step may differ from one process by.
 TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 
-# NOTE: no biases: the key projection's bias has an exactly zero gradient (softmax ignores a
-# constant added to every key), so its computed gradient is rounding noise of order 1e-10,
-# which AdamW divides by its own square root into steps of size lr: any two correct
-# implementations then disagree by ~lr on that tensor. SGD comparisons may keep them.
 TINY = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, block_size=16, bias=False)
 TINY_WITH_BIASES = dataclasses.replace(TINY, bias=True)
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
-    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95)),
+    # NOTE: eps 1e-6, not torch's 1e-8. AdamW steps each element by about lr x sign(gradient)
+    # once |gradient| >> eps; an element whose gradient is (nearly) zero, as the key
+    # projection's bias is exactly (softmax ignores a constant added to every key), then steps
+    # by lr times its rounding noise's sign, and two correct implementations that sum in a
+    # different order disagree by ~lr there. With eps 1e-6 such an element moves by at most
+    # lr x noise / eps (~1e-6): below the fp32 tolerance, while real gradients still dominate.
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), eps=1e-6),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class ParitySetup:
-    """What both sides train: the network, the optimizer (a key of ``OPTIMIZERS``), the
-    global batches (``steps`` of ``global_batch`` random sequences from ``data_seed``) and
-    Lightning's norm clipping (the reference clips the same way)."""
+    """What both sides train: the network (``net_class(config)``), the optimizer (a key of ``OPTIMIZERS``) and its
+    weight decay (on matrices, as ``CausalLMModule`` groups it), the global batches (``steps``
+    of ``global_batch`` random sequences from ``data_seed``), each rank's share of a global
+    batch split into ``accumulation`` micro batches, and Lightning's norm clipping (the
+    reference clips the same way)."""
 
     config: GPTConfig = TINY
+    net_class: type = GPT  # built as net_class(config): any causal LM of the zoo
     optimizer: str = "sgd"
+    weight_decay: float = 0.0
     steps: int = 5
     global_batch: int = 8
+    accumulation: int = 1
     data_seed: int = 0
     gradient_clip_val: float | None = None
 
@@ -81,12 +88,13 @@ def global_batches(setup: ParitySetup) -> torch.Tensor:
 
 def rank_loader(setup: ParitySetup, data_parallel_size: int = 1, data_parallel_rank: int = 0):
     """The micro batches of one data-parallel rank: rows ``r*b:(r+1)*b`` of each global batch
-    (with the defaults, the whole global batch at every step)."""
-    micro = setup.global_batch // data_parallel_size
-    rows = slice(data_parallel_rank * micro, (data_parallel_rank + 1) * micro)
+    (with the defaults, the whole global batch at every step), in ``setup.accumulation``
+    consecutive micro batches per step."""
+    share = setup.global_batch // data_parallel_size
+    rows = slice(data_parallel_rank * share, (data_parallel_rank + 1) * share)
     tokens = global_batches(setup)[:, rows].reshape(-1, setup.config.block_size + 1)
     dataset = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-    return torch.utils.data.DataLoader(dataset, batch_size=micro, shuffle=False)
+    return torch.utils.data.DataLoader(dataset, batch_size=share // setup.accumulation, shuffle=False)
 
 
 def data_parallel_rank(rank: int, sizes) -> int:
@@ -98,13 +106,17 @@ def data_parallel_rank(rank: int, sizes) -> int:
 # --- the model and the reference --------------------------------------------------------------
 
 
-def tiny_net(setup: ParitySetup) -> GPT:
+def tiny_net(setup: ParitySetup) -> torch.nn.Module:
     torch.manual_seed(0)
-    return GPT(setup.config)
+    return setup.net_class(setup.config)
+
+
+def module_for(net: torch.nn.Module, setup: ParitySetup) -> CausalLMModule:
+    return CausalLMModule(net=net, optimizer=OPTIMIZERS[setup.optimizer], weight_decay=setup.weight_decay)
 
 
 def tiny_module(setup: ParitySetup) -> CausalLMModule:
-    return CausalLMModule(net=tiny_net(setup), optimizer=OPTIMIZERS[setup.optimizer])
+    return module_for(tiny_net(setup), setup)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -122,7 +134,7 @@ def loop_trace(net: torch.nn.Module, setup: ParitySetup, *, loss_context=None) -
     """Train ``net`` with a plain loop over the whole global batches, optimised and clipped as
     the module's own ``configure_optimizers`` and Lightning would; ``loss_context`` is entered
     around each loss and its backward (e.g. tensor parallel's ``loss_parallel``)."""
-    module = CausalLMModule(net=net, optimizer=OPTIMIZERS[setup.optimizer])
+    module = module_for(net, setup)
     optimizer = module.configure_optimizers()
     losses, gradients = [], []
     for tokens in global_batches(setup):
@@ -144,12 +156,54 @@ def reference(setup: ParitySetup) -> Trace:
     return loop_trace(tiny_net(setup), setup)
 
 
+def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
+                        outer_lr: float | None = None, outer_momentum: float = 0.9) -> list[Trace]:
+    """Local SGD re-derived in one process, one trace per rank: ``world_size`` replicas of the
+    same network, each with its own optimizer, stepping on its rank's rows of each global
+    batch; after every ``sync_every`` steps their parameters are replaced by the mean. With
+    ``outer_lr`` (DiLoCo), the mean's distance from the last synchronised parameters is the
+    gradient of an outer Nesterov SGD over those, whose result every replica takes. Each
+    trace's loss is the mean of the replicas' losses, as the ranks record it."""
+    nets = [tiny_net(setup) for _ in range(world_size)]
+    modules = [module_for(net, setup) for net in nets]
+    optimizers = [module.configure_optimizers() for module in modules]
+    batches = [list(rank_loader(setup, world_size, rank)) for rank in range(world_size)]
+    anchor = [p.detach().clone() for p in nets[0].parameters()]
+    outer = outer_lr and torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    losses, gradients = [], [[] for _ in nets]
+    for step in range(setup.steps):
+        step_losses = []
+        for rank, (net, module, optimizer) in enumerate(zip(nets, modules, optimizers, strict=True)):
+            optimizer.zero_grad()
+            loss = module.loss(batches[rank][step])
+            loss.backward()
+            step_losses.append(loss.item())
+            gradients[rank].append(full_gradients(net))
+            optimizer.step()
+        losses.append(sum(step_losses) / world_size)
+        if (step + 1) % sync_every:
+            continue
+        with torch.no_grad():
+            replicas = list(zip(*(net.parameters() for net in nets), strict=True))
+            means = [torch.stack(params).mean(0) for params in replicas]
+            if outer:
+                for start, mean in zip(anchor, means, strict=True):
+                    start.grad = start - mean
+                outer.step()
+                means = anchor
+            for params, mean in zip(replicas, means, strict=True):
+                for param in params:
+                    param.copy_(mean)
+    return [Trace(losses, gradients[rank], {k: full(v) for k, v in net.state_dict().items()})
+            for rank, net in enumerate(nets)]
+
+
 # --- N ranks through Lightning ----------------------------------------------------------------
 
 
 class StepRecorder(Callback):
-    """The global batch's loss after each step (``losses``, by the number of steps done) and,
-    with ``gradients=True``, every parameter's full gradient as the optimizer receives it.
+    """The global batch's loss at each step (``losses``, by the step it belongs to) and, with
+    ``gradients=True``, every parameter's full gradient as the optimizer receives it.
 
     Gradients are read from ``.grad`` before Lightning clips them; sharded ones (DTensor) are
     gathered, so every rank must record. A strategy that keeps gradients elsewhere (DeepSpeed
@@ -160,29 +214,36 @@ class StepRecorder(Callback):
         self.record_gradients = gradients
         self.losses: dict[int, float] = {}
         self.gradients: list[dict[str, torch.Tensor]] = []
+        self._step = 0
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.record_gradients:
             self.gradients.append(full_gradients(getattr(pl_module, "net", pl_module)))
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._step = trainer.global_step  # the optimizer step this micro batch accumulates into
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        # Each rank's loss is over its own micro batch; equal micro batches make the mean over
-        # ranks the global batch's loss (model-parallel peers hold the same value, so they
-        # weigh every data-parallel index alike).
+        # Each rank's loss is over its own micro batch, already divided by the accumulation
+        # (Lightning's closure does it): summed over a step's micro batches and averaged over
+        # ranks, equal micro batches make it the global batch's loss (model-parallel peers
+        # hold the same value, so they weigh every data-parallel index alike).
         loss = full(outputs["loss"])
         if dist.is_initialized():
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
-        self.losses[trainer.global_step] = float(loss)
+        self.losses[self._step] = self.losses.get(self._step, 0.0) + float(loss)
 
 
 def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
         data_parallel_size: int | None = None, data_parallel_rank: int | None = None,
         gradients: bool = False, precision: str = "32-true", callbacks=(),
-        checkpoint_path: str | None = None) -> Trace:
+        checkpoint_path: str | None = None, local_weights: bool = False) -> Trace:
     """Fit ``tiny_module(setup)`` with ``strategy`` (built in this rank) on this rank's micro
     batches; every rank a data-parallel rank unless the mesh says otherwise. Returns the
-    trace, its weights consolidated (complete on rank 0). A collective: call it on every rank."""
+    trace, its weights consolidated (complete on rank 0), or with ``local_weights`` the
+    parameters this rank holds (a pipeline stage's, a mesh's gathered whole). A collective:
+    call it on every rank."""
     import lightning as L
 
     from litscale.export import consolidated_state_dict
@@ -190,7 +251,8 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
     module, recorder = tiny_module(setup), StepRecorder(gradients=gradients)
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=setup.steps,
-        precision=precision, gradient_clip_val=setup.gradient_clip_val, logger=False,
+        accumulate_grad_batches=setup.accumulation, precision=precision,
+        gradient_clip_val=setup.gradient_clip_val, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder, *callbacks],
     )
@@ -199,8 +261,17 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
     trainer.fit(module, train_dataloaders=loader)
     if checkpoint_path is not None:
         trainer.save_checkpoint(checkpoint_path)
-    return Trace([recorder.losses[step] for step in sorted(recorder.losses)], recorder.gradients,
-                 consolidated_state_dict(trainer, module))
+    weights = ({name: full(value) for name, value in module.net.state_dict().items()} if local_weights
+               else consolidated_state_dict(trainer, module))
+    return Trace([recorder.losses[step] for step in sorted(recorder.losses)], recorder.gradients, weights)
+
+
+def fit_on_mesh(rank: int, world_size: int, strategy, setup: ParitySetup, **options) -> Trace:
+    """``fit`` with a model-parallel strategy: each rank fed the rows of its data-parallel
+    index on the strategy's mesh."""
+    sizes = strategy.resolve_mesh(world_size)
+    return fit(rank, world_size, strategy, setup, data_parallel_size=sizes.data,
+               data_parallel_rank=data_parallel_rank(rank, sizes), **options)
 
 
 def fit_with(rank: int, world_size: int, strategy_factory, setup: ParitySetup, **options) -> Trace:
@@ -246,3 +317,27 @@ def assert_traces_match(actual: Trace, expected: Trace, *, losses: bool = True,
             _assert_tensors_close(got, want, f"gradient at step {step}: ", tolerance)
     if weights:
         assert_weights_match(actual.weights, expected.weights, **tolerance)
+
+
+def assert_ranks_match(traces: list[Trace], expected: list[Trace], *, gradients: bool = True,
+                       weights_on_every_rank: bool = True, **tolerance) -> None:
+    """Each rank's trace against its own expected one (the same reference for every rank of a
+    synchronous strategy), where a rank may hold part of the network (a pipeline stage): its
+    gradients and weights are compared with those names of the expected ones, and the ranks
+    together must hold every parameter. ``weights_on_every_rank=False``: only rank 0 holds the
+    consolidated weights (ZeRO-3)."""
+    held = set()
+    for rank, (actual, want) in enumerate(zip(traces, expected, strict=True)):
+        names = set(actual.weights)
+        assert names <= set(want.weights), f"rank {rank}: unknown tensors {sorted(names - set(want.weights))}"
+        held |= names
+        stage = Trace(want.losses, [{k: v for k, v in step.items() if k in names} for step in want.gradients],
+                      {k: v for k, v in want.weights.items() if k in names})
+        try:
+            assert_traces_match(actual, stage, gradients=gradients, weights=False, **tolerance)
+            if weights_on_every_rank or rank == 0:
+                assert names, "no weights"
+                _assert_tensors_close(actual.weights, stage.weights, "", {**TOLERANCE, **tolerance})
+        except AssertionError as error:
+            raise AssertionError(f"rank {rank}: {error}") from None
+    assert held == set(expected[0].weights), f"no rank holds {sorted(set(expected[0].weights) - held)}"

@@ -24,3 +24,29 @@ def zero(stage: int, **options):
     from litscale.strategies import DeepSpeedZeroStrategy
 
     return DeepSpeedZeroStrategy(stage=stage, **options)
+
+
+def ddp_compressed(method: str, **options):
+    """DDP with the gradient-compression hook ``litscale.compression.<method>(**options)``."""
+    from litscale import compression
+    from litscale.strategies import DDPStrategy
+
+    return DDPStrategy(compression=getattr(compression, method)(**options))
+
+
+def local_sgd(**options):
+    from litscale.strategies import LocalSGDStrategy
+
+    return LocalSGDStrategy(**options)
+
+
+def tensor_parallel(**options):
+    from litscale.strategies import TensorParallelStrategy
+
+    return TensorParallelStrategy(**options)
+
+
+def pipeline(**options):
+    from litscale.strategies import PipelineParallelStrategy
+
+    return PipelineParallelStrategy(**options)

@@ -21,8 +21,10 @@ from litscale.loggers import is_logging_step, log_to_loggers
 
 class CommunicationCallback(Callback):
     """Logs ``comm/bytes_per_step`` (sent by this rank), ``comm/dense_bytes_per_step``,
-    ``comm/compression_ratio`` (dense / sent, over the run) and ``comm/compress_time_s`` (per
-    step), and checkpoints the hook's state. ``compression`` defaults to the strategy's."""
+    ``comm/compress_time_s`` (per step, over the logging interval), ``comm/bytes_sent`` and
+    ``comm/dense_bytes`` (this rank's totals so far) and ``comm/compression_ratio`` (their
+    ratio: over the run), and checkpoints the hook's state. ``compression`` defaults to the
+    strategy's."""
 
     def __init__(self, *, compression: CommHook | None = None) -> None:
         self.compression = compression
@@ -54,6 +56,8 @@ class CommunicationCallback(Callback):
             "comm/bytes_per_step": (totals["bytes_sent"] - last["bytes_sent"]) / steps,
             "comm/dense_bytes_per_step": (totals["dense_bytes"] - last["dense_bytes"]) / steps,
             "comm/compress_time_s": (totals["compress_seconds"] - last["compress_seconds"]) / steps,
+            "comm/bytes_sent": float(totals["bytes_sent"]),
+            "comm/dense_bytes": float(totals["dense_bytes"]),
             "comm/compression_ratio": totals["dense_bytes"] / max(1, totals["bytes_sent"]),
         }
         log_to_loggers(trainer, self.result)

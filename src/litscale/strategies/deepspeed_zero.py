@@ -91,6 +91,11 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
             allgather_bucket_size=allgather_bucket_size, reduce_bucket_size=reduce_bucket_size,
             sub_group_size=1_000_000_000_000,
         )
+        # DeepSpeed refuses offload with any optimizer but its compiled CPU Adam unless told
+        # otherwise; litscale's optimizers are torch's, built by the LightningModule, and a
+        # compiled extension is not there on every machine. The torch optimizer then steps the
+        # fp32 partitions on the CPU (slower than DeepSpeed's, the same result).
+        self.config["zero_force_ds_cpu_optimizer"] = False
         self._config_initialized = False
         self.remote_device = None
         self.load_full_weights = False

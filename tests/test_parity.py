@@ -1,0 +1,193 @@
+"""The parity matrix: every strategy and option on 2 and 4 gloo ranks (and the 3-D mesh on 8)
+against one process on the same global batches, step by step.
+
+Each case trains a small GPT from the same seed on the same global batches as the reference
+(``helpers.parity``): constant learning rate, no warm-up, no clipping (``test_pipeline.py``
+and ``test_tensor_parallel.py`` cover clipping), weight decay on, SGD with momentum (biases
+on) and AdamW (eps 1e-6: see ``OPTIMIZERS`` in ``helpers/parity.py``). Compared, fp32 at PyTorch's
+defaults (rtol 1.3e-6, atol 1e-5) unless the table says otherwise:
+
+- **loss**: the global batch's loss at every step;
+- **grads**: every parameter's gradient at every step, gathered whole from its shards;
+- **weights**: every parameter at the end, on every rank (a pipeline rank: its stages').
+
+| strategy / option                                   | 2 ranks | 4 ranks | 8 ranks | compared               |
+| --------------------------------------------------- | ------- | ------- | ------- | ---------------------- |
+| ddp                                                 | yes     | yes     |         | loss, grads, weights   |
+| ddp + compression fp16 (SGD; rtol 1e-3, atol 1e-4) | yes     | yes     |         | loss, grads, weights   |
+| fsdp: reshard on, reshard off, activation ckpt      | yes     | yes     |         | loss, grads, weights   |
+| fsdp HSDP (replicate 2 x shard 2)                   |         | yes     |         | loss, grads, weights   |
+| deepspeed_zero stage 1, 2, 3                        | yes     | yes     |         | loss, weights (rank 0) |
+| deepspeed_zero offload: stage 2 optimizer, 3 both   | yes     |         |         | loss, weights (rank 0) |
+| tensor_parallel: plain, +SP, +SP +loss parallel     | TP2     | TP4     |         | loss, grads, weights   |
+| tensor_parallel DP2 x TP2                           |         | yes     |         | loss, grads, weights   |
+| pipeline: each of 7 schedules, accumulation 2       | PP2     | PP4     |         | loss, grads, weights   |
+| pipeline PP2 x DP2, PP2 x TP2 (1f1b, accumulation 2)|         | yes     |         | loss, grads, weights   |
+| pipeline PP2 x DP2 x TP2 on GPT-nano (1f1b)         |         |         | yes     | loss, grads, weights   |
+| local_sgd sync_every 1, 4; DiLoCo (nesterov) 4      | yes     | yes     |         | loss, grads, weights per rank, against local SGD re-derived in one process |
+
+Every optimizer (SGD, AdamW) for every cell but fp16 compression (SGD: AdamW normalises each
+gradient element, so fp16 rounding of a near-zero gradient becomes a step of order lr). ZeRO keeps gradients in its own partitions,
+not in ``.grad``: its loss and weights are compared. Deep-Speed's CPU offload steps its own
+CPU Adam, so its offload rows use AdamW only.
+
+A family of cases (one row group) runs in one process group: starting 4 or 8 processes on 2
+cores costs more than fitting a tiny model. The 2-rank cells run in ``make test``; the 4- and
+8-rank cells are marked ``full`` and run in ``make test-full``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+from helpers.distributed import run_distributed
+from helpers.parity import (
+    TINY_WITH_BIASES,
+    ParitySetup,
+    assert_ranks_match,
+    fit_on_mesh,
+    local_sgd_reference,
+    reference,
+)
+from helpers.strategies import ddp, ddp_compressed, fsdp, local_sgd, pipeline, tensor_parallel, zero
+
+from litscale.models.gpt import build_gpt
+from litscale.strategies.pipeline import SCHEDULES
+
+pytestmark = pytest.mark.slow  # every cell starts gloo ranks; 4 and 8 ranks are `full` too
+
+
+def setups(config=TINY_WITH_BIASES, optimizers=("sgd", "adamw"), **options):
+    """The optimizers' setups over the same batches, biases and weight decay on."""
+    return {name: ParitySetup(config=config, optimizer=name, weight_decay=0.1, **options)
+            for name in optimizers}
+
+
+def wider(config, **changes):
+    return dataclasses.replace(config, **changes)
+
+
+PLAIN = setups()
+FOUR_HEADS = setups(wider(TINY_WITH_BIASES, n_head=4))  # TP up to 4
+# Six blocks and eight units: enough for PP4 with two stages per rank (interleaved, V).
+# Global batch 16 in 2 accumulated micro batches: every per-rank micro batch splits in 2.
+PIPELINED = setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumulation=2)
+LOCAL = setups(steps=8)  # two periods of 4
+_NANO = build_gpt(preset="nano", block_size=32).config
+NANO = setups(wider(_NANO, bias=True), global_batch=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One row of the table: how to build the strategy in a rank (a picklable factory), the
+    setups it trains, and how it is compared."""
+
+    strategy: functools.partial
+    setups: dict
+    world_sizes: tuple[int, ...] = (2, 4)
+    gradients: bool = True  # ZeRO keeps none in .grad
+    weights_on_every_rank: bool = True  # ZeRO-3 consolidates on rank 0 only
+    tolerance: dict = dataclasses.field(default_factory=dict)
+    local_sgd: dict | None = None  # compared with local SGD re-derived: sync_every, outer_lr
+
+    def expected(self, optimizer: str, world_size: int) -> list:
+        setup = self.setups[optimizer]
+        if self.local_sgd is not None:
+            return local_sgd_reference(setup, world_size, **self.local_sgd)
+        return [reference(setup)] * world_size
+
+
+P = functools.partial
+FAMILIES: dict[str, dict[str, Case]] = {
+    "data_parallel": {
+        "ddp": Case(P(ddp), PLAIN),
+        # SGD only: AdamW divides each gradient by its own running scale, so fp16's relative
+        # rounding (2^-11) of a gradient near zero becomes a step of order lr.
+        "ddp_fp16": Case(P(ddp_compressed, "fp16"), setups(optimizers=("sgd",)),
+                         tolerance={"rtol": 1e-3, "atol": 1e-4}),
+        "fsdp_reshard": Case(P(fsdp, reshard_after_forward=True), PLAIN),
+        "fsdp_no_reshard": Case(P(fsdp, reshard_after_forward=False), PLAIN),
+        "fsdp_activation_checkpointing": Case(P(fsdp, activation_checkpointing=True), PLAIN),
+        "hsdp_2x2": Case(P(fsdp, replicate_size=2), PLAIN, world_sizes=(4,)),
+    },
+    "zero": {
+        **{f"zero{stage}": Case(P(zero, stage), PLAIN, gradients=False,
+                                weights_on_every_rank=stage < 3) for stage in (1, 2, 3)},
+    },
+    "zero_offload": {
+        "zero2_offload_optimizer": Case(P(zero, 2, offload_optimizer=True), PLAIN, world_sizes=(2,),
+                                        gradients=False),
+        "zero3_offload_all": Case(P(zero, 3, offload_optimizer=True, offload_parameters=True), PLAIN,
+                                  world_sizes=(2,), gradients=False, weights_on_every_rank=False),
+    },
+    "tensor_parallel": {
+        "tp": Case(P(tensor_parallel, sequence_parallel=False), FOUR_HEADS),
+        "tp_sequence_parallel": Case(P(tensor_parallel, sequence_parallel=True), FOUR_HEADS),
+        "tp_loss_parallel": Case(P(tensor_parallel, sequence_parallel=True, loss_parallel=True), FOUR_HEADS),
+        "dp2_tp2": Case(P(tensor_parallel, tensor_parallel_size=2), FOUR_HEADS, world_sizes=(4,)),
+    },
+    "pipeline": {
+        # As many micro-batches as stages (V shapes and interleaving hold 2 per rank): DualPipeV
+        # needs that many; each splits a rank's micro batch of 8 evenly.
+        **{f"pp{size}_{schedule}": Case(P(pipeline, schedule=schedule, microbatches=2 * size), PIPELINED,
+                                  world_sizes=(size,))
+           for schedule in SCHEDULES for size in (2, 4)},
+        "pp2_dp2": Case(P(pipeline, pipeline_parallel_size=2, data_parallel_size=2, microbatches=4),
+                        PIPELINED, world_sizes=(4,)),
+        "pp2_tp2": Case(P(pipeline, pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4),
+                        PIPELINED, world_sizes=(4,)),
+    },
+    "mesh_3d": {
+        "pp2_dp2_tp2": Case(P(pipeline, pipeline_parallel_size=2, data_parallel_size=2,
+                              tensor_parallel_size=2, microbatches=2), NANO, world_sizes=(8,)),
+    },
+    "local_sgd": {
+        "local_sgd_1": Case(P(local_sgd, sync_every=1), LOCAL, local_sgd={"sync_every": 1}),
+        "local_sgd_4": Case(P(local_sgd, sync_every=4), LOCAL, local_sgd={"sync_every": 4}),
+        "diloco_4": Case(P(local_sgd, sync_every=4, outer_optimizer="nesterov", outer_lr=0.7,
+                           outer_momentum=0.9), LOCAL,
+                         local_sgd={"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}),
+    },
+}
+# Seconds a family may take on a 2-core machine, by world size (starting ranks included).
+DEADLINE = {2: 600, 4: 900, 8: 900}
+
+
+def fit_family(rank: int, world_size: int, cases: dict[str, Case]) -> dict:
+    """Every case of a family that runs at ``world_size``, in one process group:
+    ``{(case, optimizer): Trace}``."""
+    return {(name, optimizer): fit_on_mesh(rank, world_size, case.strategy(), setup,
+                                           gradients=case.gradients,
+                                           local_weights=case.weights_on_every_rank)
+            for name, case in cases.items() if world_size in case.world_sizes
+            for optimizer, setup in case.setups.items()}
+
+
+@functools.cache
+def family_fits(family: str, world_size: int) -> dict | str:
+    """Each rank's traces ``{(case, optimizer): [Trace per rank]}``, or the failure's text
+    (kept, so the family's other cells fail at once instead of starting the ranks again)."""
+    try:
+        ranks = run_distributed(fit_family, world_size, FAMILIES[family], timeout=DEADLINE[world_size])
+    except AssertionError as error:
+        return str(error)
+    return {key: [traces[key] for traces in ranks] for key in ranks[0]}
+
+
+CELLS = [pytest.param(family, name, world_size, optimizer, id=f"{name}-{world_size}ranks-{optimizer}",
+                      marks=[pytest.mark.full] if world_size > 2 else [])
+         for family, cases in FAMILIES.items() for name, case in cases.items()
+         for world_size in case.world_sizes for optimizer in case.setups]
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize(("family", "name", "world_size", "optimizer"), CELLS)
+def test_strategy_matches_one_process_step_by_step(family, name, world_size, optimizer):
+    fits = family_fits(family, world_size)
+    assert not isinstance(fits, str), fits
+    case = FAMILIES[family][name]
+    assert_ranks_match(fits[name, optimizer], case.expected(optimizer, world_size),
+                       gradients=case.gradients, weights_on_every_rank=case.weights_on_every_rank,
+                       **case.tolerance)
