@@ -58,6 +58,7 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from litscale.app.build import build_run
+    from litscale.app.ranks import record_rank
     from litscale.app.summary import finish_loggers, print_start, summarize
     from litscale.export import export_model
     from litscale.strategies.lifecycle import destroy_process_group
@@ -66,6 +67,7 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
                       sweep_dir=spec.scaling.sweep_dir)
     outcome = "failed"
     try:
+        record_rank(built.config.paths.output_dir)
         print_start(built)
         try:
             # weights_only: a checkpoint holds tensors and plain data; loading one never runs code.
