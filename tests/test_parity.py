@@ -4,32 +4,19 @@ against one process on the same global batches, step by step.
 Each case trains a small GPT from the same seed on the same global batches as the reference
 (``helpers.parity``): constant learning rate, no warm-up, no clipping (``test_pipeline.py``
 and ``test_tensor_parallel.py`` cover clipping), weight decay on, SGD with momentum (biases
-on) and AdamW (eps 1e-6: see ``OPTIMIZERS`` in ``helpers/parity.py``). Compared, fp32 at PyTorch's
-defaults (rtol 1.3e-6, atol 1e-5) unless the table says otherwise:
+on) and AdamW (eps 1e-6: see ``OPTIMIZERS`` in ``helpers/parity.py``). Compared, fp32 at
+PyTorch's defaults (rtol 1.3e-6, atol 1e-5) unless the table says otherwise:
 
 - **loss**: the global batch's loss at every step;
 - **grads**: every parameter's gradient at every step, gathered whole from its shards;
 - **weights**: every parameter at the end, on every rank (a pipeline rank: its stages').
 
-| strategy / option                                   | 2 ranks | 4 ranks | 8 ranks | compared               |
-| --------------------------------------------------- | ------- | ------- | ------- | ---------------------- |
-| ddp                                                 | yes     | yes     |         | loss, grads, weights   |
-| ddp + compression fp16 (SGD; rtol 1e-3, atol 1e-4) | yes     | yes     |         | loss, grads, weights   |
-| fsdp: reshard on, reshard off, activation ckpt      | yes     | yes     |         | loss, grads, weights   |
-| fsdp HSDP (replicate 2 x shard 2)                   |         | yes     |         | loss, grads, weights   |
-| deepspeed_zero stage 1, 2, 3                        | yes     | yes     |         | loss, weights (rank 0) |
-| deepspeed_zero offload: stage 2 optimizer, 3 both   | yes     |         |         | loss, weights (rank 0) |
-| tensor_parallel: plain, +SP, +SP +loss parallel     | TP2     | TP4     |         | loss, grads, weights   |
-| tensor_parallel DP2 x TP2                           |         | yes     |         | loss, grads, weights   |
-| pipeline: each of 7 schedules, accumulation 2       | PP2     | PP4     |         | loss, grads, weights   |
-| pipeline PP2 x DP2, PP2 x TP2 (1f1b, accumulation 2)|         | yes     |         | loss, grads, weights   |
-| pipeline PP2 x DP2 x TP2 on GPT-nano (1f1b)         |         |         | yes     | loss, grads, weights   |
-| local_sgd sync_every 1, 4; DiLoCo (nesterov) 4      | yes     | yes     |         | loss, grads, weights per rank, against local SGD re-derived in one process |
+``tests/README.md`` has the table: every strategy and option x rank count x what is compared x
+tolerance; ``FAMILIES`` below is that table as code.
 
 Every optimizer (SGD, AdamW) for every cell but fp16 compression (SGD: AdamW normalises each
-gradient element, so fp16 rounding of a near-zero gradient becomes a step of order lr). ZeRO keeps gradients in its own partitions,
-not in ``.grad``: its loss and weights are compared. Deep-Speed's CPU offload steps its own
-CPU Adam, so its offload rows use AdamW only.
+gradient element, so fp16 rounding of a near-zero gradient becomes a step of order lr). ZeRO
+keeps gradients in its own partitions, not in ``.grad``: its loss and weights are compared.
 
 A family of cases (one row group) runs in one process group: starting 4 or 8 processes on 2
 cores costs more than fitting a tiny model. The 2-rank cells run in ``make test``; the 4- and

@@ -9,6 +9,7 @@ rank that hangs fails it after ``timeout`` seconds; every process group is destr
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -34,7 +35,10 @@ def _worker(rank, world_size, port, fn, args, kwargs, results, timeout):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     try:
-        results[rank] = ("ok", fn(rank, world_size, *args, **kwargs))
+        # Plain pickle, not the multiprocessing pickler: that one sends a tensor as a handle to
+        # this process's shared memory, which the test process may not open before this
+        # process has exited ("received 0 items of ancdata" under load).
+        results[rank] = ("ok", pickle.dumps(fn(rank, world_size, *args, **kwargs)))
     except BaseException:
         results[rank] = ("error", traceback.format_exc())
         raise
@@ -65,4 +69,4 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, **kwargs) 
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    return [results[rank][1] for rank in range(world_size)]
+    return [pickle.loads(results[rank][1]) for rank in range(world_size)]

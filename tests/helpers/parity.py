@@ -202,7 +202,8 @@ def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
 
 
 class StepRecorder(Callback):
-    """The global batch's loss at each step (``losses``, by the step it belongs to) and, with
+    """The global batch's loss at each step (``losses``, by the number of steps done once it is
+    taken) and, with
     ``gradients=True``, every parameter's full gradient as the optimizer receives it.
 
     Gradients are read from ``.grad`` before Lightning clips them; sharded ones (DTensor) are
@@ -221,7 +222,9 @@ class StepRecorder(Callback):
             self.gradients.append(full_gradients(getattr(pl_module, "net", pl_module)))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._step = trainer.global_step  # the optimizer step this micro batch accumulates into
+        # The optimizer step this micro batch accumulates into, counted from 1 (the number of
+        # steps done once it is taken), as ``trainer.global_step`` reads after it.
+        self._step = trainer.global_step + 1
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Each rank's loss is over its own micro batch, already divided by the accumulation
