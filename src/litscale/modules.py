@@ -103,7 +103,9 @@ class TaskModule(LightningModule):
 
 
 class CausalLMModule(TaskModule):
-    """Next-token prediction; logs ``val/bpb``, bits per byte for byte-level data."""
+    """Next-token prediction; logs ``val/bpb``, bits per byte of text: the loss per token over
+    the bytes a token stands for on the val split (the data module's ``val_bytes_per_token``;
+    1 for byte-level data), so runs with different tokenizers compare."""
 
     task = "causal_lm"
 
@@ -125,7 +127,9 @@ class CausalLMModule(TaskModule):
 
     def log_validation(self, val_loss: Tensor) -> None:
         super().log_validation(val_loss)
-        self.log("val/bpb", val_loss / math.log(2), sync_dist=True)
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        bytes_per_token = getattr(datamodule, "val_bytes_per_token", 1.0)
+        self.log("val/bpb", val_loss / math.log(2) / bytes_per_token, sync_dist=True)
 
 
 class ClassificationModule(TaskModule):

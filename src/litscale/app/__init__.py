@@ -8,3 +8,5 @@ anything) -> ``validation`` (each field and combination; the run layout computed
 modules build (strategies, compression, callbacks, models, data) is the library outside
 this package, usable in a plain Lightning script.
 """
+
+from litscale.app import resolvers  # noqa: F401  (registers the configs' resolvers)

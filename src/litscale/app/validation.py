@@ -86,7 +86,9 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
 
     ``choices`` maps group -> chosen option name (Hydra's runtime choices), used to name
     options in messages; without it messages fall back to key paths. ``this_machine=False``
-    when the job will run on another machine (SLURM): devices are then not counted here.
+    when the job will run on another machine (SLURM): devices are then not counted here, nor
+    is data prepared (a data module with ``prepare_before_launch`` does so last, after every
+    check has passed).
     """
     choices = choices or {}
     check_schema("", cfg, RunSchema)
@@ -98,6 +100,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("scaling", cfg.scaling, ScalingSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
+    check_data_tokenizer(cfg)
     for group in TARGET_GROUPS:
         if cfg.get(group) is not None and "_target_" in cfg[group]:
             check_target_node(group, cfg[group])
@@ -111,6 +114,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     layout = run_layout(cfg, processes)
     check_baseline(cfg)
     check_warmup(cfg)
+    if this_machine:  # last: it may take a while, and every cheaper check has passed
+        prepare_data_before_launch(cfg)
     return layout
 
 
@@ -341,6 +346,35 @@ def _meta_net(cfg: DictConfig):
 
     with torch.device("meta"):
         return instantiate(cfg.model.net, _convert_="all")
+
+
+def check_data_tokenizer(cfg: DictConfig) -> None:
+    """``data.tokenizer``, where a data option has one, names a tokenizer that exists: checked
+    before ``${data.vocab_size}`` asks it for its size, since an error raised inside an
+    interpolation reaches the user as OmegaConf's several lines."""
+    if "tokenizer" in cfg.data and not OmegaConf.is_missing(cfg.data, "tokenizer"):
+        from litscale.data.tokenizer import tokenizer_error
+
+        message = tokenizer_error(cfg.data.tokenizer)
+        if message:
+            raise ConfigError(message)
+
+
+def prepare_data_before_launch(cfg: DictConfig) -> None:
+    """A data module that asks for it (``prepare_before_launch``: data=tokens tokenizes its
+    corpus) is built, prepares its data and sets up its splits here, once, before any rank
+    starts: a bad file or a corpus too small is one line, and the ranks find the cache
+    instead of waiting on rank 0 to write it."""
+    if not getattr(locate_target(cfg.data._target_, "data"), "prepare_before_launch", False):
+        return
+    from litscale.app.build import build, trusted_targets
+
+    try:
+        datamodule = build(cfg.data, trusted=trusted_targets(cfg))
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+    except ValueError as error:
+        raise ConfigError(str(error).splitlines()[0]) from None
 
 
 def check_data_paths(cfg: DictConfig) -> None:

@@ -5,6 +5,8 @@ from litscale.data.byte_corpus import ByteCorpusDataModule, expand_paths, missin
 from litscale.data.digits import DigitsDataModule
 from litscale.data.stdlib_code import StdlibCodeDataModule
 from litscale.data.synthetic import SyntheticDataModule
+from litscale.data.tokenizer import load_tokenizer
+from litscale.data.tokens import TokenDataModule
 
 __all__ = [
     "ByteCorpusDataModule",
@@ -12,6 +14,8 @@ __all__ = [
     "ShardedDataModule",
     "StdlibCodeDataModule",
     "SyntheticDataModule",
+    "TokenDataModule",
     "expand_paths",
+    "load_tokenizer",
     "missing_paths_error",
 ]
