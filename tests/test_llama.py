@@ -1,14 +1,13 @@
 """The Llama / Qwen3 decoder against references written out here (RoPE as complex numbers,
 Llama 3.1's frequency scaling as Meta publishes it, attention head by head, RMSNorm and
 SwiGLU by their formulas, torch's FLOP counter, published parameter counts), its pipeline
-stages and tensor-parallel checks, and on 2 gloo ranks (slow) FSDP, tensor parallel and a
-pipeline against one process, step by step."""
+stages and tensor-parallel checks. Its parity with one process under FSDP, tensor parallel
+(GQA, QK-norm) and pipelines, on 2 and 4 ranks, is in ``test_parity.py`` (family ``llama``)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import math
 import os
 import typing
@@ -17,9 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers.configs import compose_job
-from helpers.distributed import run_distributed
-from helpers.parity import ParitySetup, assert_ranks_match, fit_on_mesh, reference
-from helpers.strategies import fsdp, pipeline, tensor_parallel
 
 from litscale.models.llama import (
     PRESETS,
@@ -396,52 +392,3 @@ def test_config_with_kv_heads_that_do_not_split_is_rejected_by_validation(tmp_pa
         validate(cfg, choices=choices)
     assert str(error.value) == ("strategy.tensor_parallel_size=2 does not divide model.net.n_kv_heads=1; "
                                 "allowed: a divisor of 1")
-
-
-# --- 2 gloo ranks against one process (slow) ------------------------------------------------
-
-# Two query heads per key/value head, each split in half over 2 tensor-parallel ranks.
-PARITY = LlamaConfig(n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64, vocab_size=64,
-                     block_size=16)
-PARITY_QK_NORM_TIED = dataclasses.replace(PARITY, qk_norm=True, tie_embeddings=True)
-
-
-def parity_setup(config: LlamaConfig, optimizer: str = "adamw") -> ParitySetup:
-    """Weight decay on, 5 steps of a global batch of 8."""
-    return ParitySetup(config=config, net_class=Llama, optimizer=optimizer, weight_decay=0.1)
-
-
-P = functools.partial
-TENSOR_PARALLEL = P(tensor_parallel, sequence_parallel=True, loss_parallel=True)
-CASES = {
-    "fsdp": (P(fsdp), parity_setup(PARITY)),
-    "tensor_parallel": (TENSOR_PARALLEL, parity_setup(PARITY)),
-    # NOTE: SGD: on these batches one gradient element of the first step is ~3e-8, near AdamW's
-    # eps (1e-8), where its step lr * g / (|g| + eps) turns float32 summation-order noise into
-    # weight differences of ~1e-5. SGD compares the QK-norm gains' gradients, which only
-    # match when the gains' per-rank partial gradients are summed (the head_norm style).
-    "tensor_parallel_qk_norm_tied": (TENSOR_PARALLEL, parity_setup(PARITY_QK_NORM_TIED, "sgd")),
-    "pipeline_1f1b": (P(pipeline, schedule="1f1b", microbatches=2), parity_setup(PARITY)),
-}
-
-
-def fit_cases(rank: int, world_size: int) -> dict:
-    """Every case in one process group (starting ranks costs more than these fits)."""
-    return {name: fit_on_mesh(rank, world_size, factory(), setup, gradients=True, local_weights=True)
-            for name, (factory, setup) in CASES.items()}
-
-
-@pytest.fixture(scope="module")
-def two_rank_fits():
-    return run_distributed(fit_cases, 2, timeout=500)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(550)
-@pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_match_one_process_step_by_step(case, two_rank_fits):
-    """Every step's loss and gradients and the final weights, on each rank (a pipeline rank:
-    its stage's), fp32 at PyTorch's tolerances."""
-    setup = CASES[case][1]
-    assert_ranks_match([fits[case] for fits in two_rank_fits], [reference(setup)] * 2,
-                       rtol=1.3e-6, atol=1e-5)

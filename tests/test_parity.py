@@ -41,15 +41,23 @@ from helpers.parity import (
 from helpers.strategies import ddp, ddp_compressed, fsdp, local_sgd, pipeline, tensor_parallel, zero
 
 from litscale.models.gpt import build_gpt
+from litscale.models.llama import Llama, LlamaConfig
 from litscale.strategies.pipeline import SCHEDULES
 
 pytestmark = pytest.mark.slow  # every cell starts gloo ranks; 4 and 8 ranks are `full` too
 
 
 def setups(config=TINY_WITH_BIASES, optimizers=("sgd", "adamw"), **options):
-    """The optimizers' setups over the same batches, biases and weight decay on."""
+    """The optimizers' setups over the same batches, biases (GPT's) and weight decay on."""
     return {name: ParitySetup(config=config, optimizer=name, weight_decay=0.1, **options)
             for name in optimizers}
+
+
+def llama_setups(**changes):
+    """A small Llama (no biases, as Llama has none): two query heads per key/value head."""
+    config = LlamaConfig(n_layer=4, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64,
+                         vocab_size=64, block_size=16, **changes)
+    return setups(config, net_class=Llama, global_batch=16, accumulation=2)
 
 
 def wider(config, **changes):
@@ -64,6 +72,9 @@ PIPELINED = setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumula
 LOCAL = setups(steps=8)  # two periods of 4
 _NANO = build_gpt(preset="nano", block_size=32).config
 NANO = setups(wider(_NANO, bias=True), global_batch=8)
+LLAMA = llama_setups()
+LLAMA_QK_NORM_TIED = llama_setups(qk_norm=True, tie_embeddings=True)
+TP_FULL = {"sequence_parallel": True, "loss_parallel": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +140,16 @@ FAMILIES: dict[str, dict[str, Case]] = {
     "mesh_3d": {
         "pp2_dp2_tp2": Case(P(pipeline, pipeline_parallel_size=2, data_parallel_size=2,
                               tensor_parallel_size=2, microbatches=2), NANO, world_sizes=(8,)),
+    },
+    # Llama (GQA, RMSNorm, RoPE, SwiGLU): the key/value heads split over tensor-parallel ranks.
+    "llama": {
+        "llama_fsdp": Case(P(fsdp), LLAMA),
+        "llama_tp_gqa": Case(P(tensor_parallel, **TP_FULL), LLAMA, world_sizes=(2,)),
+        "llama_tp_qk_norm_tied": Case(P(tensor_parallel, **TP_FULL), LLAMA_QK_NORM_TIED, world_sizes=(2,)),
+        "llama_dp2_tp2": Case(P(tensor_parallel, tensor_parallel_size=2, **TP_FULL), LLAMA, world_sizes=(4,)),
+        "llama_pp_1f1b": Case(P(pipeline, schedule="1f1b", microbatches=4), LLAMA),
+        "llama_pp2_tp2": Case(P(pipeline, pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4),
+                              LLAMA, world_sizes=(4,)),
     },
     "local_sgd": {
         "local_sgd_1": Case(P(local_sgd, sync_every=1), LOCAL, local_sgd={"sync_every": 1}),
