@@ -245,8 +245,10 @@ NEVER_DOWNLOADED = ("allowed: a local Hugging Face checkpoint directory (config.
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
-    ({"path": "/no/such/checkpoint"}, f"model.net.path='/no/such/checkpoint' is not a local directory; {NEVER_DOWNLOADED}"),
-    ({"path": "Qwen/Qwen3-0.6B"}, f"model.net.path='Qwen/Qwen3-0.6B' is not a local directory; {NEVER_DOWNLOADED}"),
+    ({"path": "/no/such/checkpoint"},
+     f"model.net.path='/no/such/checkpoint' is not a local directory; {NEVER_DOWNLOADED}"),
+    ({"path": "Qwen/Qwen3-0.6B"},
+     f"model.net.path='Qwen/Qwen3-0.6B' is not a local directory; {NEVER_DOWNLOADED}"),
     ({"config": "Qwen/Qwen3-0.6B"},
      "model.net.config='Qwen/Qwen3-0.6B' is not a local config.json or a directory holding one; allowed: a local "
      "path, or a mapping with model_type; models are never downloaded"),

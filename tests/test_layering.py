@@ -106,6 +106,7 @@ def _import_alone(module: str) -> tuple[str, int, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # one interpreter per module: minutes on 2 busy cores
 @pytest.mark.timeout(600)
 def test_every_module_imports_on_its_own():
     """A fresh interpreter per module: an import that works only after another module was

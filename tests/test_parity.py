@@ -19,8 +19,9 @@ gradient element, so fp16 rounding of a near-zero gradient becomes a step of ord
 keeps gradients in its own partitions, not in ``.grad``: its loss and weights are compared.
 
 A family of cases (one row group) runs in one process group: starting 4 or 8 processes on 2
-cores costs more than fitting a tiny model. The 2-rank cells run in ``make test``; the 4- and
-8-rank cells are marked ``full`` and run in ``make test-full``.
+cores costs more than fitting a tiny model. The 2-rank cells run in ``make test`` (but the
+pipeline schedules other than 1f1b, which ``test_pipeline.py`` also runs on 2 ranks, and ZeRO
+offload); those and the 4- and 8-rank cells are marked ``full`` and run in ``make test-full``.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Case:
     weights_on_every_rank: bool = True  # ZeRO-3 consolidates on rank 0 only
     tolerance: dict = dataclasses.field(default_factory=dict)
     local_sgd: dict | None = None  # compared with local SGD re-derived: sync_every, outer_lr
+    full_only: bool = False  # in `make test-full` at every rank count (kept out of `make test`)
 
     def expected(self, optimizer: str, world_size: int) -> list:
         setup = self.setups[optimizer]
@@ -116,9 +118,10 @@ FAMILIES: dict[str, dict[str, Case]] = {
     },
     "zero_offload": {
         "zero2_offload_optimizer": Case(P(zero, 2, offload_optimizer=True), PLAIN, world_sizes=(2,),
-                                        gradients=False),
+                                        gradients=False, full_only=True),
         "zero3_offload_all": Case(P(zero, 3, offload_optimizer=True, offload_parameters=True), PLAIN,
-                                  world_sizes=(2,), gradients=False, weights_on_every_rank=False),
+                                  world_sizes=(2,), gradients=False, weights_on_every_rank=False,
+                                  full_only=True),
     },
     "tensor_parallel": {
         "tp": Case(P(tensor_parallel, sequence_parallel=False), FOUR_HEADS),
@@ -129,8 +132,9 @@ FAMILIES: dict[str, dict[str, Case]] = {
     "pipeline": {
         # As many micro-batches as stages (V shapes and interleaving hold 2 per rank): DualPipeV
         # needs that many; each splits a rank's micro batch of 8 evenly.
+        # At 2 ranks, `make test` keeps 1f1b; test_pipeline.py runs every schedule there too.
         **{f"pp{size}_{schedule}": Case(P(pipeline, schedule=schedule, microbatches=2 * size), PIPELINED,
-                                  world_sizes=(size,))
+                                  world_sizes=(size,), full_only=schedule != "1f1b")
            for schedule in SCHEDULES for size in (2, 4)},
         "pp2_dp2": Case(P(pipeline, pipeline_parallel_size=2, data_parallel_size=2, microbatches=4),
                         PIPELINED, world_sizes=(4,)),
@@ -185,7 +189,7 @@ def family_fits(family: str, world_size: int) -> dict | str:
 
 
 CELLS = [pytest.param(family, name, world_size, optimizer, id=f"{name}-{world_size}ranks-{optimizer}",
-                      marks=[pytest.mark.full] if world_size > 2 else [])
+                      marks=[pytest.mark.full] if world_size > 2 or case.full_only else [])
          for family, cases in FAMILIES.items() for name, case in cases.items()
          for world_size in case.world_sizes for optimizer in case.setups]
 
