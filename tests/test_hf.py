@@ -320,6 +320,45 @@ def test_model_hf_config_composes_validates_and_follows_the_datas_vocabulary(tmp
     assert net(torch.randint(cfg.data.vocab_size, (2, 32))).shape == (2, 32, cfg.data.vocab_size)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["export_hf=true"], "export_hf=true needs model=llama or model=hf (got model=gpt)"),
+    (["export_hf=true", "model=llama", "strategy=pipeline", "trainer.accelerator=cpu", "trainer.devices=2"],
+     "export_hf=true is not available with strategy=pipeline: each rank holds only its stages' "
+     "weights; export from a checkpoint loaded without a pipeline"),
+])
+def test_export_hf_is_refused_in_one_line_where_it_cannot_work(overrides, message, tmp_path, outputs_root):
+    from litscale.app.validation import ConfigError, validate
+
+    cfg, choices = compose_job(overrides, tmp_path / "run")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, choices=choices)
+    assert str(error.value) == message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_llama_run_with_export_hf_writes_a_directory_transformers_loads(tmp_path):
+    """``train.py model=llama export_hf=true``: ``<run dir>/hf`` loads in transformers with the
+    logits of the run's own exported weights (``model.pt``) in litscale's Llama."""
+    from helpers.cli import explain, run_train, summaries
+
+    from litscale.models.llama import build_llama
+
+    process = run_train("model=llama", "export_hf=true", "trainer.accelerator=cpu", "trainer.max_steps=3",
+                        "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "data.seq_len=32",
+                        "data.max_bytes=200000", "trainer.enable_progress_bar=false", outputs=tmp_path)
+    assert process.returncode == 0, explain(process)
+    (summary,) = summaries(tmp_path)
+    weights = torch.load(summary["export"], weights_only=True)
+    net = build_llama(preset="tiny", vocab_size=weights["embed_tokens.weight"].shape[0], block_size=32)
+    net.load_state_dict(weights)
+    config = net.config
+    hf = AutoModelForCausalLM.from_pretrained(f"{summary['output_dir']}/hf", local_files_only=True)
+    tokens = torch.randint(config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, net(tokens), rtol=1e-5, atol=1e-5)
+
+
 # --- on 2 gloo ranks ----------------------------------------------------------------------------
 
 

@@ -17,6 +17,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 EXPORT_FILENAME = "model.pt"
+HF_DIRNAME = "hf"
 
 
 def _has_dtensor(module: nn.Module) -> bool:
@@ -53,13 +54,20 @@ def consolidated_state_dict(trainer: Trainer, module: LightningModule) -> dict[s
     return {k: v.detach().cpu().clone() for k, v in net.state_dict().items()}
 
 
-def export_model(trainer: Trainer, module: LightningModule, output_dir: str) -> str:
-    """Write ``<output_dir>/model.pt`` (rank 0) and return its path (on every rank)."""
+def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
+                 hugging_face: bool = False) -> str:
+    """Write ``<output_dir>/model.pt`` (rank 0) and return its path (on every rank); with
+    ``hugging_face``, from the same gathered weights, also ``<output_dir>/hf/``, a
+    transformers directory (``litscale.hf_export``: model=llama and model=hf)."""
     state_dict = consolidated_state_dict(trainer, module)
     path = os.path.abspath(os.path.join(output_dir, EXPORT_FILENAME))
     if trainer.is_global_zero:
         os.makedirs(output_dir, exist_ok=True)
         torch.save(state_dict, path + ".tmp")
         os.replace(path + ".tmp", path)
+        if hugging_face:
+            from litscale.hf_export import save_hf_directory  # transformers: an optional extra
+
+            save_hf_directory(getattr(module, "net", module), state_dict, os.path.join(output_dir, HF_DIRNAME))
     trainer.strategy.barrier("export")
     return path

@@ -76,7 +76,8 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
         except SIGTERMException:
             outcome = "preempted"
             return {"preempted": True, "steps": built.trainer.global_step}
-        export = export_model(built.trainer, built.module, built.config.paths.output_dir)
+        export = export_model(built.trainer, built.module, built.config.paths.output_dir,
+                              hugging_face=bool(spec.config.get("export_hf", False)))
         summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling)
         outcome = "success"
         return summary

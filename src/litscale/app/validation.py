@@ -45,6 +45,7 @@ class RunSchema:
     seed: int
     ckpt_path: str | None
     allowed_targets: list[str]
+    export_hf: bool
 
 
 @dataclass
@@ -114,6 +115,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     layout = run_layout(cfg, processes)
     check_baseline(cfg)
     check_warmup(cfg)
+    check_export_hf(cfg, choices)
     if this_machine:  # last: it may take a while, and every cheaper check has passed
         prepare_data_before_launch(cfg)
     return layout
@@ -346,6 +348,25 @@ def _meta_net(cfg: DictConfig):
 
     with torch.device("meta"):
         return instantiate(cfg.model.net, _convert_="all")
+
+
+# The factories of the zoo's networks that have a Hugging Face form (litscale.hf_export).
+HF_EXPORTABLE = {"litscale.models.llama.build_llama", "litscale.models.hf.build_hf"}
+
+
+def check_export_hf(cfg: DictConfig, choices: dict[str, str]) -> None:
+    """``export_hf=true`` needs a network with a Hugging Face form, and every weight gathered
+    on rank 0 at the end (a pipeline rank holds only its stages)."""
+    if not cfg.get("export_hf"):
+        return
+    net = cfg.model.get("net")
+    target = net.get("_target_") if isinstance(net, DictConfig) else None
+    if target not in HF_EXPORTABLE:
+        raise ConfigError(f"export_hf=true needs model=llama or model=hf (got model={choices.get('model', target)})")
+    if "pipeline_parallel_size" in cfg.strategy:
+        raise ConfigError(
+            f"export_hf=true is not available with strategy={choices.get('strategy', 'pipeline')}: "
+            "each rank holds only its stages' weights; export from a checkpoint loaded without a pipeline")
 
 
 def check_data_tokenizer(cfg: DictConfig) -> None:
