@@ -230,16 +230,20 @@ SHORT_RUN = (
 )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.full  # two runs of 300 steps
+@pytest.mark.timeout(900)
 def test_topk_one_percent_with_error_feedback_ends_within_5_percent_of_dense(tmp_path):
-    steps = ("trainer.max_steps=30", "trainer.val_check_interval=30", "trainer.log_every_n_steps=5",
-             "callbacks.model_checkpoint.save_top_k=0")
+    """The compression study's setting and its seed 0 (experiments/compression: 300 steps,
+    where top-k 1% + EF ends +0.7% from dense over 3 seeds; at 30 or 60 steps it had not caught
+    up and the goal did not hold)."""
+    steps = ("trainer.max_steps=300", "trainer.val_check_interval=300", "trainer.log_every_n_steps=5",
+             "trainer.limit_val_batches=8", "seed=0", "callbacks.model_checkpoint.save_top_k=0")
     for option in ("none", "topk"):
         process = run_train(*SHORT_RUN, *steps, f"compression={option}", f"name={option}",
-                            outputs=tmp_path)
+                            outputs=tmp_path, timeout=800)
         assert process.returncode == 0, explain(process)
     dense, topk = summaries(tmp_path)
-    assert dense["steps"] == topk["steps"] == 30
+    assert dense["steps"] == topk["steps"] == 300
     assert topk["val/loss"] <= 1.05 * dense["val/loss"], (topk["val/loss"], dense["val/loss"])
     assert topk["val/loss"] < 0.7 * topk["val/loss_initial"]  # it trained, not just stayed put
     last = comm_metrics(topk)[-1]
