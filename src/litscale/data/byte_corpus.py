@@ -8,12 +8,12 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
+from litscale.data.atomic import atomic_file
 from litscale.data.base import ShardedDataModule
 from litscale.data.byte_windows import ByteWindows, coalesce, num_windows
 
@@ -155,34 +155,27 @@ class ByteCorpusDataModule(ShardedDataModule):
         entries = []
         offset = 0
         budget = self.max_bytes
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".u8", dir=self.cache_dir)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for file in files:
-                    if budget is not None and offset >= budget:
-                        break
-                    length = 0
-                    with open(file, "rb") as src:
-                        while chunk := src.read(_READ_CHUNK):
-                            if budget is not None:
-                                chunk = chunk[: budget - offset - length]
-                            out.write(chunk)
-                            length += len(chunk)
-                            if budget is not None and offset + length >= budget:
-                                break
-                    entries.append([os.path.relpath(file, root), offset, length])
-                    offset += length
+        # The byte file lands last (at the end of the block): its presence marks a complete cache.
+        with atomic_file(path) as out:
+            for file in files:
+                if budget is not None and offset >= budget:
+                    break
+                length = 0
+                with open(file, "rb") as src:
+                    while chunk := src.read(_READ_CHUNK):
+                        if budget is not None:
+                            chunk = chunk[: budget - offset - length]
+                        out.write(chunk)
+                        length += len(chunk)
+                        if budget is not None and offset + length >= budget:
+                            break
+                entries.append([os.path.relpath(file, root), offset, length])
+                offset += length
             if offset == 0:
                 raise ValueError(f"data.paths={self.paths!r}: all matched files are empty")
             meta = {"format": _CACHE_FORMAT, "root": root, "total": offset, "files": entries}
-            _write_atomic(path + ".json", json.dumps(meta).encode("utf-8"), self.cache_dir)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
-            # The token file lands last: its presence marks a complete cache.
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+            with atomic_file(path + ".json") as handle:
+                handle.write(json.dumps(meta).encode("utf-8"))
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
@@ -223,16 +216,3 @@ class ByteCorpusDataModule(ShardedDataModule):
         self.train_files = [rel for rel, offset, _ in files if offset < cut]
         self.val_files = [rel for rel, offset, length in files if offset + length > cut]
         return [(0, cut)], [(cut, total)]
-
-
-def _write_atomic(path: str, data: bytes, directory: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

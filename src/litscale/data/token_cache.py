@@ -16,13 +16,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
+from litscale.data.atomic import atomic_file
 from litscale.data.documents import file_kind
 from litscale.data.tokenizer import TextTokenizer
 
@@ -117,41 +117,21 @@ def build_cache(stem: str, documents: Iterable[tuple[str, int]], tokenizer: Text
     os.makedirs(directory, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     starts, keys, text_bytes = [0], [], []
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".bin", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as out, tqdm(total=total_bytes, unit="B", unit_scale=True,
-                                               desc=f"tokenizing ({tokenizer.name})",
-                                               disable=None) as progress:
-            for texts in _batches(documents, progress):
-                for text, ids in zip(texts, tokenizer.encode_batch(texts), strict=True):
-                    if len(ids) == 0 or ids[-1] != tokenizer.eos_id:
-                        ids = np.append(ids, tokenizer.eos_id)
-                    ids.astype(dtype).tofile(out)
-                    starts.append(starts[-1] + len(ids))
-                    keys.append(split_key(text))
-                    text_bytes.append(len(text.encode("utf-8")))
+    # The token file lands last (at the end of the block): its presence marks a complete cache.
+    with atomic_file(stem + ".bin") as out, tqdm(total=total_bytes, unit="B", unit_scale=True,
+                                                  desc=f"tokenizing ({tokenizer.name})",
+                                                  disable=None) as progress:
+        for texts in _batches(documents, progress):
+            for text, ids in zip(texts, tokenizer.encode_batch(texts), strict=True):
+                if len(ids) == 0 or ids[-1] != tokenizer.eos_id:
+                    ids = np.append(ids, tokenizer.eos_id)
+                ids.astype(dtype).tofile(out)
+                starts.append(starts[-1] + len(ids))
+                keys.append(split_key(text))
+                text_bytes.append(len(text.encode("utf-8")))
         if not keys:
             raise ValueError(f"{source} holds no text: every matched file or record is empty")
-        _save_index(stem + ".index.npz", directory, dtype=np.array(dtype.name),
-                    starts=np.array(starts, dtype=np.int64), split_keys=np.array(keys, dtype=np.uint64),
-                    text_bytes=np.array(text_bytes, dtype=np.int64))
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache may be shared
-        os.replace(tmp, stem + ".bin")
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        with atomic_file(stem + ".index.npz") as index:
+            np.savez(index, dtype=np.array(dtype.name), starts=np.array(starts, dtype=np.int64),
+                     split_keys=np.array(keys, dtype=np.uint64), text_bytes=np.array(text_bytes, dtype=np.int64))
     log.info("tokenized %d documents into %d tokens: %s.bin", len(keys), starts[-1], stem)
-
-
-def _save_index(path: str, directory: str, **arrays: np.ndarray) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **arrays)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
