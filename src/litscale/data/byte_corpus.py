@@ -6,7 +6,6 @@ import glob
 import hashlib
 import json
 import logging
-import math
 import os
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -15,7 +14,7 @@ from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
 from litscale.data.atomic import atomic_file
 from litscale.data.base import ShardedDataModule
-from litscale.data.byte_windows import ByteWindows, coalesce, num_windows
+from litscale.data.byte_windows import ByteWindows, coalesce, held_out_cut, num_windows
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +203,7 @@ class ByteCorpusDataModule(ShardedDataModule):
             self.split_by_file = True
             return train, val
         total = int(meta["total"])
-        # At least one window of val, so validation never runs on an empty set.
-        cut = total - max(math.ceil(total * self.val_fraction), self.seq_len + 1)
+        cut = held_out_cut(total, self.val_fraction, self.seq_len)
         if cut < self.seq_len + 1:
             raise ValueError(
                 f"corpus of {total} bytes is too small for seq_len={self.seq_len}: "

@@ -4,19 +4,16 @@ default the Python standard library's source, tokenized once and packed into seq
 from __future__ import annotations
 
 import logging
-import math
 import os
-from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
 from litscale.data.base import ShardedDataModule
 from litscale.data.byte_corpus import default_cache_dir
-from litscale.data.byte_windows import coalesce
+from litscale.data.byte_windows import MemmapWindows, coalesce, held_out_cut
 from litscale.data.documents import corpus_files, missing_paths_error, read_documents
 from litscale.data.token_cache import TokenCache, build_cache, cache_stem, is_complete, load_cache
 from litscale.data.tokenizer import load_tokenizer
@@ -31,7 +28,7 @@ def num_sequences(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
-class PackedSequences(Dataset):
+class PackedSequences(MemmapWindows):
     """Windows of ``seq_len + 1`` tokens, one every ``seq_len``, over the token ranges of a
     memory-mapped file read as one stream.
 
@@ -39,13 +36,11 @@ class PackedSequences(Dataset):
     from one document into the next of its split, as packing does, and skips the documents
     of the other split that lie between them in the file. Window ``k`` starts at token
     ``k * seq_len`` of the stream, so every token but the first is a target exactly once; only
-    the tail shorter than a window is left out. The memory map is opened lazily in each process
-    because memmaps do not pickle to DataLoader workers.
+    the tail shorter than a window is left out.
     """
 
     def __init__(self, path: str, dtype: np.dtype, ranges: list[tuple[int, int]], seq_len: int) -> None:
-        self.path = path
-        self.dtype = np.dtype(dtype)
+        super().__init__(path, dtype)
         self.seq_len = seq_len
         self.ranges = coalesce(ranges)
         starts = np.array([start for start, _ in self.ranges], dtype=np.int64)
@@ -53,7 +48,6 @@ class PackedSequences(Dataset):
         self._stream_ends = np.cumsum(lengths)
         # Added to a position in the stream, gives the position in the file, per range.
         self._file_offsets = starts - (self._stream_ends - lengths)
-        self._data: np.memmap | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -62,19 +56,12 @@ class PackedSequences(Dataset):
     def __len__(self) -> int:
         return num_sequences(self.num_tokens, self.seq_len)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_data"] = None
-        return state
-
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < len(self):
             raise IndexError(f"sequence {index} out of range for {len(self)} sequences")
-        if self._data is None:
-            self._data = np.memmap(self.path, dtype=self.dtype, mode="r")
         positions = index * self.seq_len + np.arange(self.seq_len + 1)
         runs = np.searchsorted(self._stream_ends, positions, side="right")
-        window = torch.from_numpy(self._data[positions + self._file_offsets[runs]].astype(np.int64))
+        window = torch.from_numpy(self.data()[positions + self._file_offsets[runs]].astype(np.int64))
         return window[:-1], window[1:]
 
 
@@ -193,8 +180,7 @@ class TokenDataModule(ShardedDataModule):
             self.split_by_document = True
             return train, val
         total = cache.num_tokens
-        # At least one sequence of val, so validation never runs on an empty set.
-        cut = total - max(math.ceil(total * self.val_fraction), self.seq_len + 1)
+        cut = held_out_cut(total, self.val_fraction, self.seq_len)
         if cut < self.seq_len + 1:
             raise ValueError(
                 f"data.seq_len={self.seq_len} is too long for {self._source()}, which tokenizes to "
