@@ -13,12 +13,17 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # Stamps keep re-runs fast: pip runs again only when pyproject.toml changes.
+# --prefer-binary: a package index can list a new release before its wheels arrive;
+# building such an sdist (regex, for one) fails on a machine without its build headers,
+# so take the newest version that has a wheel.
+PIP_INSTALL := $(BIN)/pip install --quiet --prefer-binary
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(PIP_INSTALL) -e .
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

@@ -320,6 +320,19 @@ def test_model_hf_config_composes_validates_and_follows_the_datas_vocabulary(tmp
     assert net(torch.randint(cfg.data.vocab_size, (2, 32))).shape == (2, 32, cfg.data.vocab_size)
 
 
+@pytest.mark.parametrize("strategy", [["strategy=single"], ["strategy=ddp", "trainer.devices=2"],
+                                      ["strategy=fsdp", "trainer.devices=2"]])
+def test_a_missing_checkpoint_is_one_line_before_any_rank_starts_whatever_the_strategy(
+        strategy, tmp_path, outputs_root):
+    from litscale.app.validation import ConfigError, validate
+
+    cfg, choices = compose_job(["model=hf", "model.net.path=/no/such/checkpoint", "trainer.accelerator=cpu",
+                                *strategy], tmp_path / "run")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, choices=choices)
+    assert str(error.value) == f"model.net.path='/no/such/checkpoint' is not a local directory; {NEVER_DOWNLOADED}"
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["export_hf=true"], "export_hf=true needs model=llama or model=hf (got model=gpt)"),
     (["export_hf=true", "model=llama", "strategy=pipeline", "trainer.accelerator=cpu", "trainer.devices=2"],

@@ -464,6 +464,10 @@ def test_train_py_on_bpe_tokens_resumes_exactly_inside_an_epoch(tmp_path):
     )).parameters())
     assert reference["num_params"] == expected_params
     assert reference["choices"]["data"] == "tokens"
+    facts = reference["data"]  # what a reader of summary.json sees of the data
+    assert {k: facts[k] for k in ("tokenizer", "vocab_size", "seq_len")} == {
+        "tokenizer": "bpe", "vocab_size": 4096, "seq_len": 32}
+    assert 2.0 < facts["val_bytes_per_token"] < 6.0  # a subword tokenizer: several bytes a token
 
     part = run_train(*RUN, "trainer.max_steps=3", "name=part", outputs=tmp_path, env=env)
     assert part.returncode == 0, explain(part)

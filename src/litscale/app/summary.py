@@ -83,6 +83,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         "world_size": layout.world_size,
         "threads_per_rank": torch.get_num_threads(),
         "num_params": _count_params(module),
+        "data": _data_facts(built.datamodule),
         "choices": built.choices,
         "overrides": scaling.overrides if scaling else [],
         "scaling/mode": "strong" if layout.strong_scaling else "weak",
@@ -136,6 +137,20 @@ def _best_checkpoint(trainer: Trainer) -> str | None:
     if callback is None:
         return None
     return getattr(callback, "last_model_path", None) or getattr(callback, "best_model_path", None) or None
+
+
+# What a data module can say of what it feeds the model (token data: its vocabulary and the
+# bytes per token that turn val/loss into val/bpb; the tokenizer is added by name).
+DATA_FACTS = ("vocab_size", "seq_len", "val_bytes_per_token")
+
+
+def _data_facts(datamodule) -> dict | None:
+    facts = {name: getattr(datamodule, name) for name in DATA_FACTS
+             if isinstance(getattr(datamodule, name, None), (int, float))}
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    if isinstance(getattr(tokenizer, "name", None), str):
+        facts["tokenizer"] = tokenizer.name
+    return facts or None
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

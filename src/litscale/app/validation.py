@@ -275,9 +275,9 @@ def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> Non
 
 
 def run_layout(cfg: DictConfig, processes: int) -> RunLayout:
-    """Build the strategy once (cheap: no process group) so that its constructor's checks run
-    now, let it check the world size and the model (built on the meta device: no memory),
-    and lay the run out on its mesh.
+    """Build the strategy once (cheap: no process group) and the model on the meta device (no
+    memory) so that their constructors' checks run now, let the strategy check the world size
+    and the model, and lay the run out on its mesh.
 
     Convention: a strategy constructor raises ``ValueError`` with a one-line message naming
     ``strategy.<key>``; a strategy may define ``validate_setup(*, world_size, net)`` and
@@ -289,9 +289,13 @@ def run_layout(cfg: DictConfig, processes: int) -> RunLayout:
     world_size = processes * num_nodes
     try:
         strategy = build_strategy(cfg)
+        # For every strategy, not only those that check the model: building it is where a
+        # model's own config errors (a missing checkpoint, an unknown model type) are raised,
+        # and here they are one line before any rank starts.
+        net = _meta_net(cfg)
         validate_setup = getattr(strategy, "validate_setup", None)
         if validate_setup is not None:
-            validate_setup(world_size=world_size, net=_meta_net(cfg))
+            validate_setup(world_size=world_size, net=net)
         mesh = mesh_of(strategy, world_size)
     except (ValueError, TypeError) as error:
         if isinstance(error, ConfigError):
@@ -344,10 +348,16 @@ def check_warmup(cfg: DictConfig) -> None:
 def _meta_net(cfg: DictConfig):
     """The zoo network of ``cfg.model.net`` with shapes but no storage."""
     import torch
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     with torch.device("meta"):
-        return instantiate(cfg.model.net, _convert_="all")
+        try:
+            return instantiate(cfg.model.net, _convert_="all")
+        except InstantiationException as error:  # Hydra's several lines around the one that matters
+            if isinstance(error.__cause__, (ValueError, TypeError)):
+                raise error.__cause__ from None
+            raise
 
 
 # The factories of the zoo's networks that have a Hugging Face form (litscale.hf_export).
