@@ -13,10 +13,9 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 # Stamps keep re-runs fast: pip runs again only when pyproject.toml changes.
-# --prefer-binary: a package index can list a new release before its wheels arrive;
-# building such an sdist (regex, for one) fails on a machine without its build headers,
-# so take the newest version that has a wheel.
-PIP_INSTALL := $(BIN)/pip install --quiet --prefer-binary
+# --only-binary=regex: the index can list a new regex (needed by transformers) before its
+# wheels arrive, and its sdist does not build here; pip then takes the newest with a wheel.
+PIP_INSTALL := $(BIN)/pip install --quiet --only-binary=regex
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) -e .

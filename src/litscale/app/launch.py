@@ -22,6 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from litscale.errors import ConfigError
+from litscale.health.heartbeat import STOPPED_BY_WATCHDOG
+from litscale.health.watchdog import HANG_ERROR, LAUNCHER_REPORTS_ENV
 
 
 class RankFailure(RuntimeError):
@@ -171,17 +173,19 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         shutdown_timeout=60,  # time for ranks to save a checkpoint after SIGTERM
     )
     previous_sigusr1 = _pass_sigusr1_to_the_ranks()
+    os.environ[LAUNCHER_REPORTS_ENV] = "1"  # a hang's line: printed below, not by rank 0
     try:
         results = elastic_launch(config, _run_rank)(entrypoint, payload)
     except ChildFailedError as error:
         if all(f.exitcode == PREEMPTED_EXIT_CODE for f in error.failures.values()):
             return {"preempted": True}  # a rank alone got the signal; they all stopped and saved
-        raise RankFailure(describe_first_failure(error)) from None
+        raise RankFailure(hang_report(error) or describe_first_failure(error)) from None
     except SignalException:
         # This process was told to stop (SIGTERM, SLURM preemption): the agent passed the
         # signal on to the ranks, which save last.ckpt together after a step and exit.
         return {"preempted": True}
     finally:
+        os.environ.pop(LAUNCHER_REPORTS_ENV, None)
         if previous_sigusr1 is not None:
             signal.signal(signal.SIGUSR1, previous_sigusr1)
     return results[0]
@@ -208,7 +212,7 @@ def _pass_sigusr1_to_the_ranks() -> Any:
 # How a rank reports that a peer died; failure timestamps are whole seconds, so ties with the
 # rank that actually failed are common, and these messages are never the root cause.
 _KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
-             "NCCL communicator was aborted", "Broken pipe")
+             "NCCL communicator was aborted", "Broken pipe", STOPPED_BY_WATCHDOG)
 
 
 # How long a rank whose error only says that a peer died waits before exiting (see
@@ -244,6 +248,18 @@ def wait_for_the_cause(error: BaseException) -> None:
         import time
 
         time.sleep(KNOCK_ON_GRACE_S)
+
+
+def hang_report(error) -> str | None:
+    """The hang watchdog's line, if it stopped the job: rank 0 records it, and every rank it
+    stopped repeats it (the agent may see any of them first)."""
+    for failure in error.failures.values():
+        data = failure.message
+        text = str(data if isinstance(data, str) else data.get("message", ""))
+        for prefix in (f"{HANG_ERROR}: ", f"{STOPPED_BY_WATCHDOG}: "):
+            if text.startswith(prefix):
+                return text.removeprefix(prefix).splitlines()[0]
+    return None
 
 
 def describe_first_failure(error) -> str:

@@ -20,7 +20,11 @@ from litscale.app.build import BuiltRun
 from litscale.app.scaling_study import ScalingContext, find_baseline, scaling_metrics
 from litscale.callbacks.communication import CommunicationCallback
 from litscale.callbacks.memory import MemoryCallback
+from litscale.callbacks.straggler import StragglerReport
 from litscale.callbacks.throughput import ThroughputCallback
+
+# Callbacks whose ``result`` (figures of the whole run) goes into summary.json.
+MEASURING_CALLBACKS = (ThroughputCallback, MemoryCallback, CommunicationCallback, StragglerReport)
 
 
 def _count_params(module) -> int:
@@ -58,10 +62,8 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     """Collect final metrics; rank 0 adds scaling efficiency against its baseline (and logs
     it), writes ``summary.json`` and prints a few lines."""
     trainer, module = built.trainer, built.module
-    throughput = next((c.result for c in trainer.callbacks if isinstance(c, ThroughputCallback)), {})
-    memory = next((c.result for c in trainer.callbacks if isinstance(c, MemoryCallback)), {})
-    communication = next((c.result for c in trainer.callbacks
-                          if isinstance(c, CommunicationCallback)), {})
+    measured = {name: value for callback in trainer.callbacks if isinstance(callback, MEASURING_CALLBACKS)
+                for name, value in callback.result.items()}
     layout = built.layout
     summary = {
         "train/loss": _metric(trainer, "train/loss"),
@@ -69,9 +71,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         "val/loss_initial": getattr(module, "initial_val_loss", None),
         "val/bpb": _metric(trainer, "val/bpb"),
         "val/accuracy": _metric(trainer, "val/accuracy"),
-        **throughput,
-        **memory,
-        **communication,
+        **measured,
         **_lr_scaling(trainer),
         "steps": trainer.global_step,
         "global_batch": layout.global_batch,
@@ -182,6 +182,9 @@ def _print_end(summary: dict) -> None:
              f"run | {summary['comm/bytes_per_step'] / 2**20:.3g} MiB sent per step by rank 0 "
              f"(dense {summary['comm/dense_bytes_per_step'] / 2**20:.3g} MiB) | "
              f"{summary['comm/compress_time_s'] * 1e3:.2f} ms compressing per step")
+    if "health/slowest_rank" in summary:
+        _say(f"slowest rank: {summary['health/slowest_rank']} at {summary['health/straggler_ratio']:.2f}x "
+             "the median of its peers' forward times (median over the run)")
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
              f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")

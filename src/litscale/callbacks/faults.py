@@ -3,6 +3,12 @@
     python train.py +callbacks.fault._target_=litscale.callbacks.faults.InjectFault \
         +callbacks.fault.at_step=20 +callbacks.fault.kind=sigkill +callbacks.fault.rank=1
 
+Faults that stall a job instead of failing it (for the hang watchdog, ``callbacks/watchdog.py``):
+``kind=hang`` (the rank sleeps inside step ``at_step``), ``kind=skip_collective`` (the rank
+skips its gradient all-reduce at ``at_step`` and goes on, as after a data-dependent branch, so
+the others wait), ``kind=slow`` (the rank sleeps ``delay_s`` in every step from ``at_step`` on,
+``for_steps`` of them if set; with ``during=validation``, in every validation batch).
+
 A fault fires once per run, and not in a run resumed from a checkpoint: the restart that a
 fault provokes (``torchrun --max-restarts``, a requeued job, the same command again with
 ``ckpt_path=auto``) resumes from the last checkpoint before ``at_step`` and must then get
@@ -15,12 +21,16 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from litscale.constraints import NonNegativeInt, PositiveInt
+from litscale.constraints import NonNegativeInt, PositiveFloat, PositiveInt
+
+# How long `kind=hang` sleeps: longer than any job waits for a rank.
+HANG_S = 7 * 24 * 3600.0
 
 
 class InjectedFault(RuntimeError):
@@ -30,25 +40,32 @@ class InjectedFault(RuntimeError):
 class InjectFault(Callback):
     """At optimizer step ``at_step`` on rank ``rank`` (every rank if None): raise an
     exception, SIGKILL this rank, SIGTERM or SIGUSR1 the job (as a scheduler preempting it, or
-    warning of its time limit, would), or make the weights NaN. ``during="validation"``: in
+    warning of its time limit, would), make the weights NaN, or stall (``hang``,
+    ``skip_collective``, ``slow``: see the module's docstring). ``during="validation"``: in
     the first validation batch from that step on instead. With ``after_resume=False`` a run
     resumed from a checkpoint (``trainer.ckpt_path`` set) is left alone."""
 
     def __init__(
         self,
         *,
-        at_step: PositiveInt,
-        kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights"] = "exception",
+        at_step: NonNegativeInt,
+        kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights", "hang",
+                      "skip_collective", "slow"] = "exception",
         rank: NonNegativeInt | None = None,
         during: Literal["train", "validation"] = "train",
         after_resume: bool = False,
+        delay_s: PositiveFloat = 1.0,
+        for_steps: PositiveInt | None = None,
     ) -> None:
         self.at_step = at_step
         self.kind = kind
         self.rank = rank
         self.during = during
         self.after_resume = after_resume
+        self.delay_s = delay_s
+        self.for_steps = for_steps
         self._fired = False
+        self._skipped_at: int | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # NOTE: decided from the run's own state rather than TORCHELASTIC_RESTART_COUNT, so it
@@ -56,19 +73,53 @@ class InjectFault(Callback):
         if trainer.ckpt_path is not None and not self.after_resume:
             self._fired = True
 
+    def _on_this_rank(self, trainer: Trainer) -> bool:
+        return self.rank is None or trainer.global_rank == self.rank
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.during != "train" or self._fired or not self._on_this_rank(trainer):
+            return
+        step = trainer.global_step
+        if self.kind == "slow" and step >= self.at_step and (
+                self.for_steps is None or step < self.at_step + self.for_steps):
+            time.sleep(self.delay_s)
+        elif self.kind == "hang" and step == self.at_step:
+            time.sleep(HANG_S)
+        elif self.kind == "skip_collective" and step == self.at_step:
+            # DDP reads this flag in forward: the backward that follows reduces nothing here,
+            # while the other ranks' gradient all-reduce waits for this rank.
+            ddp_model(trainer).require_backward_grad_sync = False
+            self._skipped_at = step
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
+        if self._skipped_at is not None and trainer.global_step > self._skipped_at:
+            # NOTE: the next gradient all-reduce of this rank would pair with the others'
+            # previous one. NCCL then waits forever; gloo aborts the process at the first
+            # collective whose size differs. Waiting here is NCCL's behaviour, on any backend.
+            time.sleep(HANG_S)
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
-        if self.during == "train" and trainer.global_step == self.at_step:
+        if self._skipped_at is not None:
+            ddp_model(trainer).require_backward_grad_sync = True
+        if self.during == "train" and trainer.global_step == self.at_step and self.kind in INSTANT_KINDS:
             self._fire(trainer, pl_module, where="")
+
+    def on_validation_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        if (self.kind == "slow" and self.during == "validation" and not trainer.sanity_checking
+                and trainer.global_step >= self.at_step and self._on_this_rank(trainer)):
+            time.sleep(self.delay_s)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
                                 batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        if (self.during == "validation" and not trainer.sanity_checking
+        if (self.during == "validation" and not trainer.sanity_checking and self.kind in INSTANT_KINDS
                 and trainer.global_step >= self.at_step):
             self._fire(trainer, pl_module, where=" in validation")
 
     def _fire(self, trainer: Trainer, pl_module: LightningModule, *, where: str) -> None:
-        if self._fired or (self.rank is not None and trainer.global_rank != self.rank):
+        if self._fired or not self._on_this_rank(trainer):
             return
         self._fired = True
         if self.kind == "exception":
@@ -86,3 +137,18 @@ class InjectFault(Callback):
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ
         stop_signal = signal.SIGUSR1 if self.kind == "sigusr1" else signal.SIGTERM
         os.kill(os.getppid() if under_agent else os.getpid(), stop_signal)
+
+
+# The kinds that act once, at the end of step ``at_step``; the others stall a step.
+INSTANT_KINDS = ("exception", "sigterm", "sigusr1", "sigkill", "nan_weights")
+
+
+def ddp_model(trainer: Trainer) -> Any:
+    """The rank's ``DistributedDataParallel`` module, which ``kind=skip_collective`` needs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(trainer.strategy, "model", None)
+    if not isinstance(model, DistributedDataParallel):
+        raise ValueError("callbacks.fault.kind=skip_collective needs a DDP strategy (strategy=ddp); "
+                         f"got {type(trainer.strategy).__name__}")
+    return model

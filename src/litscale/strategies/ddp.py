@@ -23,6 +23,9 @@ class DDPStrategy(LightningDDPStrategy):
     attaches them.
     """
 
+    # Where a rank waits for its peers, by training phase (named in a hang report).
+    phase_collectives = {"backward": "gradient all-reduce"}
+
     @checked_arguments("strategy")
     def __init__(
         self,

@@ -52,6 +52,9 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
     gradient-communication dtype, so ``bf16_mixed`` reduces gradients in fp32.
     """
 
+    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    phase_collectives = {"backward": "gradient reduction", "optimizer": "parameter all-gather"}
+
     @checked_arguments("strategy")
     def __init__(
         self,

@@ -172,6 +172,9 @@ class FSDPStrategy(ModelParallelStrategy):
     devices=2)`` or ``Trainer(strategy="litscale_fsdp")``.
     """
 
+    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    phase_collectives = {"forward": "parameter all-gather", "backward": "all-gather / gradient reduce-scatter"}
+
     @checked_arguments("strategy")
     def __init__(
         self,

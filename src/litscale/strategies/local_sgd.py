@@ -124,6 +124,9 @@ class LocalSGDStrategy(DDPStrategy):
     Takes no ``compression``: there is no per-step gradient exchange to compress.
     """
 
+    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    phase_collectives = {"backward": "gradient all-reduce (warm-up)", "optimizer": "parameter all-reduce"}
+
     @checked_arguments("strategy")
     def __init__(
         self,

@@ -94,6 +94,9 @@ class PipelineParallelStrategy(ModelParallelStrategy):
     ``validation_step`` run with the pipeline's loss in its place (so it logs as usual).
     """
 
+    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    phase_collectives = {"forward": "pipeline send/recv", "optimizer": "gradient reduction"}
+
     @checked_arguments("strategy")
     def __init__(
         self,

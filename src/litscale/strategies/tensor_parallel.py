@@ -189,6 +189,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
     -> style (``STYLES``), instead of the model's ``tensor_parallel_plan``.
     """
 
+    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    phase_collectives = {"forward": "tensor-parallel collectives", "backward": "tensor-parallel collectives / gradient reduce-scatter"}
+
     @checked_arguments("strategy")
     def __init__(
         self,

@@ -1,0 +1,43 @@
+"""What a rank reports of itself: its step and what it is doing (a ``Beat``), and the
+order of those phases within a step, used to tell a rank that is behind from one waiting."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+# The phases of one training step in the order a rank goes through them; ``data`` is the
+# wait for the next batch. Validation and checkpoint saves come after a step's optimizer.
+PHASES = ("setup", "data", "forward", "backward", "optimizer", "validation", "checkpoint")
+# Phases whose duration is not a step's: they get their own limits (the first step, too).
+LONG_PHASES = ("setup", "validation", "checkpoint")
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One rank's latest report. ``seq`` grows with every publication, so a rank whose
+    process is frozen or gone is seen without comparing clocks across hosts."""
+
+    rank: int
+    step: int
+    phase: str
+    collective: str | None = None  # the collective this phase waits in, where it is known
+    seq: int = 0
+    host: str = ""
+    pid: int = 0
+    first_step_done: bool = False
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """Where the rank is in training: later steps, then later phases, are further on."""
+        return self.step, PHASES.index(self.phase)
+
+    def doing(self) -> str:
+        return f"{self.phase} ({self.collective})" if self.collective else self.phase
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> Beat:
+        return cls(**json.loads(data))

@@ -1,0 +1,102 @@
+"""Each rank's heartbeat: its latest ``Beat``, published to the job's store by a thread.
+
+The training loop only assigns fields (a few attribute writes per step: no store round
+trip, no collective, no device sync); the thread publishes once per ``interval_s`` and, when
+the watchdog asks the job to stop, dumps this rank's stacks and ends the process. A thread,
+because the training thread may be the one that is stuck.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+
+from torch.distributed import Store
+
+from litscale.health.beats import Beat
+from litscale.health.stacks import dump_own_stacks
+
+STOP_KEY = "stop"  # set by the watchdog: JSON {"stacks_dir", "line"}
+
+
+def beat_key(rank: int) -> str:
+    return f"beat/{rank}"
+
+
+def dumped_key(rank: int) -> str:
+    return f"dumped/{rank}"
+
+
+# Exit code of a rank stopped by the watchdog (the job's is 1, as for any failure), and the
+# first words of the error it leaves for the launcher, followed by the watchdog's line.
+STOPPED_EXIT_CODE = 1
+STOPPED_BY_WATCHDOG = "stopped by the hang watchdog"
+
+
+class Heartbeat:
+    """Publishes this rank's place in training; stops the process when the job is stopped.
+
+    ``exit_on_stop=False`` on the rank that hosts the watchdog, which ends that process
+    itself once every rank's stacks are written."""
+
+    def __init__(self, store: Store, rank: int, *, interval_s: float = 1.0, exit_on_stop: bool = True) -> None:
+        self.store, self.rank, self.interval_s, self.exit_on_stop = store, rank, interval_s, exit_on_stop
+        self.beat = Beat(rank=rank, step=0, phase="setup", host=socket.gethostname(), pid=os.getpid())
+        self._seq = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="litscale-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def mark(self, step: int, phase: str, collective: str | None = None) -> None:
+        """Where this rank is now (called from the training loop's hooks)."""
+        self.beat = replace(self.beat, step=step, phase=phase, collective=collective)
+
+    def first_step_done(self) -> None:
+        if not self.beat.first_step_done:
+            self.beat = replace(self.beat, first_step_done=True)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5 * self.interval_s)
+
+    def _publish(self) -> None:
+        self._seq += 1
+        self.store.set(beat_key(self.rank), replace(self.beat, seq=self._seq).encode())
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.interval_s):
+            try:
+                self._publish()
+                if self.store.check([STOP_KEY]):
+                    self._stop(json.loads(self.store.get(STOP_KEY)))
+            except Exception:  # the store went away: the job is ending; nothing to report to
+                return
+
+    def _stop(self, order: dict) -> None:
+        """Write this rank's stacks into the hang report's directory; end the process."""
+        path = os.path.join(order["stacks_dir"], f"rank{self.rank}.txt")
+        dump_own_stacks(path, f"rank {self.rank} ({self.beat.host}, pid {self.beat.pid}) at step "
+                              f"{self.beat.step}, in {self.beat.doing()}; {order['line']}")
+        self.store.set(dumped_key(self.rank), b"1")
+        if self.exit_on_stop:
+            record_elastic_error(f"{STOPPED_BY_WATCHDOG}: {order['line']}", time.time())
+            os._exit(STOPPED_EXIT_CODE)
+
+
+def record_elastic_error(message: str, timestamp: float) -> None:
+    """Leave ``message`` where torch's elastic agent (litscale's launcher, torchrun) reads a
+    failed rank's error, so that the launcher reports it: this process ends with ``os._exit``,
+    which skips torch's own recording. The file's format is torch's (``ErrorHandler``)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with open(path, "w") as handle:
+        json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(timestamp))}}}, handle)

@@ -1,0 +1,114 @@
+"""The watchdog: reads every rank's heartbeat, and when the job is hung, has every rank write
+its stacks, prints one line naming the rank the others wait for, and ends the job.
+
+It runs as a thread of global rank 0 under every launcher (litscale's, torchrun, srun): the
+training thread may be stuck, the thread is not. A rank 0 that dies is the launcher's to
+report, as any failed rank is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from torch.distributed import Store
+
+from litscale.health.beats import Beat
+from litscale.health.diagnosis import Hang, Limits, RankState, find_hang
+from litscale.health.heartbeat import (
+    STOP_KEY,
+    beat_key,
+    dumped_key,
+    record_elastic_error,
+)
+from litscale.health.stacks import dump_stacks_of
+from litscale.health.store import read_json_keys
+
+# How long the ranks have to write their stacks once told to stop.
+DUMP_WAIT_S = 15.0
+# The first words of the error a hang is recorded with, for the launcher to find.
+HANG_ERROR = "HangDetected"
+# Set by a launcher that prints the line of a hang itself (litscale's: it reads the line from
+# the stopped ranks' errors); otherwise rank 0 prints it (torchrun, srun).
+LAUNCHER_REPORTS_ENV = "LITSCALE_LAUNCHER_REPORTS_HANGS"
+
+
+class Watchdog:
+    """Polls the heartbeats of ``world_size`` ranks every ``poll_s``; ``limits(median_step_s)``
+    gives the limits for the job's current median step time (None before it is known)."""
+
+    def __init__(self, store: Store, world_size: int, *, limits: Callable[[float | None], Limits],
+                 stacks_root: str, poll_s: float = 1.0,
+                 exit: Callable[[int], None] = os._exit) -> None:
+        self.store, self.world_size, self.limits = store, world_size, limits
+        self.stacks_root, self.poll_s, self.exit = stacks_root, poll_s, exit
+        self.median_step_s: float | None = None  # set by the training loop of this rank
+        self.states: dict[int, RankState] = {}
+        self.hang: Hang | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="litscale-watchdog", daemon=True)
+
+    def start(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5 * self.poll_s)
+
+    def check(self, now: float) -> Hang | None:
+        """Read the heartbeats once; the hang, if the job is hung."""
+        keys = [beat_key(rank) for rank in range(self.world_size)]
+        for rank, data in enumerate(read_json_keys(self.store, keys)):
+            if data is None:
+                continue
+            beat = Beat.decode(data)
+            if rank in self.states:
+                self.states[rank].update(beat, now)
+            else:
+                self.states[rank] = RankState(beat, at_place_since=now, silent_since=now)
+        if len(self.states) < self.world_size:
+            return None  # a rank still starting: its process group's own timeout covers it
+        return find_hang(self.states, now, self.limits(self.median_step_s))
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.poll_s):
+            try:
+                hang = self.check(time.monotonic())
+            except Exception:  # the store went away: the job is ending
+                return
+            if hang is not None:
+                self._stop_job(hang)
+                return
+
+    def _stop_job(self, hang: Hang) -> None:
+        """Tell every rank to write its stacks and stop; write rank 0's and those of a rank on
+        this host that no longer answers; print the line; end this process."""
+        self.hang = hang
+        stacks_dir = os.path.join(self.stacks_root, f"hang-{hang.step}")
+        line = hang.line(stacks_dir)
+        # First, so that the launcher reports this line even if it stops this rank early.
+        record_elastic_error(f"{HANG_ERROR}: {line}", time.time())
+        # Every heartbeat, this rank's too, sees the order within a second and writes its stacks.
+        self.store.set(STOP_KEY, json.dumps({"stacks_dir": stacks_dir, "line": line}).encode())
+        if hang.silent:
+            beat = self.states[hang.rank].beat
+            if beat.host == socket.gethostname():
+                dump_stacks_of(beat.pid, os.path.join(stacks_dir, f"rank{hang.rank}.txt"),
+                               f"rank {hang.rank} (pid {beat.pid}), not responding; {line}")
+        self._wait_for_stacks()
+        if not os.environ.get(LAUNCHER_REPORTS_ENV):
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        self.exit(1)
+
+    def _wait_for_stacks(self) -> None:
+        deadline = time.monotonic() + DUMP_WAIT_S
+        waiting = [dumped_key(rank) for rank in range(self.world_size)]
+        while waiting and time.monotonic() < deadline:
+            waiting = [key for key in waiting if not self.store.check([key])]
+            time.sleep(0.2)
