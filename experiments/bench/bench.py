@@ -13,6 +13,9 @@ figures are medians over repetitions, and ratios litscale / plain.
   ``python -c "import torch, lightning"`` (and the plain loop's own time to its first step).
 - scaling: DDP and FSDP, 1 rank (pinned to one core) and 2 ranks (one thread each), litscale vs
   plain torch DDP / FSDP2; efficiency = throughput(2) / (2 x throughput(1)).
+- health: the cost of the hang watchdog's heartbeats and the straggler report: GPT-nano DDP on
+  2 CPU ranks with every default vs the same without ``callbacks.watchdog`` and
+  ``callbacks.straggler`` (goal: below 0.5% of a step).
 
 Results: ``results.json``, ``scaling.png`` and the tables in ``README.md`` (between the
 results markers), all written by this script.
@@ -91,9 +94,10 @@ def run(command: list[str], env: dict | None = None) -> subprocess.CompletedProc
     return process
 
 
-def litscale_step_time(work: Workload, strategy: str, devices: int, cores: int | None, tmp: Path) -> float:
+def litscale_step_time(work: Workload, strategy: str, devices: int, cores: int | None, tmp: Path,
+                       extra: tuple[str, ...] = ()) -> float:
     outputs = Path(tempfile.mkdtemp(dir=tmp))
-    run(pin(cores) + [PYTHON, "train.py", *work.litscale(strategy, devices)],
+    run(pin(cores) + [PYTHON, "train.py", *work.litscale(strategy, devices), *extra],
         env={"LITSCALE_OUTPUTS": str(outputs), **SOURCE})
     (summary,) = outputs.glob("**/summary.json")
     return json.loads(summary.read_text())["perf/step_time_s"]
@@ -181,6 +185,56 @@ def study_scaling(args, tmp: Path) -> dict:
     return results
 
 
+# The callbacks of the health study's "without" side.
+HEALTH_CALLBACKS = ("~callbacks.watchdog", "~callbacks.straggler")
+
+
+def study_health(args, tmp: Path) -> dict:
+    print("health: GPT-nano, DDP 2 CPU ranks, with / without the watchdog and straggler report", flush=True)
+    work = workload(args)
+    result = summarize(*paired(args, partial(litscale_step_time, work, "ddp", 2, None, tmp),
+                               partial(litscale_step_time, work, "ddp", 2, None, tmp, HEALTH_CALLBACKS)))
+    # A whole step's difference drowns in a shared machine's noise; the hooks' own time per
+    # step, measured alone, says what they add.
+    result["hooks_s_per_step"] = health_hooks_time()
+    result["hooks_share"] = result["hooks_s_per_step"] / result["plain_median_s"]
+    return result
+
+
+def health_hooks_time(steps: int = 20000) -> float:
+    """Seconds per step spent in the watchdog's and the straggler report's hooks on rank 0 (the
+    one that also reads the others' figures), with its heartbeat thread publishing to a store."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from litscale.callbacks.straggler import StragglerReport
+    from litscale.callbacks.watchdog import HangWatchdog
+    from litscale.health.heartbeat import Heartbeat
+
+    store = dist.HashStore()
+    trainer = SimpleNamespace(global_step=0, global_rank=0, world_size=2, loggers=[], logger=None)
+    watchdog, straggler = HangWatchdog(dirpath="unused"), StragglerReport(threshold=1e9)  # no report printed
+    watchdog.heartbeat = Heartbeat(store, 0).start()
+    straggler._store = store
+    for rank in (1,):  # the other rank's figures, as it would publish them
+        for window in range(steps // straggler.every_n_steps + 1):
+            store.set(f"window/{window}/{rank}", json.dumps({"forward_s": 0.05, "step_s": 0.1}).encode())
+    started = time.perf_counter()
+    for step in range(steps):
+        trainer.global_step = step
+        for callback in (watchdog, straggler):
+            callback.on_train_batch_start(trainer, None, None, step)
+            callback.on_before_backward(trainer, None, None)
+            callback.on_before_optimizer_step(trainer, None, None)
+        trainer.global_step = step + 1
+        for callback in (watchdog, straggler):
+            callback.on_train_batch_end(trainer, None, None, None, step)
+    elapsed = time.perf_counter() - started
+    watchdog.heartbeat.close()
+    return elapsed / steps
+
+
 def machine() -> str:
     import lightning
     import torch
@@ -225,9 +279,19 @@ def scaling_table(title: str, s: dict) -> list[str]:
     return lines + [""]
 
 
+def health_table(title: str, r: dict) -> list[str]:
+    return [f"### {title}: median s/step, GPT-nano DDP 2 CPU ranks (goal: below 0.5% of a step)", "",
+            "| with the watchdog and straggler report | without | ratio of medians | median paired ratio "
+            "| the hooks alone, per step | share of a step |",
+            "| --- | --- | --- | --- | --- | --- |",
+            f"| {r['litscale_median_s']:.4f} | {r['plain_median_s']:.4f} | {r['ratio_of_medians']:.4f} | "
+            f"{r['median_paired_ratio']:.4f} | {r['hooks_s_per_step'] * 1e6:.1f} us | {r['hooks_share']:.3%} |", ""]
+
+
 TABLES = {"overhead": ("Step-time overhead", overhead_table),
           "startup": ("Start-up", startup_table),
-          "scaling": ("CPU scaling", scaling_table)}
+          "scaling": ("CPU scaling", scaling_table),
+          "health": ("Health monitoring cost", health_table)}
 
 
 def tables(results: dict) -> str:
@@ -273,7 +337,8 @@ def write_readme(results: dict) -> None:
     readme.write_text(head + block + tail)
 
 
-STUDIES = {"overhead": study_overhead, "startup": study_startup, "scaling": study_scaling}
+STUDIES = {"overhead": study_overhead, "startup": study_startup, "scaling": study_scaling,
+           "health": study_health}
 
 
 def main(argv: list[str] | None = None) -> None:
