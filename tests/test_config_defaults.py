@@ -36,6 +36,10 @@ DELIBERATE: dict[tuple[str, str], str] = {
     ("callbacks/default", "model_checkpoint.save_on_train_epoch_end"):
         "saved after each validation, when val/loss is fresh: runs count steps, not epochs",
     ("callbacks/default", "progress_bar.refresh_rate"): TODO,
+    # clusters: published hardware differs from the generic defaults
+    ("cluster/h100_8x", "achieved_fraction"): "H100 LLM runs reach 40-55% MFU (the file's sources)",
+    ("cluster/h100_8x", "overlap"): "NCCL on its own SMs hides most gradient traffic behind backward",
+    ("cluster/h100_8x", "source"): "where the figures come from, shown with every plan",
     # loggers: files under the run dir that Hydra already made for this one run
     ("logger/csv", "csv.name"): "metrics in <run dir>/csv/metrics.csv, where tests and notebooks read them",
     ("logger/csv", "csv.version"): "one run per Hydra run dir: no version_<n> folder under it",

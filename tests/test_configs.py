@@ -219,6 +219,30 @@ def check_lr_scaling(cfg, choices, tmp_path):
         assert isinstance(build(cfg.lr_scaling), Callback)
 
 
+def check_cluster(cfg, choices, tmp_path):
+    """A cluster builds; ``local_cpu`` from this machine's calibration file (a made-up one here:
+    the calibration itself is tested in test_planner.py)."""
+    import json
+    import os
+
+    from litscale.planner.cluster import Cluster
+
+    figures = {"cores": 2, "memory_bytes": 8 * 2**30, "peak_flops": {"float32": 1e11, "bfloat16": 2e11},
+               "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "measured": "test"}
+    (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(figures))
+    previous = os.environ.get("LITSCALE_CACHE")
+    os.environ["LITSCALE_CACHE"] = str(tmp_path)
+    try:
+        cluster = build(cfg.cluster)
+    finally:
+        os.environ.pop("LITSCALE_CACHE") if previous is None else os.environ.update(LITSCALE_CACHE=previous)
+    assert isinstance(cluster, Cluster) and cluster.world_size >= 1
+
+
+def check_plan(cfg, choices, tmp_path):
+    assert cfg.plan.mode == choices["plan"]
+
+
 GROUP_CHECKS = {
     "trainer": check_trainer,
     "model": check_model,
@@ -232,6 +256,8 @@ GROUP_CHECKS = {
     "callbacks": check_callbacks,
     "paths": check_paths,
     "lr_scaling": check_lr_scaling,
+    "cluster": check_cluster,
+    "plan": check_plan,
     "hydra": None,  # checked on the composed hydra node, see test_option
     "experiment": None,  # see test_experiment
 }

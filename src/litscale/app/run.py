@@ -40,6 +40,10 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     """Validate ``cfg``, start its ranks, and return rank 0's summary."""
     choices = hydra_choices() if choices is None else choices
     layout = validate(cfg, choices=choices)
+    if (cfg.get("plan") or {}).get("mode", "none") != "none":
+        from litscale.app.plan import run_plan
+
+        return run_plan(cfg, layout)
     spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,
                    loggable_config=config_without_environment(cfg), scaling=job_context(cfg))
     return launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)

@@ -67,6 +67,15 @@ class ScalingSchema:
 
 
 @dataclass
+class PlanSchema:
+    """``plan/``: train as configured, or print (``show``) / also write (``auto``) the
+    planner's ranking instead."""
+
+    mode: Literal["none", "show", "auto"]
+    top: PositiveInt
+
+
+@dataclass
 class OptimizerSchema:
     """What every ``optimizer/`` option shares; the rest is checked against its ``_target_``."""
 
@@ -75,7 +84,7 @@ class OptimizerSchema:
 
 # Groups whose value is one object built from `_target_` / a dict of named objects.
 TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression",
-                 "lr_scaling")
+                 "lr_scaling", "cluster")
 NAMED_TARGET_GROUPS = ("logger", "callbacks")
 CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")
 
@@ -99,6 +108,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     check_schema("optimizer", cfg.optimizer, OptimizerSchema)
     if cfg.get("scaling") is not None:
         check_schema("scaling", cfg.scaling, ScalingSchema)
+    if cfg.get("plan") is not None:
+        check_schema("plan", cfg.plan, PlanSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     check_data_tokenizer(cfg)
@@ -292,7 +303,7 @@ def run_layout(cfg: DictConfig, processes: int) -> RunLayout:
         # For every strategy, not only those that check the model: building it is where a
         # model's own config errors (a missing checkpoint, an unknown model type) are raised,
         # and here they are one line before any rank starts.
-        net = _meta_net(cfg)
+        net = meta_net(cfg)
         validate_setup = getattr(strategy, "validate_setup", None)
         if validate_setup is not None:
             validate_setup(world_size=world_size, net=net)
@@ -345,7 +356,7 @@ def check_warmup(cfg: DictConfig) -> None:
                 raise ConfigError(str(error)) from None
 
 
-def _meta_net(cfg: DictConfig):
+def meta_net(cfg: DictConfig):
     """The zoo network of ``cfg.model.net`` with shapes but no storage."""
     import torch
     from hydra.errors import InstantiationException

@@ -1,0 +1,102 @@
+"""``plan=show`` / ``plan=auto``: the planner's ranking for the composed run, printed instead
+of training; ``auto`` also writes the fastest plan as an experiment config."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from omegaconf import DictConfig
+
+from litscale.layout import RunLayout
+from litscale.planner.cluster import Cluster
+from litscale.planner.cost import Plan, Prediction
+from litscale.planner.model_facts import model_facts
+from litscale.planner.search import search
+
+GiB = 2**30
+
+
+def run_plan(cfg: DictConfig, layout: RunLayout) -> dict:
+    """Rank every plan for ``cfg``'s model and global batch on ``cfg.cluster``; print the top
+    ``cfg.plan.top`` and why the others cannot run; return the winner's overrides."""
+    from litscale.app.build import build, trusted_targets
+    from litscale.app.validation import meta_net
+
+    cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
+    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    ranked, pruned = search(cluster, facts, layout.global_batch, compute_dtype=cfg.precision.compute_dtype,
+                            param_dtype=cfg.precision.param_dtype)
+    _say(f"plan: {facts.num_params / 1e6:.2f}M params, {facts.layers} layers, seq {facts.seq_len}, global batch "
+         f"{layout.global_batch} on {cluster.name} ({cluster.nodes} x {cluster.devices_per_node} devices, "
+         f"{cluster.device_memory_bytes / GiB:.0f} GiB each; {cluster.source or 'figures as configured'})")
+    print(table(ranked[: int(cfg.plan.top)], cluster), flush=True)
+    reasons = Counter(p.reason for p in pruned)
+    if pruned:
+        _say(f"{len(pruned)} plan(s) cannot run; the commonest reasons:")
+    for reason, count in reasons.most_common(5):
+        _say(f"  {count} x {reason}")
+    if not ranked:
+        _say("no plan fits: see the reasons above")
+        return {}
+    winner = overrides(ranked[0].plan, cluster)
+    _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(winner)}")
+    if cfg.plan.mode == "auto":
+        path = write_experiment(winner, os.path.join(cfg.paths.output_dir, "plan"))
+        _say(f"written: {path}; run it with python train.py --config-dir {os.path.dirname(os.path.dirname(path))} "
+             "experiment=planned")
+    return {"plan/winner": winner, "plan/predicted_step_s": ranked[0].step_s}
+
+
+def table(ranked: list[Prediction], cluster: Cluster) -> str:
+    rows = [("#", "plan", "step s", "tokens/s", "MFU", "GiB/rank", "comm exposed s", "bound by")]
+    for index, p in enumerate(ranked, 1):
+        rows.append((str(index), p.plan.describe(), f"{p.step_s:.4g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
+                     f"{p.peak_bytes / GiB:.2f}", f"{p.exposed_comm_s:.3g}", p.binding(cluster)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def overrides(plan: Plan, cluster: Cluster) -> list[str]:
+    """The command-line overrides that run ``plan``."""
+    mesh = plan.mesh
+    found = [f"trainer.devices={cluster.devices_per_node}", f"trainer.num_nodes={cluster.nodes}",
+             f"data.batch_size={plan.micro_batch}", f"trainer.accumulate_grad_batches={plan.accumulation}"]
+    if plan.strategy.startswith("deepspeed_zero"):
+        return ["strategy=deepspeed_zero", f"strategy.stage={plan.strategy[-1]}", *found]
+    found.insert(0, f"strategy={plan.strategy}")
+    if plan.strategy == "fsdp":
+        found += [f"strategy.replicate_size={mesh.data_replicate}"] * (mesh.data_replicate > 1)
+        found += ["strategy.activation_checkpointing=true"] * plan.activation_checkpointing
+    if plan.strategy == "tensor_parallel":
+        found.append(f"strategy.tensor_parallel_size={mesh.tensor}")
+    if plan.strategy == "pipeline":
+        found += [f"strategy.pipeline_parallel_size={mesh.pipeline}", f"strategy.tensor_parallel_size={mesh.tensor}",
+                  f"strategy.data_parallel_size={mesh.data}", f"strategy.microbatches={plan.microbatches}",
+                  f"strategy.schedule={plan.schedule}"]
+    return found
+
+
+def write_experiment(overrides_: list[str], directory: str) -> str:
+    """The overrides as ``<directory>/experiment/planned.yaml`` (a Hydra experiment file)."""
+    groups = [o for o in overrides_ if o.startswith("strategy=")]
+    values = [o for o in overrides_ if not o.startswith("strategy=")]
+    lines = ["# @package _global_", "# Written by plan=auto: the planner's fastest plan.", "defaults:"]
+    lines += [f"  - override /strategy: {g.split('=', 1)[1]}" for g in groups]
+    nested: dict[str, dict[str, str]] = {}
+    for override in values:
+        key, value = override.split("=", 1)
+        group, _, name = key.partition(".")
+        nested.setdefault(group, {})[name] = value
+    for group, entries in nested.items():
+        lines.append(f"{group}:")
+        lines += [f"  {name}: {value}" for name, value in entries.items()]
+    path = os.path.join(directory, "experiment", "planned.yaml")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as handle:
+        handle.write("\n".join(lines) + "\n")
+    return path
+
+
+def _say(line: str) -> None:
+    print(f"litscale: {line}", flush=True)

@@ -1,0 +1,7 @@
+"""The planner: predict memory per rank and step time of a model under each strategy, mesh,
+micro batch and activation checkpointing on a described cluster, and rank them.
+
+Library modules, no Hydra: ``cluster`` (the machines), ``model_facts`` (what a model needs:
+FLOPs and activation bytes traced on the meta device), ``cost`` (one plan's prediction),
+``search`` (every plan for a world size and global batch, pruned with reasons, ranked).
+"""

@@ -1,0 +1,124 @@
+"""``python -m litscale.planner.calibrate``: this machine's figures for ``cluster=local_cpu``.
+
+Times square matmuls on one rank's share of the cores (each CPU rank runs one thread) and
+gloo all-reduces between two local processes at sizes from 4 KiB to 16 MiB, fits latency and
+bandwidth to the all-reduce times (least squares on the ring's bytes), and writes them to
+``$LITSCALE_CACHE/cluster_local_cpu.json`` (default ``~/.cache/litscale``). A plan for
+``cluster=local_cpu`` reads that file, and calibrates first if it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from litscale.constraints import Fraction, NonNegativeFloat
+from litscale.flops import probe_matmul_flops
+from litscale.planner.cluster import Cluster, Link
+
+SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
+REPEATS = 7
+
+
+def calibration_path() -> Path:
+    root = os.environ.get("LITSCALE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "litscale")
+    return Path(root) / "cluster_local_cpu.json"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _time_all_reduce(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        times = {}
+        for size in SIZES:
+            tensor = torch.ones(size // 4)
+            dist.all_reduce(tensor)  # first call sets up the buffers
+            samples = []
+            for _ in range(REPEATS):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(tensor)
+                samples.append(time.perf_counter() - start)
+            times[size] = statistics.median(samples)
+        if rank == 0:
+            Path(out).write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_link() -> Link:
+    """Latency and bandwidth of a 2-rank gloo ring on this machine."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(_time_all_reduce, args=(_free_port(), out), nprocs=2)
+        times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    # A ring all-reduce of n bytes on 2 ranks sends n bytes per rank in 2 messages.
+    xs, ys = list(times), [times[n] for n in times]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
+    latency = max(mean_y - slope * mean_x, 1e-7) / 2
+    return Link(bandwidth_bytes_s=1 / slope, latency_s=latency)
+
+
+def calibrate() -> dict:
+    """Measure and write this machine's figures; return them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # one rank's share
+    try:
+        peak = {"float32": probe_matmul_flops(torch.float32, seconds=1.0),
+                "bfloat16": probe_matmul_flops(torch.bfloat16, seconds=1.0)}
+    finally:
+        torch.set_num_threads(previous)
+    link = measure_link()
+    figures = {"cores": cores, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+               "peak_flops": peak, "bandwidth_bytes_s": link.bandwidth_bytes_s, "latency_s": link.latency_s,
+               "measured": time.strftime("%Y-%m-%d %H:%M")}
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(figures, indent=1))
+    os.replace(partial, path)
+    return figures
+
+
+def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegativeFloat = 0.1,
+              overlap: Fraction = 0.0, overhead_per_microbatch_s: NonNegativeFloat = 0.0) -> Cluster:
+    """This machine as a cluster: one rank per core, its measured matmul peak and gloo link
+    (calibrated once, then read from the file). ``overlap`` 0: on CPU, gradient communication
+    competes with backward for the same cores."""
+    path = calibration_path()
+    figures = json.loads(path.read_text()) if path.exists() else calibrate()
+    link = Link(bandwidth_bytes_s=figures["bandwidth_bytes_s"], latency_s=figures["latency_s"])
+    return Cluster(name="local_cpu", nodes=1, devices_per_node=figures["cores"],
+                   device_memory_bytes=figures["memory_bytes"] / figures["cores"], peak_flops=figures["peak_flops"],
+                   intra_node=link, inter_node=link, achieved_fraction=achieved_fraction,
+                   allocator_overhead=allocator_overhead, overlap=overlap,
+                   overhead_per_microbatch_s=overhead_per_microbatch_s,
+                   source=f"measured on this machine ({path}, {figures['measured']})")
+
+
+if __name__ == "__main__":
+    result = calibrate()
+    print(json.dumps(result, indent=1))
+    print(f"written to {calibration_path()}")

@@ -1,0 +1,56 @@
+"""The machines a plan runs on: devices, memory, peak FLOP/s and the links between them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """Alpha-beta figures of one kind of link: a message of ``n`` bytes takes
+    ``latency_s + n / bandwidth_bytes_s``."""
+
+    bandwidth_bytes_s: PositiveFloat
+    latency_s: NonNegativeFloat
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        return messages * self.latency_s + nbytes / self.bandwidth_bytes_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` x ``devices_per_node`` devices of ``device_memory_bytes`` each.
+
+    ``peak_flops`` by compute dtype (``float32``, ``bfloat16``); ``achieved_fraction`` is the
+    share of it a model's matmuls reach (calibrated: measured step FLOPs / peak); the allocator
+    keeps ``allocator_overhead`` more than the tensors it holds."""
+
+    name: str
+    nodes: PositiveInt
+    devices_per_node: PositiveInt
+    device_memory_bytes: PositiveFloat
+    peak_flops: dict[str, PositiveFloat]
+    intra_node: Link
+    inter_node: Link
+    achieved_fraction: Fraction = 0.5
+    allocator_overhead: NonNegativeFloat = 0.1
+    overlap: Fraction = 0.5  # share of backward compute that gradient communication can hide behind
+    # Time of one forward-backward that does not shrink with the batch (framework and kernel
+    # launch costs): what makes many small micro-batches slower than few large ones.
+    overhead_per_microbatch_s: NonNegativeFloat = 0.0
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link_for(self, group_size: int, stride: int) -> Link:
+        """The slowest link a group of ``group_size`` ranks, ``stride`` apart, crosses: within a
+        node when the whole group fits in one."""
+        return self.intra_node if group_size * stride <= self.devices_per_node else self.inter_node
+
+    def flops(self, dtype: str) -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.achieved_fraction

@@ -1,0 +1,186 @@
+"""One plan's prediction: memory per rank, the collectives of a step, and the step time.
+
+Memory: parameters, gradients and optimizer state per strategy (the ZeRO paper's formulas,
+``litscale.callbacks.memory.estimate_bytes``, which the memory callback checks against
+measurement every run), plus activations traced on the meta device, scaled by activation
+checkpointing, tensor parallel and the micro-batches a pipeline stage holds in flight.
+Communication: bytes of each collective of a step (ring algorithms), timed with the
+cluster's alpha-beta figures. Time: FLOPs over calibrated throughput, plus the communication
+that backward cannot hide, stretched by the pipeline bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from litscale.callbacks.memory import estimate_bytes
+from litscale.layout import MeshSizes
+from litscale.planner.cluster import Cluster
+from litscale.planner.model_facts import ModelFacts
+
+# Optimizer state per parameter (AdamW: two fp32 moments) and the fp32 master copy kept when
+# parameters are held in 16 bits.
+ADAM_STATE_BYTES = 8
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Strategies whose parameters, gradients and optimizer state are sharded over the data ranks,
+# by ZeRO stage (DDP: 0; a pipeline keeps its stage gathered through the step, as ZeRO-2).
+ZERO_STAGE = {"ddp": 0, "fsdp": 3, "deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3,
+              "tensor_parallel": 3, "pipeline": 2}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A way to run: a strategy on a mesh, the batch split, and what trades memory for time."""
+
+    strategy: str
+    mesh: MeshSizes
+    micro_batch: int
+    accumulation: int
+    activation_checkpointing: bool = False
+    compute_dtype: str = "float32"
+    param_dtype: str = "float32"
+    microbatches: int = 1  # a pipeline's split of the micro batch
+    schedule: str = "1f1b"
+
+    def describe(self) -> str:
+        mesh = self.mesh
+        parts = [self.strategy, f"pp{mesh.pipeline}", f"dp{mesh.data}", f"tp{mesh.tensor}",
+                 f"mb{self.micro_batch}", f"acc{self.accumulation}"]
+        if self.microbatches > 1:
+            parts.append(f"{self.schedule}x{self.microbatches}")
+        return " ".join(parts) + (" ac" if self.activation_checkpointing else "")
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    bytes_per_rank: float  # what each rank sends in one call
+    calls: int
+    seconds: float
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    memory: dict[str, float]
+    collectives: list[Collective] = field(default_factory=list)
+    compute_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    bubble: float = 0.0
+    step_s: float = 0.0
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.memory["total"]
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    def binding(self, cluster: Cluster) -> str:
+        """What limits this plan most."""
+        if self.peak_bytes > 0.9 * cluster.device_memory_bytes:
+            return "memory"
+        if self.bubble > 0.2:
+            return "pipeline bubble"
+        if self.exposed_comm_s > 0.25 * self.step_s:
+            return "communication"
+        return "compute"
+
+
+def predict(plan: Plan, facts: ModelFacts, cluster: Cluster) -> Prediction:
+    prediction = Prediction(plan, memory_per_rank(plan, facts, cluster))
+    prediction.collectives = collectives(plan, facts, cluster)
+    _time(prediction, facts, cluster)
+    return prediction
+
+
+def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str, float]:
+    mesh = plan.mesh
+    model_share = facts.num_params / (mesh.tensor * mesh.pipeline)
+    param_bytes = DTYPE_BYTES[plan.param_dtype]
+    state_bytes = ADAM_STATE_BYTES + (4 if param_bytes < 4 else 0)
+    states = estimate_bytes(num_params=int(model_share), world_size=mesh.data_shard,
+                            zero_stage=ZERO_STAGE[plan.strategy] if mesh.data_shard > 1 else 0,
+                            param_bytes=param_bytes, optimizer_bytes_per_param=state_bytes)
+    memory = {"params": states["memory/estimate_params_bytes"], "grads": states["memory/estimate_grads_bytes"],
+              "optimizer": states["memory/estimate_optimizer_bytes"],
+              "activations": activation_bytes(plan, facts)}
+    memory["total"] = sum(memory.values()) * (1 + cluster.allocator_overhead)
+    return memory
+
+
+def activation_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """Activations one rank holds at the peak, between a micro-batch's forward and backward."""
+    mesh, scale = plan.mesh, DTYPE_BYTES[plan.compute_dtype] / 4
+    micro = plan.micro_batch // plan.microbatches  # a pipeline's unit of work
+    whole = facts.activations(micro) * scale
+    if plan.activation_checkpointing:  # every layer keeps its input; one layer is recomputed at a time
+        whole = facts.layers * facts.boundary_bytes(micro) * scale + whole / facts.layers
+    per_stage = whole / mesh.pipeline / mesh.tensor
+    in_flight = 1 if mesh.pipeline == 1 else (
+        plan.microbatches if plan.schedule == "gpipe" else min(plan.microbatches, mesh.pipeline))
+    return per_stage * in_flight
+
+
+def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collective]:
+    """Each collective of one optimizer step, with the ring algorithm's bytes per rank."""
+    mesh, found = plan.mesh, []
+    grad_bytes = facts.num_params / (mesh.tensor * mesh.pipeline) * 4  # gradients reduced in fp32
+    param_bytes = facts.num_params / (mesh.tensor * mesh.pipeline) * DTYPE_BYTES[plan.param_dtype]
+    data_link = cluster.link_for(mesh.data, mesh.tensor)
+    n = mesh.data
+
+    def ring(name: str, nbytes: float, calls: int, group: int, link, factor: float) -> None:
+        if group > 1 and nbytes > 0:
+            per_rank = factor * (group - 1) / group * nbytes
+            found.append(Collective(name, per_rank, calls,
+                                    calls * link.seconds(per_rank, messages=int(factor) * (group - 1))))
+
+    stage = ZERO_STAGE[plan.strategy] if mesh.data_shard > 1 else 0
+    if stage == 0:
+        ring("gradient all-reduce", grad_bytes, 1, n, data_link, 2)
+    else:
+        gathers = 2 * plan.accumulation if stage == 3 else 1  # ZeRO-3/FSDP: forward and backward
+        ring("parameter all-gather", param_bytes, gathers, mesh.data_shard, data_link, 1)
+        scatters = plan.accumulation if stage >= 2 else 1
+        ring("gradient reduce-scatter", grad_bytes, scatters, mesh.data_shard, data_link, 1)
+        if mesh.data_replicate > 1:
+            ring("gradient all-reduce (replicas)", grad_bytes / mesh.data_shard, 1, mesh.data_replicate,
+                 cluster.inter_node, 2)
+    if mesh.tensor > 1:  # two all-reduces of a layer's activations in forward, two in backward
+        activation = facts.boundary_bytes(plan.micro_batch // plan.microbatches) * DTYPE_BYTES[plan.compute_dtype] / 4
+        calls = 4 * facts.layers // mesh.pipeline * plan.accumulation * plan.microbatches
+        ring("tensor-parallel all-reduce", activation, calls, mesh.tensor, cluster.intra_node, 2)
+    if mesh.pipeline > 1:  # each boundary: activations forward, their gradients backward
+        activation = facts.boundary_bytes(plan.micro_batch // plan.microbatches) * DTYPE_BYTES[plan.compute_dtype] / 4
+        link = cluster.link_for(mesh.pipeline, mesh.data * mesh.tensor)
+        calls = 2 * plan.microbatches * plan.accumulation
+        found.append(Collective("pipeline send/recv", activation, calls, calls * link.seconds(activation)))
+    return found
+
+
+def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
+    plan, mesh = prediction.plan, prediction.plan.mesh
+    tokens_per_rank = plan.micro_batch * plan.accumulation * facts.seq_len
+    flops = facts.flops_per_token * tokens_per_rank / (mesh.tensor * mesh.pipeline)
+    if plan.activation_checkpointing:
+        flops *= 4 / 3  # the forward again, inside backward
+    compute = flops / cluster.flops(plan.compute_dtype)
+    compute += plan.accumulation * plan.microbatches * cluster.overhead_per_microbatch_s
+    if mesh.pipeline > 1:
+        prediction.bubble = (mesh.pipeline - 1) / (plan.microbatches + mesh.pipeline - 1)
+        compute /= 1 - prediction.bubble
+    hideable = {"gradient all-reduce", "gradient reduce-scatter", "parameter all-gather",
+                "gradient all-reduce (replicas)", "pipeline send/recv"}
+    hidden_comm = sum(c.seconds for c in prediction.collectives if c.name in hideable)
+    exposed = max(0.0, hidden_comm - cluster.overlap * compute * 2 / 3)  # backward: 2/3 of compute
+    exposed += sum(c.seconds for c in prediction.collectives if c.name not in hideable)
+    prediction.compute_s, prediction.exposed_comm_s = compute, exposed
+    prediction.step_s = compute + exposed
+    global_tokens = tokens_per_rank * mesh.data
+    prediction.tokens_per_s = global_tokens / prediction.step_s
+    prediction.mfu = facts.flops_per_token * prediction.tokens_per_s / (
+        mesh.world_size * cluster.peak_flops.get(plan.compute_dtype, cluster.peak_flops["float32"]))

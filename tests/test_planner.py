@@ -1,0 +1,171 @@
+"""The planner: activations traced on the meta device against their count by hand, memory
+per rank against a real run's measurement, collectives against the ring algorithm's bytes,
+pruning with its reasons, and ``plan=show`` / ``plan=auto`` end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from helpers.cli import explain, run_train, summaries
+from omegaconf import OmegaConf
+from torch import nn
+
+from litscale.layout import MeshSizes
+from litscale.models.gpt import build_gpt
+from litscale.models.llama import build_llama
+from litscale.planner.cluster import Cluster, Link
+from litscale.planner.cost import Plan, collectives, memory_per_rank, predict
+from litscale.planner.model_facts import model_facts, saved_activation_bytes
+from litscale.planner.search import search
+
+# A made-up cluster: round figures so that the expected numbers below are easy to follow.
+NODE = Link(bandwidth_bytes_s=100e9, latency_s=1e-5)
+CLUSTER = Cluster(name="test", nodes=2, devices_per_node=4, device_memory_bytes=16 * 2**30,
+                  peak_flops={"float32": 100e12, "bfloat16": 200e12}, intra_node=NODE,
+                  inter_node=Link(bandwidth_bytes_s=10e9, latency_s=1e-5), achieved_fraction=0.5,
+                  allocator_overhead=0.0, overlap=0.0)
+
+
+def test_saved_activations_are_what_backward_keeps_counted_once():
+    """Linear(d, h) keeps its input (B x d), ReLU its output (B x h), which is also the second
+    Linear's input: B x (d + h) floats; the weights are not activations."""
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+        x = torch.empty(8, 16)
+    assert saved_activation_bytes(net, x) == 8 * (16 + 64) * 4
+
+
+def test_activations_grow_linearly_with_the_micro_batch():
+    with torch.device("meta"):
+        net = build_gpt(vocab_size=256, block_size=64)
+    facts = model_facts(net, seq_len=64, vocab_size=256)
+    traced = saved_activation_bytes(net, torch.zeros(4, 64, dtype=torch.long, device="meta"))
+    assert facts.activations(4) == traced
+    assert (facts.layers, facts.hidden, facts.heads) == (4, 128, 4)
+
+
+def test_ddp_all_reduces_each_gradient_once_per_step_with_the_rings_bytes():
+    with torch.device("meta"):
+        facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
+    plan = Plan("ddp", MeshSizes(data_replicate=4), micro_batch=2, accumulation=3)
+    (reduce,) = collectives(plan, facts, CLUSTER)
+    grad_bytes = facts.num_params * 4
+    assert (reduce.name, reduce.calls) == ("gradient all-reduce", 1)  # accumulation: no_sync
+    assert reduce.bytes_per_rank == 2 * 3 / 4 * grad_bytes
+    assert reduce.seconds == pytest.approx(2 * 3 * 1e-5 + reduce.bytes_per_rank / 100e9)
+
+
+def test_fsdp_gathers_parameters_twice_per_micro_batch_and_scatters_gradients():
+    with torch.device("meta"):
+        facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
+    plan = Plan("fsdp", MeshSizes(data_shard=8), micro_batch=2, accumulation=2)
+    found = {c.name: c for c in collectives(plan, facts, CLUSTER)}
+    assert found["parameter all-gather"].calls == 4 and found["gradient reduce-scatter"].calls == 2
+    assert found["parameter all-gather"].bytes_per_rank == 7 / 8 * facts.num_params * 4
+    # 8 ranks on nodes of 4: the ring crosses nodes, at the inter-node link's bandwidth
+    assert found["parameter all-gather"].seconds == pytest.approx(4 * (7 * 1e-5 + 7 / 8 * facts.num_params * 4 / 10e9))
+
+
+def test_pipeline_time_is_stretched_by_the_bubble():
+    with torch.device("meta"):
+        facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
+    flat = predict(Plan("pipeline", MeshSizes(pipeline=4, data_shard=2), micro_batch=8, accumulation=1,
+                        microbatches=1), facts, CLUSTER)
+    split = predict(Plan("pipeline", MeshSizes(pipeline=4, data_shard=2), micro_batch=8, accumulation=1,
+                         microbatches=8), facts, CLUSTER)
+    assert flat.bubble == pytest.approx(3 / 4) and split.bubble == pytest.approx(3 / 11)
+    assert split.compute_s == pytest.approx(flat.compute_s * (1 - 3 / 4) / (1 - 3 / 11))
+
+
+def test_an_8b_llama_does_not_fit_replicated_and_the_reasons_are_given():
+    with torch.device("meta"):
+        net = build_llama(preset="llama3_8b", vocab_size=128256, block_size=2048)
+    facts = model_facts(net, seq_len=2048, vocab_size=128256)
+    cluster = dataclasses.replace(CLUSTER, device_memory_bytes=80 * 2**30)
+    ranked, pruned = search(cluster, facts, global_batch=16)
+    reasons = {p.reason for p in pruned}
+    ddp = next(p for p in pruned if p.plan.strategy == "ddp" and p.plan.micro_batch == 1)
+    # 8.0e9 parameters x (4 + 4 + 8) bytes of weights, gradients and AdamW state: 120 GiB, and activations
+    assert ddp.reason.startswith("needs ") and ddp.reason.endswith(" GiB per rank, more than the device's 80 GiB")
+    assert float(ddp.reason.split()[1]) > 16 * facts.num_params / 2**30 > 119
+    assert "tensor parallel 8 would cross nodes (4 devices per node)" in reasons
+    assert "32 layers do not split into 8 pipeline stages" not in reasons  # 8 divides 32
+    assert ranked and all(p.peak_bytes <= cluster.device_memory_bytes for p in ranked)
+    assert ranked[0].plan.strategy != "ddp"
+    assert all(a.step_s <= b.step_s * 1.01 for a, b in itertools.pairwise(ranked))  # fastest first
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_predicted_memory_per_rank_matches_a_real_fsdp_run(tmp_path):
+    """Parameters, gradients and optimizer state of a 2-rank FSDP run as the memory callback
+    measured them (the bytes of the real tensors), against the prediction."""
+    process = run_train("strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=2",
+                        "data.seq_len=32", "data.max_bytes=200000", "trainer.enable_progress_bar=false",
+                        outputs=tmp_path)
+    assert process.returncode == 0, explain(process)
+    (summary,) = summaries(tmp_path)
+    with torch.device("meta"):
+        facts = model_facts(build_gpt(vocab_size=256, block_size=32), seq_len=32, vocab_size=256)
+    predicted = memory_per_rank(Plan("fsdp", MeshSizes(data_shard=2), micro_batch=16, accumulation=1), facts,
+                                CLUSTER)
+    for name in ("params", "grads", "optimizer"):
+        assert predicted[name] == pytest.approx(summary[f"memory/{name}_bytes"], rel=0.01), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_plan_auto_prints_a_ranking_and_writes_the_fastest_as_an_experiment(tmp_path):
+    process = run_train("plan=auto", "model=llama", "model.net.preset=llama3_8b", "cluster=h100_8x",
+                        "cluster.nodes=2", "precision=bf16_mixed", "trainer.accelerator=cpu", "data.seq_len=512",
+                        outputs=tmp_path)
+    assert process.returncode == 0, explain(process)
+    lines = process.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("#   plan"))
+    assert lines[header].split() == ["#", "plan", "step", "s", "tokens/s", "MFU", "GiB/rank", "comm", "exposed",
+                                     "s", "bound", "by"]
+    assert lines[header + 1].startswith("1 ")
+    written = next(line for line in lines if line.startswith("litscale: written: "))
+    path = written.split("written: ", 1)[1].split(";")[0]
+    experiment = OmegaConf.load(path)
+    fastest = next(line for line in lines if line.startswith("litscale: fastest: "))
+    strategy = fastest.split("strategy=", 1)[1].split()[0]
+    assert experiment.defaults[0] == {"override /strategy": strategy}
+    assert experiment.trainer.num_nodes == 2 and experiment.trainer.devices == 8
+    assert not summaries(tmp_path)  # nothing trained
+
+
+def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
+    from helpers.configs import compose_job
+
+    from litscale.app.validation import ConfigError, validate
+
+    cfg, choices = compose_job(["plan=show", "cluster=h100_8x", "cluster.nodes=0"], tmp_path / "run")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, choices=choices)
+    assert str(error.value).startswith("cluster.nodes=0 is not valid: ")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monkeypatch):
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
+    process = subprocess.run([sys.executable, "-m", "litscale.planner.calibrate"], capture_output=True, text=True,
+                             timeout=240)
+    assert process.returncode == 0, process.stderr[-2000:]
+    figures = json.loads((tmp_path / "cluster_local_cpu.json").read_text())
+    assert figures["peak_flops"]["float32"] > 1e9 and figures["bandwidth_bytes_s"] > 1e6
+    assert 0 < figures["latency_s"] < 0.1
+    from litscale.planner.calibrate import local_cpu
+
+    cluster = local_cpu()
+    assert cluster.peak_flops == figures["peak_flops"]
+    assert cluster.intra_node.bandwidth_bytes_s == figures["bandwidth_bytes_s"]
+    assert cluster.devices_per_node == figures["cores"]
