@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 import torch
@@ -152,7 +153,6 @@ def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monkeypatch):
-    import json
     import subprocess
     import sys
 
@@ -169,3 +169,20 @@ def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monk
     assert cluster.peak_flops == figures["peak_flops"]
     assert cluster.intra_node.bandwidth_bytes_s == figures["bandwidth_bytes_s"]
     assert cluster.devices_per_node == figures["cores"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_plan_verify_runs_the_top_plans_here_and_records_prediction_beside_measurement(tmp_path):
+    """Two plans for GPT-nano on this machine's 2 cores, 12 steps each: both measured, and the
+    predicted bytes of parameters, gradients and optimizer state are what the runs held."""
+    process = run_train("plan=show", "plan.verify=2", "plan.verify_steps=12", "plan.top=3", "trainer.accelerator=cpu",
+                        "data.seq_len=32", "data.max_bytes=200000", outputs=tmp_path, timeout=540)
+    assert process.returncode == 0, explain(process)
+    assert "litscale: predicted vs measured (also in plan/verify.json):" in process.stdout
+    (path,) = tmp_path.glob("**/plan/verify.json")
+    records = json.loads(path.read_text())
+    assert len(records) == 2
+    for record in records:
+        assert record["error"] is None and record["measured_step_s"] > 0, record
+        assert record["measured_states_bytes"] == pytest.approx(record["predicted_states_bytes"], rel=0.01), record

@@ -41,11 +41,29 @@ def run_plan(cfg: DictConfig, layout: RunLayout) -> dict:
         return {}
     winner = overrides(ranked[0].plan, cluster)
     _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(winner)}")
+    if int(cfg.plan.verify) > 0:
+        _verify(cfg, cluster, ranked[: int(cfg.plan.verify)])
     if cfg.plan.mode == "auto":
         path = write_experiment(winner, os.path.join(cfg.paths.output_dir, "plan"))
         _say(f"written: {path}; run it with python train.py --config-dir {os.path.dirname(os.path.dirname(path))} "
              "experiment=planned")
     return {"plan/winner": winner, "plan/predicted_step_s": ranked[0].step_s}
+
+
+def _verify(cfg: DictConfig, cluster: Cluster, top: list[Prediction]) -> None:
+    from litscale.app.plan_verify import check_verifiable, table, verify
+    from litscale.app.scaling_study import job_context
+    from litscale.app.validation import resolve_accelerator
+
+    reason = check_verifiable(cluster)
+    if reason:
+        _say(f"not verified: {reason}")
+        return
+    records = verify(top, [overrides(p.plan, cluster) for p in top], user_overrides=job_context(cfg).overrides,
+                     steps=int(cfg.plan.verify_steps), output_dir=os.path.join(cfg.paths.output_dir, "plan"),
+                     accelerator=resolve_accelerator(str(cfg.trainer.get("accelerator", "auto"))))
+    _say("predicted vs measured (also in plan/verify.json):")
+    print(table(records), flush=True)
 
 
 def table(ranked: list[Prediction], cluster: Cluster) -> str:

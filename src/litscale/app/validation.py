@@ -30,7 +30,7 @@ from litscale.arguments import (
     signature_annotations,
 )
 from litscale.checkpoints import resolve_ckpt_path
-from litscale.constraints import PositiveFloat, PositiveInt
+from litscale.constraints import NonNegativeInt, PositiveFloat, PositiveInt
 from litscale.errors import ConfigError
 from litscale.layout import RunLayout, mesh_of, micro_batch_for
 
@@ -73,6 +73,8 @@ class PlanSchema:
 
     mode: Literal["none", "show", "auto"]
     top: PositiveInt
+    verify: NonNegativeInt  # run the top k as short jobs here; print predicted vs measured
+    verify_steps: PositiveInt
 
 
 @dataclass
