@@ -4,6 +4,7 @@ a resumed run continuing its W&B run, and the notebook that reads the summaries.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -78,6 +79,21 @@ def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
     assert first > 1e8  # any CPU does more than 0.1 GFLOP/s
     assert measured_cpu_peak(torch.float32, torch.get_num_threads()) == first  # from the cache
     assert (tmp_path / "litscale" / "cpu_peak_flops.json").is_file()
+
+
+def test_a_cpu_peak_that_a_run_beat_is_measured_again_and_never_below_the_run(tmp_path, monkeypatch):
+    """A peak probed while the machine was busy reads low, and MFU above 100%: a run faster than
+    the cached peak replaces it with the larger of a new probe and what the run reached."""
+    from litscale.flops import corrected_cpu_peak
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    threads = torch.get_num_threads()
+    stale = measured_cpu_peak(torch.float32, threads) / 1000  # as if probed under heavy load
+    cache = tmp_path / "litscale" / "cpu_peak_flops.json"
+    cache.write_text(json.dumps({key: stale for key in json.loads(cache.read_text())}))
+    corrected = corrected_cpu_peak(torch.float32, threads, achieved=2 * stale)
+    assert corrected > 2 * stale and measured_cpu_peak(torch.float32, threads) == corrected
+    assert corrected_cpu_peak(torch.float32, threads, achieved=1e30) == 1e30  # never below the run
 
 
 # --- a sweep over devices and strategies, through train.py --------------------------------------

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from litscale.constraints import NonNegativeInt
-from litscale.flops import flops_per_sample, peak_flops_per_device
+from litscale.flops import corrected_cpu_peak, flops_per_sample, peak_flops_per_device
 from litscale.loggers import is_logging_step, log_to_loggers
 
 _COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
@@ -82,8 +82,8 @@ class ThroughputCallback(Callback):
         self._samples_per_step = 0
         self._peak_flops = None
         if self.mfu:
-            dtype = _COMPUTE_DTYPES.get(str(trainer.precision), torch.float32)
-            self._peak_flops = peak_flops_per_device(pl_module.device, dtype)
+            self._dtype = _COMPUTE_DTYPES.get(str(trainer.precision), torch.float32)
+            self._peak_flops = peak_flops_per_device(pl_module.device, self._dtype)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -137,6 +137,8 @@ class ThroughputCallback(Callback):
         result.update(ddp_communication_share(trainer, elapsed / steps))
         if self._flops_per_sample and self._peak_flops:
             achieved = samples_per_sec * self._flops_per_sample
+            if achieved > self._peak_flops * world_size and trainer.strategy.root_device.type == "cpu":
+                self._peak_flops = corrected_cpu_peak(self._dtype, torch.get_num_threads(), achieved / world_size)
             result["perf/tflops"] = achieved / 1e12
             result["perf/mfu"] = achieved / (self._peak_flops * world_size)
         return result
