@@ -278,6 +278,24 @@ def test_val_bytes_per_token_is_the_val_texts_bytes_over_their_tokens(tokenizer,
         assert dm.val_bytes_per_token > 1.5  # a subword stands for more than one byte
 
 
+def test_a_validation_of_fewer_batches_is_scored_on_the_bytes_of_those_sequences(tmp_path):
+    """``trainer.limit_val_batches``: val/bpb divides by the bytes per token of the sequences
+    evaluated, the first ones, counted here from whole documents' texts."""
+    from litscale.data.tokens import first_tokens
+
+    assert first_tokens([(0, 5), (10, 20), (30, 40)], 8) == [(0, 5), (10, 13)]
+    write_texts(tmp_path / "corpus", count=80)
+    dm = token_dm(tmp_path, tokenizer="bpe", val_fraction=0.3)
+    dm.setup()
+    first = next((a, b) for a, b, in_val in documents_of(dm) if in_val)
+    data = load_cache(dm.cache_stem()).tokens()
+    whole_document = len(dm.tokenizer.decode(data[first[0]:first[1] - 1]).encode("utf-8")) / (first[1] - first[0])
+    assert first[1] - first[0] >= dm.seq_len  # so the first sequence lies in the first held-out document
+    assert dm.val_bytes_per_token_over(1) == pytest.approx(whole_document, rel=1e-12)
+    every = dm.val_bytes_per_token_over(len(dm.val_dataset))
+    assert every == pytest.approx(dm.val_bytes_per_token, rel=0.05)  # all but the last partial sequence
+
+
 def test_a_corpus_of_one_document_splits_by_position(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "one.txt").write_text("x = 1\n" * 200)

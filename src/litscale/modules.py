@@ -129,7 +129,20 @@ class CausalLMModule(TaskModule):
         super().log_validation(val_loss)
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         bytes_per_token = getattr(datamodule, "val_bytes_per_token", 1.0)
+        over = getattr(datamodule, "val_bytes_per_token_over", None)
+        if over is not None:  # the text the loss was taken on, when validation stops early
+            bytes_per_token = over(evaluated_sequences(self.trainer, datamodule))
         self.log("val/bpb", val_loss / math.log(2) / bytes_per_token, sync_dist=True)
+
+
+def evaluated_sequences(trainer, datamodule) -> int:
+    """How many held-out samples this validation covers on all ranks together: its batches
+    per rank (``limit_val_batches`` applied) x batch size x data-parallel ranks, at most all."""
+    batches = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+    batches = batches[0] if isinstance(batches, list) else batches
+    replicas, _ = datamodule.replicas()
+    total = len(datamodule.val_dataset)
+    return total if math.isinf(batches) else min(total, int(batches) * datamodule.batch_size * replicas)
 
 
 class ClassificationModule(TaskModule):

@@ -163,11 +163,20 @@ class TokenDataModule(ShardedDataModule):
         cache = load_cache(self._built_cache())
         train, val = self._split(cache)
         self.val_bytes_per_token = _bytes_per_token(cache, val)
+        self._val_bytes = (cache, val)
         self.train_dataset = PackedSequences(cache.path, cache.dtype, train, self.seq_len)
         self.val_dataset = PackedSequences(cache.path, cache.dtype, val, self.seq_len)
         log.info("%d train and %d val sequences of %d tokens (%s)", len(self.train_dataset),
                  len(self.val_dataset), self.seq_len,
                  "split by document" if self.split_by_document else "split by position")
+
+    def val_bytes_per_token_over(self, sequences: int) -> float:
+        """Bytes per token of the first ``sequences`` held-out sequences: what a validation
+        limited to fewer batches (``trainer.limit_val_batches``) evaluates, ranks included (the
+        val sampler gives rank r sequences r, r + world, ...: the first batches of all ranks
+        are the first sequences)."""
+        cache, spans = self._val_bytes
+        return _bytes_per_token(cache, first_tokens(spans, sequences * self.seq_len))
 
     def _split(self, cache: TokenCache) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         in_val = cache.split_keys < np.uint64(int(self.val_fraction * 2.0**64))
@@ -190,6 +199,17 @@ class TokenDataModule(ShardedDataModule):
         self.train_documents = int(np.count_nonzero(cache.starts[:-1] < cut))
         self.val_documents = int(np.count_nonzero(cache.starts[1:] > cut))
         return [(0, cut)], [(cut, total)]
+
+
+def first_tokens(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """``spans`` cut after their first ``count`` tokens (packed sequences read them in order)."""
+    kept = []
+    for start, end in spans:
+        if count <= 0:
+            break
+        kept.append((start, min(end, start + count)))
+        count -= end - start
+    return kept
 
 
 def _bytes_per_token(cache: TokenCache, spans: list[tuple[int, int]]) -> float:
