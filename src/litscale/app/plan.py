@@ -50,6 +50,39 @@ def run_plan(cfg: DictConfig, layout: RunLayout) -> dict:
     return {"plan/winner": winner, "plan/predicted_step_s": ranked[0].step_s}
 
 
+# A run's strategy option -> the planner's name for it (None: not modelled).
+RUN_STRATEGIES = {"single": "ddp", "ddp": "ddp", "fsdp": "fsdp", "tensor_parallel": "tensor_parallel",
+                  "pipeline": "pipeline"}
+
+
+def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> dict:
+    """The planner's prediction for the run as configured, for its summary beside what it
+    measured; {} where the strategy is not modelled or the cluster is this machine and has
+    not been calibrated (a run never spends time calibrating at its end)."""
+    from litscale.app.build import build, trusted_targets
+    from litscale.app.validation import meta_net
+    from litscale.planner.calibrate import calibration_path
+    from litscale.planner.cost import predict
+
+    strategy = RUN_STRATEGIES.get(choices.get("strategy", ""))
+    if choices.get("strategy") == "deepspeed_zero":
+        strategy = f"deepspeed_zero{cfg.strategy.stage}"
+    cluster_node = cfg.get("cluster")
+    if strategy is None or cluster_node is None or "_target_" not in cluster_node or (
+            cluster_node._target_.endswith(".local_cpu") and not calibration_path().exists()):
+        return {}
+    cluster = build(cluster_node, trusted=trusted_targets(cfg))
+    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    plan = Plan(strategy, layout.mesh, layout.micro_batch, layout.accumulation,
+                bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
+                cfg.precision.param_dtype, int(cfg.strategy.get("microbatches", 1)),
+                str(cfg.strategy.get("schedule", "1f1b")))
+    prediction = predict(plan, facts, cluster)
+    return {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
+            "plan/predicted_peak_bytes": prediction.peak_bytes,
+            "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
+
+
 def _verify(cfg: DictConfig, cluster: Cluster, top: list[Prediction]) -> None:
     from litscale.app.plan_verify import check_verifiable, table, verify
     from litscale.app.scaling_study import job_context

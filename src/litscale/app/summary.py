@@ -95,6 +95,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     summary = {k: v for k, v in summary.items() if v is not None}
     if trainer.is_global_zero:
         summary.update(_log_scaling(trainer, summary, scaling or ScalingContext()))
+        summary.update(_prediction(built))
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
         with open(path + ".tmp", "w") as handle:
@@ -153,6 +154,16 @@ def _data_facts(datamodule) -> dict | None:
     return facts or None
 
 
+def _prediction(built: BuiltRun) -> dict:
+    """The planner's prediction for this run (``plan/*``), beside what it measured."""
+    from litscale.app.plan import predicted_for_run
+
+    try:
+        return predicted_for_run(built.config, built.choices, built.layout)
+    except Exception as error:  # a prediction is a comparison, never a reason for a run to fail
+        return {"plan/error": f"{type(error).__name__}: {error}".splitlines()[0]}
+
+
 def _fmt(value: float | None, digits: int = 3) -> str:
     return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
@@ -185,6 +196,9 @@ def _print_end(summary: dict) -> None:
     if "health/slowest_rank" in summary:
         _say(f"slowest rank: {summary['health/slowest_rank']} at {summary['health/straggler_ratio']:.2f}x "
              "the median of its peers' forward times (median over the run)")
+    if "plan/predicted_step_s" in summary and "perf/step_time_s" in summary:
+        _say(f"planner: predicted {summary['plan/predicted_step_s']:.4g} s/step on cluster "
+             f"{summary['plan/cluster']}, measured {summary['perf/step_time_s']:.4g} s/step")
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
              f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")
