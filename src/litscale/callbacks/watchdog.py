@@ -13,6 +13,7 @@ A single process has no peer to wait for: nothing runs there.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -71,10 +72,16 @@ class HangWatchdog(Callback):
             return
         self._collectives = dict(getattr(trainer.strategy, "phase_collectives", {}))
         rank = trainer.global_rank
-        self.heartbeat = Heartbeat(health_store(), rank, interval_s=self.interval_s,
-                                   exit_on_stop=rank != 0).start()
-        if rank == 0:  # its own client: the heartbeat's thread uses the other
-            self.watchdog = Watchdog(health_store(), trainer.world_size, limits=self.limits,
+        try:
+            # rank 0's watchdog thread gets a client of its own
+            stores = [health_store() for _ in range(2 if rank == 0 else 1)]
+        except (KeyError, ValueError, RuntimeError) as error:  # no store to reach: train unwatched
+            print(f"litscale: rank {rank}: hang watchdog off, the launcher's store is out of reach "
+                  f"({type(error).__name__}: {error})".splitlines()[0], file=sys.stderr, flush=True)
+            return
+        self.heartbeat = Heartbeat(stores[0], rank, interval_s=self.interval_s, exit_on_stop=rank != 0).start()
+        if rank == 0:
+            self.watchdog = Watchdog(stores[1], trainer.world_size, limits=self.limits,
                                      stacks_root=self.dirpath, poll_s=self.interval_s).start()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -49,7 +49,6 @@ class Watchdog:
         self.stacks_root, self.poll_s, self.exit = stacks_root, poll_s, exit
         self.median_step_s: float | None = None  # set by the training loop of this rank
         self.states: dict[int, RankState] = {}
-        self.hang: Hang | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="litscale-watchdog", daemon=True)
 
@@ -89,7 +88,6 @@ class Watchdog:
     def _stop_job(self, hang: Hang) -> None:
         """Tell every rank to write its stacks and stop; write rank 0's and those of a rank on
         this host that no longer answers; print the line; end this process."""
-        self.hang = hang
         stacks_dir = os.path.join(self.stacks_root, f"hang-{hang.step}")
         line = hang.line(stacks_dir)
         # First, so that the launcher reports this line even if it stops this rank early.
