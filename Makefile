@@ -12,16 +12,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-# Stamps keep re-runs fast: pip runs again only when pyproject.toml changes.
-# --only-binary=regex: the index can list a new regex (needed by transformers) before its
-# wheels arrive, and its sdist does not build here; pip then takes the newest with a wheel.
-PIP_INSTALL := $(BIN)/pip install --quiet --only-binary=regex
+# Stamps keep re-runs fast: pip runs again only when pyproject.toml or constraints.txt changes.
+# constraints.txt: the versions of a working install, so pip resolves nothing on a fresh
+# machine (an index listing a release before its wheels broke set-up once: regex's sdist).
+PIP_INSTALL := $(BIN)/pip install --quiet -c constraints.txt
 
-$(VENV)/.installed: pyproject.toml | $(BIN)/python
+$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP_INSTALL) -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
