@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from train_cli import run_in_own_group  # noqa: E402  (runs as the tests run them)
+from helpers.cli import run_in_own_group  # noqa: E402  (runs as the tests run them)
 
 STEPS, CHECKPOINT_EVERY = 24, 4
 RUN = ("trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp", "data.batch_size=8",
