@@ -150,6 +150,7 @@ def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
     assert str(error.value).startswith("cluster.nodes=0 is not valid: ")
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monkeypatch):
@@ -171,6 +172,7 @@ def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monk
     assert cluster.devices_per_node == figures["cores"]
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_plan_verify_runs_the_top_plans_here_and_records_prediction_beside_measurement(tmp_path):
@@ -188,6 +190,7 @@ def test_plan_verify_runs_the_top_plans_here_and_records_prediction_beside_measu
         assert record["measured_states_bytes"] == pytest.approx(record["predicted_states_bytes"], rel=0.01), record
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_ordinary_run_records_its_prediction_beside_its_measurement(tmp_path):

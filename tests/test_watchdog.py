@@ -216,6 +216,7 @@ def test_a_slow_rank_is_reported_as_the_straggler_once(tmp_path):
     assert summary["health/slowest_rank"] == 1 and summary["health/straggler_ratio"] > 1.2
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_slow_first_step_and_a_long_validation_raise_no_alarm(tmp_path):
@@ -235,6 +236,7 @@ def test_a_slow_first_step_and_a_long_validation_raise_no_alarm(tmp_path):
     assert len(summaries(tmp_path)) == 1
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hang_under_torchrun_is_named_by_rank_zero(tmp_path):
