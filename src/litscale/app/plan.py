@@ -8,6 +8,7 @@ from collections import Counter
 
 from omegaconf import DictConfig
 
+from litscale.app.plan_verify import aligned
 from litscale.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
@@ -104,8 +105,8 @@ def table(ranked: list[Prediction], cluster: Cluster) -> str:
     for index, p in enumerate(ranked, 1):
         rows.append((str(index), p.plan.describe(), f"{p.step_s:.4g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
                      f"{p.peak_bytes / GiB:.2f}", f"{p.exposed_comm_s:.3g}", p.binding(cluster)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+    return aligned(rows)
+
 
 
 def overrides(plan: Plan, cluster: Cluster) -> list[str]:
@@ -117,8 +118,10 @@ def overrides(plan: Plan, cluster: Cluster) -> list[str]:
         return ["strategy=deepspeed_zero", f"strategy.stage={plan.strategy[-1]}", *found]
     found.insert(0, f"strategy={plan.strategy}")
     if plan.strategy == "fsdp":
-        found += [f"strategy.replicate_size={mesh.data_replicate}"] * (mesh.data_replicate > 1)
-        found += ["strategy.activation_checkpointing=true"] * plan.activation_checkpointing
+        if mesh.data_replicate > 1:
+            found.append(f"strategy.replicate_size={mesh.data_replicate}")
+        if plan.activation_checkpointing:
+            found.append("strategy.activation_checkpointing=true")
     if plan.strategy == "tensor_parallel":
         found.append(f"strategy.tensor_parallel_size={mesh.tensor}")
     if plan.strategy == "pipeline":

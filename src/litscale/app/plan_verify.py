@@ -74,5 +74,10 @@ def table(records: list[dict]) -> str:
         states = r["measured_states_bytes"]
         rows.append((r["plan"], f"{r['predicted_step_s']:.4g}", f"{measured:.4g}" if measured else "-", ratio,
                      f"{r['predicted_states_bytes'] / 2**20:.2f}", f"{states / 2**20:.2f}" if states else "-"))
+    return aligned(rows)
+
+
+def aligned(rows: list[tuple[str, ...]]) -> str:
+    """Rows of cells as a plain-text table, each column as wide as its widest cell."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
