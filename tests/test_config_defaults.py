@@ -39,6 +39,7 @@ DELIBERATE: dict[tuple[str, str], str] = {
     # clusters: published hardware differs from the generic defaults
     ("cluster/h100_8x", "achieved_fraction"): "H100 LLM runs reach 40-55% MFU (the file's sources)",
     ("cluster/h100_8x", "overlap"): "NCCL on its own SMs hides most gradient traffic behind backward",
+    ("cluster/h100_8x", "optimizer_s_per_param"): "derived from the datasheet's HBM3 bandwidth (the file says how)",
     ("cluster/h100_8x", "source"): "where the figures come from, shown with every plan",
     # loggers: files under the run dir that Hydra already made for this one run
     ("logger/csv", "csv.name"): "metrics in <run dir>/csv/metrics.csv, where tests and notebooks read them",

@@ -12,22 +12,26 @@ from litscale.app.plan_verify import aligned
 from litscale.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
-from litscale.planner.model_facts import model_facts
-from litscale.planner.search import search
+from litscale.planner.model_facts import ModelFacts, model_facts, with_profile
+from litscale.planner.search import plans, search
 
 GiB = 2**30
+# The longest forward-backward (by FLOPs at the probed peak) worth timing before planning on
+# this machine; longer ones are predicted from FLOPs.
+PROFILE_LIMIT_S = 2.0
 
 
 def run_plan(cfg: DictConfig, layout: RunLayout) -> dict:
     """Rank every plan for ``cfg``'s model and global batch on ``cfg.cluster``; print the top
     ``cfg.plan.top`` and why the others cannot run; return the winner's overrides."""
     from litscale.app.build import build, trusted_targets
-    from litscale.app.validation import meta_net
 
     cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
-    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
-    ranked, pruned = search(cluster, facts, layout.global_batch, compute_dtype=cfg.precision.compute_dtype,
-                            param_dtype=cfg.precision.param_dtype)
+    dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
+    facts = facts_of(cfg)
+    facts = timed_here(cfg, cluster, facts, {p.micro_batch // p.microbatches for p in plans(
+        cluster, facts, layout.global_batch, **dtypes) if p.micro_batch >= p.microbatches > 0})
+    ranked, pruned = search(cluster, facts, layout.global_batch, **dtypes)
     _say(f"plan: {facts.num_params / 1e6:.2f}M params, {facts.layers} layers, seq {facts.seq_len}, global batch "
          f"{layout.global_batch} on {cluster.name} ({cluster.nodes} x {cluster.devices_per_node} devices, "
          f"{cluster.device_memory_bytes / GiB:.0f} GiB each; {cluster.source or 'figures as configured'})")
@@ -43,7 +47,7 @@ def run_plan(cfg: DictConfig, layout: RunLayout) -> dict:
     winner = overrides(ranked[0].plan, cluster)
     _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(winner)}")
     if int(cfg.plan.verify) > 0:
-        _verify(cfg, cluster, ranked[: int(cfg.plan.verify)])
+        winner = _verify(cfg, cluster, ranked[: int(cfg.plan.verify)]) or winner
     if cfg.plan.mode == "auto":
         path = write_experiment(winner, os.path.join(cfg.paths.output_dir, "plan"))
         _say(f"written: {path}; run it with python train.py --config-dir {os.path.dirname(os.path.dirname(path))} "
@@ -61,7 +65,6 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
     measured; {} where the strategy is not modelled or the cluster is this machine and has
     not been calibrated (a run never spends time calibrating at its end)."""
     from litscale.app.build import build, trusted_targets
-    from litscale.app.validation import meta_net
     from litscale.planner.calibrate import calibration_path
     from litscale.planner.cost import predict
 
@@ -73,31 +76,65 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
             cluster_node._target_.endswith(".local_cpu") and not calibration_path().exists()):
         return {}
     cluster = build(cluster_node, trusted=trusted_targets(cfg))
-    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    microbatches, schedule = int(cfg.strategy.get("microbatches", 1)), str(cfg.strategy.get("schedule", "1f1b"))
+    facts = timed_here(cfg, cluster, facts_of(cfg), {layout.micro_batch // microbatches})
     plan = Plan(strategy, layout.mesh, layout.micro_batch, layout.accumulation,
                 bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
-                cfg.precision.param_dtype, int(cfg.strategy.get("microbatches", 1)),
-                str(cfg.strategy.get("schedule", "1f1b")))
+                cfg.precision.param_dtype, microbatches, schedule, int(cfg.strategy.get("virtual_stages") or (1 if schedule in ("gpipe", "1f1b") else 2)))
     prediction = predict(plan, facts, cluster)
     return {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
             "plan/predicted_peak_bytes": prediction.peak_bytes,
             "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
 
 
-def _verify(cfg: DictConfig, cluster: Cluster, top: list[Prediction]) -> None:
-    from litscale.app.plan_verify import check_verifiable, table, verify
+def facts_of(cfg: DictConfig) -> ModelFacts:
+    """The composed model's facts, read off a meta-device copy."""
+    from litscale.app.validation import meta_net
+
+    return model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+
+
+def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, micro_batches: set[int]) -> ModelFacts:
+    """On this machine, ``facts`` with the model's forward-backward timed at each of
+    ``micro_batches`` that takes under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are."""
+    import torch
+    from hydra.utils import instantiate
+
+    peak = cluster.peak_flops["float32"]
+    wanted = {m for m in micro_batches if facts.flops_per_token * m * facts.seq_len / peak < PROFILE_LIMIT_S}
+    if not cluster.is_this_machine or not wanted:
+        return facts
+    with torch.random.fork_rng():  # the run's own random stream stays untouched
+        torch.manual_seed(0)
+        net = instantiate(cfg.model.net, _convert_="all")
+    return with_profile(facts, net, micro_batches=wanted, vocab_size=int(cfg.data.vocab_size))
+
+
+def _verify(cfg: DictConfig, cluster: Cluster, top: list[Prediction]) -> list[str] | None:
+    """Measure ``top`` here; return the overrides of the plan measured fastest (None when
+    none could be measured), after saying where the predicted order was wrong."""
+    from litscale.app.plan_verify import check_verifiable, order_mistakes, table, verify
     from litscale.app.scaling_study import job_context
     from litscale.app.validation import resolve_accelerator
 
     reason = check_verifiable(cluster)
     if reason:
         _say(f"not verified: {reason}")
-        return
+        return None
     records = verify(top, [overrides(p.plan, cluster) for p in top], user_overrides=job_context(cfg).overrides,
                      steps=int(cfg.plan.verify_steps), output_dir=os.path.join(cfg.paths.output_dir, "plan"),
                      accelerator=resolve_accelerator(str(cfg.trainer.get("accelerator", "auto"))))
     _say("predicted vs measured (also in plan/verify.json):")
     print(table(records), flush=True)
+    measured = [r for r in records if r["measured_step_s"]]
+    if not measured:
+        return None
+    for line in order_mistakes(records):
+        _say(line)
+    fastest = min(measured, key=lambda r: r["measured_step_s"])
+    _say(f"measured fastest: {fastest['plan']}" + (" (the predicted order held)" if not order_mistakes(records)
+                                                  else ""))
+    return fastest["overrides"]
 
 
 def table(ranked: list[Prediction], cluster: Cluster) -> str:
@@ -128,6 +165,8 @@ def overrides(plan: Plan, cluster: Cluster) -> list[str]:
         found += [f"strategy.pipeline_parallel_size={mesh.pipeline}", f"strategy.tensor_parallel_size={mesh.tensor}",
                   f"strategy.data_parallel_size={mesh.data}", f"strategy.microbatches={plan.microbatches}",
                   f"strategy.schedule={plan.schedule}"]
+        if plan.virtual_stages > 1:
+            found.append(f"strategy.virtual_stages={plan.virtual_stages}")
     return found
 
 

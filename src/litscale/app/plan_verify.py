@@ -66,6 +66,14 @@ def _measure(overrides: list[str]) -> dict:
         return json.loads(found[-1].read_text())
 
 
+def order_mistakes(records: list[dict]) -> list[str]:
+    """Each pair of measured plans (in predicted order) that measured the other way round."""
+    measured = [(i, r) for i, r in enumerate(records, 1) if r["measured_step_s"]]
+    return [f"predicted order wrong: #{i} {a['plan']} ({a['measured_step_s']:.4g} s measured) is slower than "
+            f"#{j} {b['plan']} ({b['measured_step_s']:.4g} s)"
+            for i, a in measured for j, b in measured if i < j and a["measured_step_s"] > b["measured_step_s"]]
+
+
 def table(records: list[dict]) -> str:
     rows = [("plan", "step s predicted", "measured", "measured / predicted", "states MiB predicted", "measured")]
     for r in records:

@@ -114,7 +114,7 @@ def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegat
                    device_memory_bytes=figures["memory_bytes"] / figures["cores"], peak_flops=figures["peak_flops"],
                    intra_node=link, inter_node=link, achieved_fraction=achieved_fraction,
                    allocator_overhead=allocator_overhead, overlap=overlap,
-                   overhead_per_microbatch_s=overhead_per_microbatch_s,
+                   overhead_per_microbatch_s=overhead_per_microbatch_s, is_this_machine=True,
                    source=f"measured on this machine ({path}, {figures['measured']})")
 
 

@@ -40,6 +40,12 @@ class Cluster:
     # Time of one forward-backward that does not shrink with the batch (framework and kernel
     # launch costs): what makes many small micro-batches slower than few large ones.
     overhead_per_microbatch_s: NonNegativeFloat = 0.0
+    # The optimizer step's time per parameter a rank updates (memory-bound: it reads and writes
+    # each parameter, its gradient and its two moments): what sharding the optimizer saves.
+    optimizer_s_per_param: NonNegativeFloat = 0.0
+    # True for the machine the planner runs on: a plan's forward-backward is then timed here
+    # (litscale.planner.model_facts.with_profile) instead of predicted from FLOPs.
+    is_this_machine: bool = False
     source: str = ""
     notes: list[str] = field(default_factory=list)
 

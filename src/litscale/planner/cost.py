@@ -11,6 +11,7 @@ that backward cannot hide, stretched by the pipeline bubble.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from litscale.callbacks.memory import estimate_bytes
@@ -41,20 +42,21 @@ class Plan:
     param_dtype: str = "float32"
     microbatches: int = 1  # a pipeline's split of the micro batch
     schedule: str = "1f1b"
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules: 2 or more)
 
     def describe(self) -> str:
         mesh = self.mesh
         parts = [self.strategy, f"pp{mesh.pipeline}", f"dp{mesh.data}", f"tp{mesh.tensor}",
                  f"mb{self.micro_batch}", f"acc{self.accumulation}"]
-        if self.microbatches > 1:
-            parts.append(f"{self.schedule}x{self.microbatches}")
+        if self.mesh.pipeline > 1:
+            parts.append(f"{self.schedule}x{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         return " ".join(parts) + (" ac" if self.activation_checkpointing else "")
 
 
 @dataclass(frozen=True)
 class Collective:
     name: str
-    bytes_per_rank: float  # what each rank sends in one call
+    bytes_per_rank: float  # what each rank sends over the step, all calls together
     calls: int
     seconds: float
 
@@ -66,6 +68,7 @@ class Prediction:
     collectives: list[Collective] = field(default_factory=list)
     compute_s: float = 0.0
     exposed_comm_s: float = 0.0
+    optimizer_s: float = 0.0
     bubble: float = 0.0
     step_s: float = 0.0
     tokens_per_s: float = 0.0
@@ -125,53 +128,93 @@ def activation_bytes(plan: Plan, facts: ModelFacts) -> float:
     return per_stage * in_flight
 
 
-def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collective]:
-    """Each collective of one optimizer step, with the ring algorithm's bytes per rank."""
-    mesh, found = plan.mesh, []
-    grad_bytes = facts.num_params / (mesh.tensor * mesh.pipeline) * 4  # gradients reduced in fp32
-    param_bytes = facts.num_params / (mesh.tensor * mesh.pipeline) * DTYPE_BYTES[plan.param_dtype]
-    data_link = cluster.link_for(mesh.data, mesh.tensor)
-    n = mesh.data
+# DDP's gradient buckets: the first holds 1 MiB, the others 25 MiB (torch's defaults).
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 2**20, 25 * 2**20
 
-    def ring(name: str, nbytes: float, calls: int, group: int, link, factor: float) -> None:
-        if group > 1 and nbytes > 0:
+
+def latency_steps(group: int, factor: int) -> int:
+    """Latencies one collective pays: a ring's ``factor x (n - 1)`` steps, or a tree's
+    ``factor x ceil(log2 n)`` where that is fewer (NCCL picks trees where latency dominates),
+    while the bytes stay the ring's, the least any algorithm sends."""
+    return factor * min(group - 1, math.ceil(math.log2(group)))
+
+
+def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collective]:
+    """Each collective of one optimizer step: its calls and the bytes each rank sends in all of
+    them (ring algorithms: an all-reduce sends 2 (n-1)/n of the buffer, an all-gather or a
+    reduce-scatter (n-1)/n), timed with one latency per ring message."""
+    mesh, found = plan.mesh, []
+    share = 1 / (mesh.tensor * mesh.pipeline)
+    grad_bytes = facts.num_params * share * 4  # gradients reduced in fp32
+    param_bytes = facts.num_params * share * DTYPE_BYTES[plan.param_dtype]
+    data_link = cluster.link_for(mesh.data, mesh.tensor)
+    units = facts.layers  # FSDP / ZeRO-3 gather and scatter one sharding unit per call
+
+    def ring(name: str, nbytes: float, calls: int, group: int, link, factor: int) -> None:
+        if group > 1 and nbytes > 0 and calls > 0:
             per_rank = factor * (group - 1) / group * nbytes
-            found.append(Collective(name, per_rank, calls,
-                                    calls * link.seconds(per_rank, messages=int(factor) * (group - 1))))
+            found.append(Collective(name, per_rank, calls, link.seconds(per_rank, messages=calls * latency_steps(group, factor))))
 
     stage = ZERO_STAGE[plan.strategy] if mesh.data_shard > 1 else 0
-    if stage == 0:
-        ring("gradient all-reduce", grad_bytes, 1, n, data_link, 2)
+    if stage == 0:  # accumulation runs under no_sync: one reduction per step
+        buckets = 1 + math.ceil(max(0.0, grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+        ring("gradient all-reduce", grad_bytes, buckets if plan.strategy == "ddp" else 1, mesh.data, data_link, 2)
     else:
-        gathers = 2 * plan.accumulation if stage == 3 else 1  # ZeRO-3/FSDP: forward and backward
-        ring("parameter all-gather", param_bytes, gathers, mesh.data_shard, data_link, 1)
-        scatters = plan.accumulation if stage >= 2 else 1
-        ring("gradient reduce-scatter", grad_bytes, scatters, mesh.data_shard, data_link, 1)
+        acc = plan.accumulation
+        if stage == 3:  # each unit gathered for forward and again for backward; the root once, kept
+            root_share = facts.root_params * share * DTYPE_BYTES[plan.param_dtype]
+            ring("parameter all-gather", acc * (2 * param_bytes - root_share), acc * (2 * units + 1),
+                 mesh.data_shard, data_link, 1)
+            ring("gradient reduce-scatter", acc * grad_bytes, acc * (units + 1), mesh.data_shard, data_link, 1)
+        else:  # ZeRO-1/2 (and a pipeline's stage): gradients scattered in buckets, parameters gathered once
+            ring("parameter all-gather", param_bytes, 1, mesh.data_shard, data_link, 1)
+            ring("gradient reduce-scatter", (acc if stage == 2 else 1) * grad_bytes, acc if stage == 2 else 1,
+                 mesh.data_shard, data_link, 1)
         if mesh.data_replicate > 1:
             ring("gradient all-reduce (replicas)", grad_bytes / mesh.data_shard, 1, mesh.data_replicate,
                  cluster.inter_node, 2)
+    micro = plan.micro_batch // plan.microbatches
+    activation = facts.boundary_bytes(micro) * DTYPE_BYTES[plan.compute_dtype] / 4
     if mesh.tensor > 1:  # two all-reduces of a layer's activations in forward, two in backward
-        activation = facts.boundary_bytes(plan.micro_batch // plan.microbatches) * DTYPE_BYTES[plan.compute_dtype] / 4
         calls = 4 * facts.layers // mesh.pipeline * plan.accumulation * plan.microbatches
-        ring("tensor-parallel all-reduce", activation, calls, mesh.tensor, cluster.intra_node, 2)
-    if mesh.pipeline > 1:  # each boundary: activations forward, their gradients backward
-        activation = facts.boundary_bytes(plan.micro_batch // plan.microbatches) * DTYPE_BYTES[plan.compute_dtype] / 4
+        ring("tensor-parallel all-reduce", calls * activation, calls, mesh.tensor, cluster.intra_node, 2)
+    if mesh.pipeline > 1:  # each stage boundary: activations forward, their gradients backward
         link = cluster.link_for(mesh.pipeline, mesh.data * mesh.tensor)
-        calls = 2 * plan.microbatches * plan.accumulation
-        found.append(Collective("pipeline send/recv", activation, calls, calls * link.seconds(activation)))
+        calls = 2 * plan.microbatches * plan.accumulation * plan.virtual_stages
+        found.append(Collective("pipeline send/recv", calls * activation, calls, link.seconds(calls * activation, calls)))
     return found
+
+
+def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
+    """Forward-backward time of one rank's micro-batches, before tensor and pipeline splits:
+    timed on this machine where the facts carry a profile, else FLOPs over the cluster's
+    achieved throughput."""
+    micro, count = plan.micro_batch // plan.microbatches, plan.accumulation * plan.microbatches
+    if facts.profile is not None and micro in facts.profile.forward_backward_s:
+        return count * facts.profile.forward_backward_s[micro]
+    return facts.flops_per_token * count * micro * facts.seq_len / cluster.flops(plan.compute_dtype)
+
+
+def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> float:
+    """The optimizer step over the parameters this rank updates (its shard of them)."""
+    mesh = prediction.plan.mesh
+    sharded = ZERO_STAGE[prediction.plan.strategy] >= 1 and mesh.data_shard > 1
+    share = 1 / (mesh.tensor * mesh.pipeline * (mesh.data_shard if sharded else 1))
+    if facts.profile is not None:
+        return facts.profile.optimizer_step_s * share
+    return cluster.optimizer_s_per_param * facts.num_params * share
 
 
 def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
     plan, mesh = prediction.plan, prediction.plan.mesh
     tokens_per_rank = plan.micro_batch * plan.accumulation * facts.seq_len
-    flops = facts.flops_per_token * tokens_per_rank / (mesh.tensor * mesh.pipeline)
+    compute = _compute_s(plan, facts, cluster) / (mesh.tensor * mesh.pipeline)
     if plan.activation_checkpointing:
-        flops *= 4 / 3  # the forward again, inside backward
-    compute = flops / cluster.flops(plan.compute_dtype)
+        compute *= 4 / 3  # the forward again, inside backward
     compute += plan.accumulation * plan.microbatches * cluster.overhead_per_microbatch_s
-    if mesh.pipeline > 1:
-        prediction.bubble = (mesh.pipeline - 1) / (plan.microbatches + mesh.pipeline - 1)
+    if mesh.pipeline > 1:  # idle time: p - 1 stage-steps of v x m (Narayanan et al. 2021, interleaved)
+        work = plan.virtual_stages * plan.microbatches
+        prediction.bubble = (mesh.pipeline - 1) / (work + mesh.pipeline - 1)
         compute /= 1 - prediction.bubble
     hideable = {"gradient all-reduce", "gradient reduce-scatter", "parameter all-gather",
                 "gradient all-reduce (replicas)", "pipeline send/recv"}
@@ -179,7 +222,8 @@ def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
     exposed = max(0.0, hidden_comm - cluster.overlap * compute * 2 / 3)  # backward: 2/3 of compute
     exposed += sum(c.seconds for c in prediction.collectives if c.name not in hideable)
     prediction.compute_s, prediction.exposed_comm_s = compute, exposed
-    prediction.step_s = compute + exposed
+    prediction.optimizer_s = _optimizer_s(prediction, facts, cluster)
+    prediction.step_s = compute + exposed + prediction.optimizer_s
     global_tokens = tokens_per_rank * mesh.data
     prediction.tokens_per_s = global_tokens / prediction.step_s
     prediction.mfu = facts.flops_per_token * prediction.tokens_per_s / (

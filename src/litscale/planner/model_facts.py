@@ -3,10 +3,25 @@ token, layers, width, and the bytes autograd saves for backward (the activations
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import statistics
+import time
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Seconds of one forward-backward by micro batch and of one AdamW step, timed on this
+    machine on one thread (a CPU rank's share). Where the plan runs here, this replaces FLOPs
+    over an assumed throughput: a small model's matmuls reach anywhere from a third to three
+    quarters of the probed peak on CPU depending on their widths, and no single fraction holds."""
+
+    forward_backward_s: dict[int, float]
+    optimizer_step_s: float
 
 
 @dataclass(frozen=True)
@@ -22,6 +37,8 @@ class ModelFacts:
     heads: int
     activation_bytes_per_sample: float
     activation_bytes_fixed: float = 0.0
+    root_params: int = 0  # parameters outside the sharding units (embeddings, final norm, head)
+    profile: Profile | None = None
 
     def activations(self, micro_batch: int) -> float:
         return self.activation_bytes_fixed + micro_batch * self.activation_bytes_per_sample
@@ -31,43 +48,91 @@ class ModelFacts:
         return micro_batch * self.seq_len * self.hidden * dtype_bytes
 
 
-def saved_activation_bytes(net: nn.Module, tokens: torch.Tensor) -> int:
-    """Bytes of the tensors autograd saves in one forward of ``net`` (parameters excluded),
-    each storage counted once. ``net`` and ``tokens`` on the meta device: shapes only.
+def saved_activation_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: bool = False) -> int:
+    """Bytes of the tensors autograd saves in one forward of ``net`` (and of the next-token
+    cross-entropy over its output, which keeps the log-probabilities), parameters excluded,
+    each storage counted once. ``net`` and ``inputs`` may be on the meta device: only shapes count.
 
-    NOTE: counted with ``saved_tensors_hooks`` rather than an allocator's peak, which the meta
-    device does not have: what backward keeps alive is what stays in memory between forward
-    and backward, the activations a plan must fit."""
-    weights = {p.untyped_storage()._cdata for p in net.parameters()}
-    seen: dict[int, int] = {}
+    NOTE: counted with ``saved_tensors_hooks`` rather than an allocator's peak, which fake
+    tensors do not have: what backward keeps alive is what stays in memory between forward and
+    backward, the activations a plan must fit. Traced as CPU tensors under ``FakeTensorMode``,
+    not on the meta device: there attention takes the math path and keeps every T x T score
+    matrix (8 GiB per layer for Llama-3 8B at 8,192 tokens), where the fused kernels of CPUs
+    and GPUs keep only their output and log-sum-exp."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage._cdata not in weights:
-            seen[storage._cdata] = storage.nbytes()
-        return tensor
+    fake_net = copy.deepcopy(net)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_net.to_empty(device="cpu")
+        inputs = torch.empty_like(inputs, device="cpu")
+        weights = {p.untyped_storage()._cdata for p in fake_net.parameters()}
+        seen: dict[int, int] = {}
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        net(tokens)
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in weights:
+                seen[storage._cdata] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = fake_net(inputs)
+            if next_token_loss:
+                F.cross_entropy(output.flatten(0, 1), inputs.flatten())
     return sum(seen.values())
 
 
 def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int) -> ModelFacts:
     """Facts of a zoo network (GPT, Llama, Hugging Face) built on the meta device."""
     config = getattr(net, "config", None)
-    layers = len(net.sharding_units()) if hasattr(net, "sharding_units") else 1
+    units = list(net.sharding_units()) if hasattr(net, "sharding_units") else [net]
+    in_units = sum(p.numel() for unit in units for p in unit.parameters())
     hidden = _first(config, ("n_embd", "dim", "hidden_size"), 0)
     heads = _first(config, ("n_head", "n_heads", "num_attention_heads"), 1)
-    traced = [saved_activation_bytes(net, torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-                                     .clamp_(max=vocab_size - 1)) for batch in (1, 2)]
+    traced = [saved_activation_bytes(net, torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),
+                                     next_token_loss=True) for batch in (1, 2)]
     per_sample = traced[1] - traced[0]
-    return ModelFacts(num_params=sum(p.numel() for p in net.parameters()),
-                      flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len, layers=layers,
-                      hidden=hidden, heads=heads, activation_bytes_per_sample=per_sample,
-                      activation_bytes_fixed=traced[0] - per_sample)
+    num_params = sum(p.numel() for p in net.parameters())
+    return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
+                      layers=len(units), hidden=hidden, heads=heads, activation_bytes_per_sample=per_sample,
+                      activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units)
 
 
 def _first(config, names: tuple[str, ...], default: int) -> int:
     if hasattr(config, "transformers_config"):
         config = config.transformers_config()
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), default)
+
+
+def with_profile(facts: ModelFacts, net: nn.Module, *, micro_batches: set[int], vocab_size: int,
+                 repeats: int = 3) -> ModelFacts:
+    """``facts`` with ``net`` (real weights, on the CPU) timed at each micro batch: the median
+    of ``repeats`` forward-backwards after one untimed, on one thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        timed = {}
+        for micro in sorted(micro_batches):
+            tokens = torch.randint(vocab_size, (micro, facts.seq_len + 1), generator=generator)
+            timed[micro] = _median_seconds(lambda t=tokens: _forward_backward(net, t), repeats)
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
+        step_s = _median_seconds(optimizer.step, repeats)
+        net.zero_grad(set_to_none=True)
+    finally:
+        torch.set_num_threads(previous)
+    return replace(facts, profile=Profile(timed, step_s))
+
+
+def _forward_backward(net: nn.Module, tokens: torch.Tensor) -> None:
+    logits = net(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+
+def _median_seconds(work, repeats: int) -> float:
+    work()  # the first call allocates
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)

@@ -15,6 +15,8 @@ from litscale.planner.model_facts import ModelFacts
 STRATEGIES = ("ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "tensor_parallel",
               "pipeline")
 PIPELINE_MICROBATCHES = (1, 2, 4, 8)
+# (schedule, stages per rank): 1F1B, and interleaved 1F1B whose bubble is half as long.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,9 @@ def plans(cluster: Cluster, facts: ModelFacts, global_batch: int, *, compute_dty
             for micro in divisors(per_rank):
                 for checkpointing in ((False, True) if strategy == "fsdp" else (False,)):
                     for microbatches in (PIPELINE_MICROBATCHES if mesh.pipeline > 1 else (1,)):
-                        found.append(Plan(strategy, mesh, micro, per_rank // micro, checkpointing,
-                                          compute_dtype, param_dtype, microbatches))
+                        for schedule, virtual in (PIPELINE_SCHEDULES if mesh.pipeline > 1 else (("1f1b", 1),)):
+                            found.append(Plan(strategy, mesh, micro, per_rank // micro, checkpointing,
+                                              compute_dtype, param_dtype, microbatches, schedule, virtual))
     return found
 
 
@@ -70,8 +73,11 @@ def why_not(plan: Plan, cluster: Cluster, facts: ModelFacts, global_batch: int) 
         return f"tensor parallel {mesh.tensor} would cross nodes ({cluster.devices_per_node} devices per node)"
     if mesh.tensor > 1 and facts.heads % mesh.tensor:
         return f"{facts.heads} attention heads do not split over tensor parallel {mesh.tensor}"
-    if mesh.pipeline > 1 and facts.layers % mesh.pipeline:
-        return f"{facts.layers} layers do not split into {mesh.pipeline} pipeline stages"
+    stages = mesh.pipeline * plan.virtual_stages
+    if mesh.pipeline > 1 and facts.layers % stages:
+        return f"{facts.layers} layers do not split into {stages} pipeline stages"
+    if mesh.pipeline > 1 and plan.microbatches < mesh.pipeline:
+        return f"{plan.schedule} needs at least {mesh.pipeline} pipeline micro-batches, not {plan.microbatches}"
     if plan.micro_batch % plan.microbatches:
         return f"micro batch {plan.micro_batch} does not split into {plan.microbatches} pipeline micro-batches"
     return None

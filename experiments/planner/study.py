@@ -1,0 +1,249 @@
+"""How far to trust the planner on this machine: its predicted step time beside the measured
+one for GPT-nano, GPT-micro and Llama-tiny under every strategy at 1 and 2 CPU ranks.
+
+    python experiments/planner/study.py                  # every configuration, writes results
+    python experiments/planner/study.py --only nano-ddp-mb8 --no-write
+    python experiments/planner/study.py --report-only    # README table and plot from results.json
+
+Each configuration is an ordinary ``python train.py`` run with one thread per rank
+(``LITSCALE_THREADS_PER_RANK=1``); both figures come from its ``summary.json``: the measured
+``perf/step_time_s`` (the throughput callback's mean over the steps after warm-up, validation
+excluded) and ``plan/predicted_step_s``, the planner's prediction for the run as configured
+with ``cluster=local_cpu`` (calibrated first if this machine has no calibration). Over the
+configurations of one model and global batch at 2 ranks (a "group": what ``plan=auto`` chooses
+among), the planner's pick is the one it predicts fastest; regret = measured(pick) / measured(best).
+
+Writes ``results.json``, ``predicted_vs_measured.png`` and the results section of ``README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+STEPS, WARMUP = 40, 10
+COMMON = [f"trainer.max_steps={STEPS}", f"callbacks.throughput.warmup_steps={WARMUP}", "trainer.accelerator=cpu",
+          "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "cluster=local_cpu"]
+MODELS = {"nano": ["model=gpt"], "micro": ["model=gpt", "model.net.preset=micro"], "llama": ["model=llama"]}
+
+# name: (model, ranks, global batch group, overrides). Names read model-strategy-split.
+CONFIGS: dict[str, tuple[str, int, list[str]]] = {
+    # One rank: the loop's own costs beside the timed forward-backward.
+    "nano-single-mb16": ("nano", 1, ["strategy=single", "data.batch_size=16"]),
+    "nano-single-mb4x4": ("nano", 1, ["strategy=single", "data.batch_size=4", "trainer.accumulate_grad_batches=4"]),
+    "micro-single-mb8": ("micro", 1, ["strategy=single", "data.batch_size=8"]),
+    "llama-single-mb16": ("llama", 1, ["strategy=single", "data.batch_size=16"]),
+    # Two ranks, GPT-nano, global batch 16: the group the planner picks from.
+    "nano-ddp-mb8": ("nano", 2, ["strategy=ddp", "data.batch_size=8"]),
+    "nano-ddp-mb4x2": ("nano", 2, ["strategy=ddp", "data.batch_size=4", "trainer.accumulate_grad_batches=2"]),
+    "nano-ddp-mb2x4": ("nano", 2, ["strategy=ddp", "data.batch_size=2", "trainer.accumulate_grad_batches=4"]),
+    "nano-fsdp-mb8": ("nano", 2, ["strategy=fsdp", "data.batch_size=8"]),
+    "nano-fsdp-ac-mb8": ("nano", 2, ["strategy=fsdp", "data.batch_size=8", "strategy.activation_checkpointing=true"]),
+    "nano-fsdp-mb4x2": ("nano", 2, ["strategy=fsdp", "data.batch_size=4", "trainer.accumulate_grad_batches=2"]),
+    "nano-zero1-mb8": ("nano", 2, ["strategy=deepspeed_zero", "strategy.stage=1", "data.batch_size=8"]),
+    "nano-zero3-mb8": ("nano", 2, ["strategy=deepspeed_zero", "strategy.stage=3", "data.batch_size=8"]),
+    "nano-tp2-mb16": ("nano", 2, ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2",
+                                  "data.batch_size=16"]),
+    "nano-pp2-1f1b-mb16x4": ("nano", 2, ["strategy=pipeline", "strategy.pipeline_parallel_size=2",
+                                         "strategy.microbatches=4", "data.batch_size=16"]),
+    "nano-pp2-interleaved-mb16x4": ("nano", 2, ["strategy=pipeline", "strategy.pipeline_parallel_size=2",
+                                                "strategy.microbatches=4", "strategy.schedule=interleaved_1f1b",
+                                                "data.batch_size=16"]),
+    # Two ranks, GPT-micro (11M parameters), global batch 8.
+    "micro-ddp-mb4": ("micro", 2, ["strategy=ddp", "data.batch_size=4"]),
+    "micro-fsdp-mb4": ("micro", 2, ["strategy=fsdp", "data.batch_size=4"]),
+    "micro-tp2-mb8": ("micro", 2, ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2",
+                                   "data.batch_size=8"]),
+    "micro-pp2-mb8x2": ("micro", 2, ["strategy=pipeline", "strategy.pipeline_parallel_size=2",
+                                     "strategy.microbatches=2", "data.batch_size=8"]),
+    # Two ranks, Llama-tiny, global batch 16.
+    "llama-ddp-mb8": ("llama", 2, ["strategy=ddp", "data.batch_size=8"]),
+    "llama-fsdp-mb8": ("llama", 2, ["strategy=fsdp", "data.batch_size=8"]),
+    "llama-tp2-mb16": ("llama", 2, ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2",
+                                    "data.batch_size=16"]),
+}
+
+GOALS = {"mape": 0.15, "spearman": 0.8, "regret": 1.10}
+
+
+def overrides_of(name: str) -> list[str]:
+    model, ranks, extra = CONFIGS[name]
+    return [*MODELS[model], *extra, f"trainer.devices={ranks}", *COMMON, f"name={name}"]
+
+
+def measure(name: str, outputs: Path) -> dict:
+    overrides = overrides_of(name)
+    print(f"$ python train.py {' '.join(overrides)}", flush=True)
+    env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "LITSCALE_THREADS_PER_RANK": "1"}
+    started = time.perf_counter()
+    process = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=1800)
+    if process.returncode:
+        raise RuntimeError(f"{name} failed:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
+    summary = json.loads(next((outputs / name).glob("runs/*/summary.json")).read_text())
+    model, ranks, _ = CONFIGS[name]
+    return {"model": model, "ranks": ranks, "global_batch": summary["layout"]["global_batch"],
+            "command": "python train.py " + " ".join(overrides),
+            "measured_step_s": summary["perf/step_time_s"], "predicted_step_s": summary["plan/predicted_step_s"],
+            "threads_per_rank": summary.get("threads_per_rank"), "wall_s": time.perf_counter() - started}
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (ties share their mean rank); hand-written to keep scipy out of the stack."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2
+            i = j + 1
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+
+
+def metrics(runs: dict[str, dict]) -> dict:
+    def mape(names: list[str]) -> float:
+        if not names:
+            return float("nan")
+        return statistics.fmean(abs(runs[n]["predicted_step_s"] / runs[n]["measured_step_s"] - 1) for n in names)
+
+    names = list(runs)
+    groups: dict[str, list[str]] = {}
+    for name, run in runs.items():
+        if run["ranks"] == 2:
+            groups.setdefault(f"{run['model']} global batch {run['global_batch']}", []).append(name)
+    by_group = {}
+    for group, members in groups.items():
+        pick = min(members, key=lambda n: runs[n]["predicted_step_s"])
+        best = min(members, key=lambda n: runs[n]["measured_step_s"])
+        by_group[group] = {
+            "configurations": len(members), "pick": pick, "best": best,
+            "regret": runs[pick]["measured_step_s"] / runs[best]["measured_step_s"],
+            "spearman": spearman([runs[n]["predicted_step_s"] for n in members],
+                                 [runs[n]["measured_step_s"] for n in members]) if len(members) > 2 else None,
+            "mape": mape(members)}
+    return {"mape": mape(names), "mape_1_rank": mape([n for n in names if runs[n]["ranks"] == 1]),
+            "mape_2_ranks": mape([n for n in names if runs[n]["ranks"] == 2]),
+            "spearman": spearman([runs[n]["predicted_step_s"] for n in names],
+                                 [runs[n]["measured_step_s"] for n in names]),
+            "regret": max((g["regret"] for g in by_group.values()), default=float("nan")), "groups": by_group}
+
+
+def report(results: dict) -> str:
+    runs, m = results["runs"], results["metrics"]
+    lines = [f"Machine: {results['machine']}. Recorded {results['date']} with `python experiments/planner/study.py`; "
+             f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank.", "",
+             "| configuration | ranks | global batch | predicted s/step | measured s/step | error |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in runs.items():
+        error = r["predicted_step_s"] / r["measured_step_s"] - 1
+        lines.append(f"| `{name}` | {r['ranks']} | {r['global_batch']} | {r['predicted_step_s']:.4f} | "
+                     f"{r['measured_step_s']:.4f} | {error:+.1%} |")
+
+    def verdict(value: float, goal: float, higher_is_better: bool = False) -> str:
+        met = value >= goal if higher_is_better else value <= goal
+        return "met" if met else "**missed**"
+
+    lines += ["", "| figure | reached | goal | |", "| --- | ---: | ---: | --- |",
+              f"| MAPE, all {len(runs)} configurations | {m['mape']:.1%} | <= 15% | {verdict(m['mape'], 0.15)} |",
+              f"| MAPE, 1 rank / 2 ranks | {m['mape_1_rank']:.1%} / {m['mape_2_ranks']:.1%} | | |",
+              f"| Spearman, all configurations | {m['spearman']:.3f} | >= 0.8 | "
+              f"{verdict(m['spearman'], 0.8, True)} |",
+              f"| regret, worst group | {m['regret']:.3f} | <= 1.10 | {verdict(m['regret'], 1.10)} |", "",
+              "| group (2 ranks) | configurations | planner's pick | measured best | regret | Spearman | MAPE |",
+              "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    for group, g in m["groups"].items():
+        rho = f"{g['spearman']:.3f}" if g["spearman"] is not None else "-"
+        lines.append(f"| {group} | {g['configurations']} | `{g['pick']}` | `{g['best']}` | {g['regret']:.3f} | "
+                     f"{rho} | {g['mape']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    figure, axis = plt.subplots(figsize=(6.5, 6))
+    for ranks, marker in ((1, "s"), (2, "o")):
+        for index, model in enumerate(MODELS):
+            chosen = [r for r in runs.values() if r["ranks"] == ranks and r["model"] == model]
+            if chosen:
+                axis.scatter([r["measured_step_s"] for r in chosen], [r["predicted_step_s"] for r in chosen],
+                             marker=marker, color=f"C{index}", label=f"{model}, {ranks} rank(s)")
+    values = [v for r in runs.values() for v in (r["measured_step_s"], r["predicted_step_s"])]
+    low, high = min(values) * 0.8, max(values) * 1.25
+    axis.plot([low, high], [low, high], color="black", lw=0.8, label="prediction = measurement")
+    axis.fill_between([low, high], [low * 0.85, high * 0.85], [low * 1.15, high * 1.15], color="grey", alpha=0.15,
+                      label="within 15%")
+    axis.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured s/step",
+             ylabel="predicted s/step (plan/predicted_step_s)",
+             title=f"Planner on this machine: MAPE {results['metrics']['mape']:.1%}, "
+                   f"Spearman {results['metrics']['spearman']:.2f}")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def write_section(name: str, script: str, text: str) -> None:
+    """Replace the README's section between ``<!-- name: written by script -->`` and ``<!-- end name -->``."""
+    path = HERE / "README.md"
+    start, end = f"<!-- {name}: written by {script} -->", f"<!-- end {name} -->"
+    before, rest = path.read_text().split(start, 1)
+    path.write_text(f"{before}{start}\n{text}{end}{rest.split(end, 1)[1]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="configurations to run (default: all)")
+    parser.add_argument("--no-write", action="store_true", help="print, write nothing")
+    parser.add_argument("--report-only", action="store_true", help="rewrite README and plot from results.json")
+    args = parser.parse_args()
+    if args.report_only:
+        results = json.loads((HERE / "results.json").read_text())
+    else:
+        runs = {}
+        with tempfile.TemporaryDirectory() as outputs:
+            for name in args.only or CONFIGS:
+                runs[name] = measure(name, Path(outputs))
+                r = runs[name]
+                print(f"  predicted {r['predicted_step_s']:.4f} s, measured {r['measured_step_s']:.4f} s "
+                      f"({r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%})", flush=True)
+        import torch
+
+        results = {"machine": f"{os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}, "
+                              f"torch {torch.__version__}",
+                   "date": time.strftime("%Y-%m-%d"), "runs": runs, "metrics": metrics(runs)}
+    text = report(results)
+    print(text)
+    if args.no_write:
+        return
+    if not args.report_only:
+        (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, HERE / "predicted_vs_measured.png")
+    write_section("accuracy", "study.py", text)
+
+
+if __name__ == "__main__":
+    main()
