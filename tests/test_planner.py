@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 
 import pytest
 import torch
@@ -148,6 +149,30 @@ def test_plan_auto_prints_a_ranking_and_writes_the_fastest_as_an_experiment(tmp_
     assert experiment.defaults[0] == {"override /strategy": strategy}
     assert experiment.trainer.num_nodes == 2 and experiment.trainer.devices == 8
     assert not summaries(tmp_path)  # nothing trained
+
+
+def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_one(tmp_path, outputs_root, capsys):
+    """No machine here has 256 devices: ``plan=show`` still lays the run out, predicts its
+    memory per rank and scales its LR; a run that would not fit is refused with the figure."""
+    from helpers.configs import compose_job
+
+    from litscale.app.run import train
+    from litscale.errors import ConfigError
+
+    cfg, choices = compose_job(["plan=show", "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=32",
+                                "cluster=h100_8x", "cluster.nodes=32", "lr_scaling=linear"], tmp_path / "fits")
+    train(cfg, choices=choices)
+    out = capsys.readouterr().out
+    assert "litscale: as configured: 32 node(s) x 8 process(es) = world 256 | mesh pipeline 1 x data 256 x tensor 1" in out
+    assert f"scaled by the linear rule to {1e-3 * 4096 / 16:.4g} (global batch 4096, base 16)" in out
+    assert "litscale: as configured: fsdp pp1 dp256 tp1 mb16 acc1: " in out
+    cfg, choices = compose_job(["plan=show", "strategy=ddp", "trainer.devices=8", "trainer.num_nodes=32",
+                                "cluster=h100_8x", "cluster.nodes=32", "model=llama", "model.net.preset=llama3_8b",
+                                "precision=bf16_mixed", "data.seq_len=2048"], tmp_path / "too_big")
+    with pytest.raises(ConfigError) as error:
+        train(cfg, choices=choices)
+    assert re.fullmatch(r"the run as configured needs \d+\.\d GiB per rank, more than cluster=h100_8x's 80 GiB "
+                        r"per device; the plans above fit", str(error.value)), str(error.value)
 
 
 def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):

@@ -3,6 +3,7 @@ of training; ``auto`` also writes the fastest plan as an experiment config."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 
@@ -21,12 +22,16 @@ GiB = 2**30
 PROFILE_LIMIT_S = 2.0
 
 
-def run_plan(cfg: DictConfig, layout: RunLayout) -> dict:
+def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dict:
     """Rank every plan for ``cfg``'s model and global batch on ``cfg.cluster``; print the top
-    ``cfg.plan.top`` and why the others cannot run; return the winner's overrides."""
+    ``cfg.plan.top`` and why the others cannot run, then the run as configured (at any world
+    size: no process starts); return the winner's overrides. Raise ``ConfigError`` when the
+    run as configured would not fit in the cluster's device memory."""
     from litscale.app.build import build, trusted_targets
 
     cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
+    if layout.world_size > cluster.world_size:  # a what-if: the configured world, of this cluster's devices
+        cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
     dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
     facts = facts_of(cfg)
     facts = timed_here(cfg, cluster, facts, {p.micro_batch // p.microbatches for p in plans(
@@ -43,6 +48,8 @@ def run_plan(cfg: DictConfig, layout: RunLayout) -> dict:
         _say(f"  {count} x {reason}")
     if not ranked:
         _say("no plan fits: see the reasons above")
+    _as_configured(cfg, choices, layout, cluster, facts, fitting=bool(ranked))
+    if not ranked:
         return {}
     winner = overrides(ranked[0].plan, cluster)
     _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(winner)}")
@@ -60,6 +67,20 @@ RUN_STRATEGIES = {"single": "ddp", "ddp": "ddp", "fsdp": "fsdp", "tensor_paralle
                   "pipeline": "pipeline"}
 
 
+def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
+    """The run as configured, as the planner's ``Plan`` (None where its strategy is not modelled)."""
+    strategy = RUN_STRATEGIES.get(choices.get("strategy", ""))
+    if choices.get("strategy") == "deepspeed_zero":
+        strategy = f"deepspeed_zero{cfg.strategy.stage}"
+    if strategy is None:
+        return None
+    microbatches, schedule = int(cfg.strategy.get("microbatches", 1)), str(cfg.strategy.get("schedule", "1f1b"))
+    return Plan(strategy, layout.mesh, layout.micro_batch, layout.accumulation,
+                bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
+                cfg.precision.param_dtype, microbatches, schedule,
+                int(cfg.strategy.get("virtual_stages") or (1 if schedule in ("gpipe", "1f1b") else 2)))
+
+
 def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> dict:
     """The planner's prediction for the run as configured, for its summary beside what it
     measured; {} where the strategy is not modelled or the cluster is this machine and has
@@ -68,23 +89,46 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
     from litscale.planner.calibrate import calibration_path
     from litscale.planner.cost import predict
 
-    strategy = RUN_STRATEGIES.get(choices.get("strategy", ""))
-    if choices.get("strategy") == "deepspeed_zero":
-        strategy = f"deepspeed_zero{cfg.strategy.stage}"
+    plan = configured_plan(cfg, choices, layout)
     cluster_node = cfg.get("cluster")
-    if strategy is None or cluster_node is None or "_target_" not in cluster_node or (
+    if plan is None or cluster_node is None or "_target_" not in cluster_node or (
             cluster_node._target_.endswith(".local_cpu") and not calibration_path().exists()):
         return {}
     cluster = build(cluster_node, trusted=trusted_targets(cfg))
-    microbatches, schedule = int(cfg.strategy.get("microbatches", 1)), str(cfg.strategy.get("schedule", "1f1b"))
-    facts = timed_here(cfg, cluster, facts_of(cfg), {layout.micro_batch // microbatches})
-    plan = Plan(strategy, layout.mesh, layout.micro_batch, layout.accumulation,
-                bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
-                cfg.precision.param_dtype, microbatches, schedule, int(cfg.strategy.get("virtual_stages") or (1 if schedule in ("gpipe", "1f1b") else 2)))
+    facts = timed_here(cfg, cluster, facts_of(cfg), {plan.micro_batch // plan.microbatches})
     prediction = predict(plan, facts, cluster)
     return {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
             "plan/predicted_peak_bytes": prediction.peak_bytes,
             "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
+
+
+def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, cluster: Cluster,
+                   facts: ModelFacts, *, fitting: bool) -> None:
+    """Print the run as configured: its layout, LR and predicted memory per rank; refuse it
+    (before any process starts) when that memory exceeds the device's."""
+    from litscale.errors import ConfigError
+    from litscale.lr_scaling import scaled_lr
+    from litscale.planner.cost import predict
+
+    _say(f"as configured: {layout.describe()}")
+    rule = (cfg.get("lr_scaling") or {}).get("rule", "none")
+    if rule != "none":
+        lr = scaled_lr(float(cfg.optimizer.lr), global_batch=layout.global_batch,
+                       base_batch_size=int(cfg.lr_scaling.base_batch_size), rule=rule)
+        _say(f"as configured: lr {cfg.optimizer.lr:g} scaled by the {rule} rule to {lr:.4g} "
+             f"(global batch {layout.global_batch}, base {cfg.lr_scaling.base_batch_size})")
+    plan = configured_plan(cfg, choices, layout)
+    if plan is None:
+        _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
+        return
+    prediction = predict(plan, facts, cluster)
+    parts = ", ".join(f"{k} {prediction.memory[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations"))
+    _say(f"as configured: {plan.describe()}: {prediction.peak_bytes / GiB:.2f} GiB per rank predicted ({parts}), "
+         f"{prediction.step_s:.4g} s per step on {cluster.name}")
+    if prediction.peak_bytes > cluster.device_memory_bytes:
+        raise ConfigError(f"the run as configured needs {prediction.peak_bytes / GiB:.1f} GiB per rank, more than "
+                          f"cluster={cluster.name}'s {cluster.device_memory_bytes / GiB:.0f} GiB per device"
+                          + ("; the plans above fit" if fitting else ""))
 
 
 def facts_of(cfg: DictConfig) -> ModelFacts:

@@ -115,7 +115,7 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
     except OverrideParseException as error:
         fail(f"cannot parse the overrides: {str(error).splitlines()[0]}")
     from litscale.app.launch import check_launchable
-    from litscale.app.validation import validate
+    from litscale.app.validation import only_planned, validate
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
@@ -130,8 +130,10 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
             try:
                 if on_slurm:
                     check_slurm_resources(cfg)
-                layout = validate(_as_job_config(cfg), choices=choices, this_machine=not on_slurm)
-                if not on_slurm:  # the ranks can start from this process
+                job = _as_job_config(cfg)
+                here = not on_slurm and not only_planned(job)
+                layout = validate(job, choices=choices, this_machine=here)
+                if here:  # the ranks can start from this process
                     check_launchable(layout.processes_per_node, layout.num_nodes)
             except ConfigError as error:
                 fail(str(error))

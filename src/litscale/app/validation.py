@@ -134,6 +134,13 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     return layout
 
 
+def only_planned(cfg: DictConfig) -> bool:
+    """``plan=show|auto`` without ``plan.verify``: nothing runs, so the devices the config names
+    (``trainer.devices=256``) need not be on this machine."""
+    plan = cfg.get("plan") or {}
+    return plan.get("mode", "none") != "none" and not plan.get("verify")
+
+
 def check_schema(prefix: str, node: DictConfig, schema: type) -> None:
     """Check the keys of ``node`` that ``schema`` (a dataclass) describes."""
     annotations = signature_annotations(schema)
