@@ -126,9 +126,11 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     _say(f"as configured: {plan.describe()}: {prediction.peak_bytes / GiB:.2f} GiB per rank predicted ({parts}), "
          f"{prediction.step_s:.4g} s per step on {cluster.name}")
     if prediction.peak_bytes > cluster.device_memory_bytes:
-        raise ConfigError(f"the run as configured needs {prediction.peak_bytes / GiB:.1f} GiB per rank, more than "
-                          f"cluster={cluster.name}'s {cluster.device_memory_bytes / GiB:.0f} GiB per device"
-                          + ("; the plans above fit" if fitting else ""))
+        too_big = (f"the run as configured needs {prediction.peak_bytes / GiB:.1f} GiB per rank, more than "
+                   f"cluster={cluster.name}'s {cluster.device_memory_bytes / GiB:.0f} GiB per device")
+        if cfg.plan.mode == "show":  # a dry run: refused, as the launch would be
+            raise ConfigError(too_big + ("; the plans above fit" if fitting else ""))
+        _say(f"{too_big}; plan=auto writes the fastest plan that fits instead")
 
 
 def facts_of(cfg: DictConfig) -> ModelFacts:
