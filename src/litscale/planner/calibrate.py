@@ -24,7 +24,7 @@ from litscale.flops import probe_matmul_flops
 from litscale.planner.cluster import Cluster, Link
 
 SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
-REPEATS = 7
+REPEATS = 15
 
 
 def calibration_path() -> Path:
@@ -62,8 +62,9 @@ def _time_all_reduce(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def measure_link() -> Link:
-    """Latency and bandwidth of a 2-rank gloo ring on this machine."""
+def measure_link() -> tuple[Link, dict[int, float]]:
+    """Latency and bandwidth of a 2-rank gloo ring on this machine, and the median all-reduce
+    time by size they were fitted to."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -72,12 +73,18 @@ def measure_link() -> Link:
         out = os.path.join(tmp, "times.json")
         mp.spawn(_time_all_reduce, args=(_free_port(), out), nprocs=2)
         times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
-    # A ring all-reduce of n bytes on 2 ranks sends n bytes per rank in 2 messages.
+    # A ring all-reduce of n bytes on 2 ranks sends n bytes per rank in 2 messages. Least
+    # squares on relative errors (weights 1 / t^2): plain least squares lets the 16 MiB
+    # times set the intercept, and the latency came out 10x what a 4 KiB all-reduce takes.
     xs, ys = list(times), [times[n] for n in times]
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
+    weights = [1 / y**2 for y in ys]
+    total = sum(weights)
+    mean_x = sum(w * x for w, x in zip(weights, xs, strict=True)) / total
+    mean_y = sum(w * y for w, y in zip(weights, ys, strict=True)) / total
+    slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, xs, ys, strict=True)) / sum(
+        w * (x - mean_x) ** 2 for w, x in zip(weights, xs, strict=True))
     latency = max(mean_y - slope * mean_x, 1e-7) / 2
-    return Link(bandwidth_bytes_s=1 / slope, latency_s=latency)
+    return Link(bandwidth_bytes_s=1 / slope, latency_s=latency), times
 
 
 def calibrate() -> dict:
@@ -90,9 +97,10 @@ def calibrate() -> dict:
                 "bfloat16": probe_matmul_flops(torch.bfloat16, seconds=1.0)}
     finally:
         torch.set_num_threads(previous)
-    link = measure_link()
+    link, times = measure_link()
     figures = {"cores": cores, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                "peak_flops": peak, "bandwidth_bytes_s": link.bandwidth_bytes_s, "latency_s": link.latency_s,
+               "all_reduce_s_by_bytes": times,  # what latency and bandwidth were fitted to
                "measured": time.strftime("%Y-%m-%d %H:%M")}
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
