@@ -47,6 +47,7 @@ def _fits(rank, world_size, jobs):
     return [_fit(rank, world_size, *job) for job in jobs]
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_resumes_at_another_world_size(tmp_path):
@@ -77,7 +78,8 @@ SHORT = ("model.net.preset=nano", "data.seq_len=32", "data.max_bytes=400000", "d
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_zero"])
+@pytest.mark.parametrize("strategy", [
+    "fsdp", pytest.param("deepspeed_zero", marks=pytest.mark.full)])  # full: make test's time budget
 def test_ckpt_path_last_resumes_exactly_and_exports(tmp_path, strategy):
     overrides = (*SHORT, f"strategy={strategy}")
     full = run_train(*overrides, "trainer.max_steps=6", "name=full", outputs=tmp_path, timeout=300)

@@ -252,6 +252,7 @@ def test_topk_one_percent_with_error_feedback_ends_within_5_percent_of_dense(tmp
     assert last["comm/dense_bytes_per_step"] == 4 * dense["num_params"]  # fp32 gradients
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.timeout(300)
 def test_resumed_powersgd_run_continues_exactly(tmp_path):
     """10 steps straight vs 5 steps, then a resume from that checkpoint to step 10 (epochs

@@ -130,6 +130,7 @@ RUN = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=6", "trainer.val
        "trainer.log_every_n_steps=3")
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sync_every_step_matches_single_process_of_same_global_batch(tmp_path):

@@ -208,6 +208,7 @@ SHORT_RUN = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=5", "train
              "data.batch_size=8")
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
@@ -228,6 +229,7 @@ def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
         assert "terminate called" not in process.stdout + process.stderr
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_pipeline_resumes_from_its_per_stage_checkpoint(tmp_path):

@@ -38,7 +38,8 @@ def run_dirs(outputs: Path, name: str) -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize(("strategy", "stop_signal"), [
-    ("single", "sigterm"), ("ddp", "sigterm"), ("ddp", "sigusr1")])
+    ("single", "sigterm"), ("ddp", "sigterm"),
+    pytest.param("ddp", "sigusr1", marks=pytest.mark.full)])  # full: the same path as sigterm
 def test_stop_signal_saves_checkpoint_and_auto_resume_reproduces_losses(tmp_path, strategy,
                                                                         stop_signal):
     """Mid-epoch preemption (the job gets SIGTERM, or SLURM's SIGUSR1, after step 5; not a
