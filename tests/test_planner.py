@@ -20,7 +20,7 @@ from litscale.models.gpt import build_gpt
 from litscale.models.llama import build_llama
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives, memory_per_rank, predict
-from litscale.planner.model_facts import model_facts, saved_activation_bytes
+from litscale.planner.model_facts import Profile, model_facts, saved_activation_bytes
 from litscale.planner.search import search
 
 # A made-up cluster: round figures so that the expected numbers below are easy to follow.
@@ -80,6 +80,33 @@ def test_fsdp_gathers_each_unit_twice_per_micro_batch_and_the_root_once():
     # 8 ranks on nodes of 4: the ring crosses nodes, at the inter-node link's bandwidth
     # 8 ranks: a tree pays 3 latencies where a ring pays 7
     assert found["parameter all-gather"].seconds == pytest.approx(18 * 3 * 1e-5 + 7 / 8 * gathered / 10e9)
+
+
+def test_a_plan_is_timed_as_its_rank_runs_the_network():
+    """Profiles by how a rank runs the network: FSDP's own, else the plain one (split by the
+    tensor-parallel size); the optimizer step timed on the shard, or the plain one shared."""
+    with torch.device("meta"):
+        facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
+    facts = dataclasses.replace(facts, profiles={"plain": Profile({8: 0.1}, 0.02), "fsdp2": Profile({8: 0.15}, 0.012)})
+    ddp = predict(Plan("ddp", MeshSizes(data_replicate=2), micro_batch=8, accumulation=2), facts, CLUSTER)
+    fsdp = predict(Plan("fsdp", MeshSizes(data_shard=2), micro_batch=8, accumulation=2), facts, CLUSTER)
+    tp = predict(Plan("tensor_parallel", MeshSizes(tensor=2), micro_batch=8, accumulation=2), facts, CLUSTER)
+    zero1 = predict(Plan("deepspeed_zero1", MeshSizes(data_shard=2), micro_batch=8, accumulation=2), facts, CLUSTER)
+    assert (ddp.compute_s, fsdp.compute_s, tp.compute_s) == pytest.approx((0.2, 0.3, 0.1))
+    assert (ddp.optimizer_s, fsdp.optimizer_s, tp.optimizer_s, zero1.optimizer_s) == pytest.approx(
+        (0.02, 0.012, 0.01, 0.01))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
+    from litscale.app.plan_profile import profiles_in_child
+
+    net = {"_target_": "litscale.models.gpt.build_gpt", "vocab_size": 256, "block_size": 32}
+    found = profiles_in_child(net, keys={"plain": {1, 2}, "fsdp2": {2}, "tp2": {2}}, seq_len=32, vocab_size=256)
+    assert sorted(found) == ["fsdp2", "plain", "tp2"]
+    assert sorted(found["plain"].forward_backward_s) == [1, 2] and list(found["tp2"].forward_backward_s) == [2]
+    assert all(t > 0 for p in found.values() for t in [*p.forward_backward_s.values(), p.optimizer_step_s])
 
 
 def test_pipeline_time_is_stretched_by_the_bubble():

@@ -7,14 +7,14 @@ import dataclasses
 import os
 from collections import Counter
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from litscale.app.plan_verify import aligned
 from litscale.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
-from litscale.planner.model_facts import ModelFacts, model_facts, with_profile
-from litscale.planner.search import plans, search
+from litscale.planner.model_facts import ModelFacts, model_facts
+from litscale.planner.search import plans, search, why_not
 
 GiB = 2**30
 # The longest forward-backward (by FLOPs at the probed peak) worth timing before planning on
@@ -34,8 +34,10 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
         cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
     dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
     facts = facts_of(cfg)
-    facts = timed_here(cfg, cluster, facts, {p.micro_batch // p.microbatches for p in plans(
-        cluster, facts, layout.global_batch, **dtypes) if p.micro_batch >= p.microbatches > 0})
+    runnable = [p for p in plans(cluster, facts, layout.global_batch, **dtypes)
+                if why_not(p, cluster, facts, layout.global_batch) is None]
+    configured = configured_plan(cfg, choices, layout)
+    facts = timed_here(cfg, cluster, facts, runnable + ([configured] if configured else []))
     ranked, pruned = search(cluster, facts, layout.global_batch, **dtypes)
     _say(f"plan: {facts.num_params / 1e6:.2f}M params, {facts.layers} layers, seq {facts.seq_len}, global batch "
          f"{layout.global_batch} on {cluster.name} ({cluster.nodes} x {cluster.devices_per_node} devices, "
@@ -95,7 +97,7 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
             cluster_node._target_.endswith(".local_cpu") and not calibration_path().exists()):
         return {}
     cluster = build(cluster_node, trusted=trusted_targets(cfg))
-    facts = timed_here(cfg, cluster, facts_of(cfg), {plan.micro_batch // plan.microbatches})
+    facts = timed_here(cfg, cluster, facts_of(cfg), [plan])
     prediction = predict(plan, facts, cluster)
     return {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
             "plan/predicted_peak_bytes": prediction.peak_bytes,
@@ -140,20 +142,23 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     return model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
 
 
-def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, micro_batches: set[int]) -> ModelFacts:
-    """On this machine, ``facts`` with the model's forward-backward timed at each of
-    ``micro_batches`` that takes under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are."""
-    import torch
-    from hydra.utils import instantiate
+def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: list[Plan]) -> ModelFacts:
+    """On this machine, ``facts`` with the network timed as each of ``plans_`` runs it, at
+    the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are."""
+    from litscale.app.plan_profile import profiles_in_child
+    from litscale.planner.cost import profile_key
 
     peak = cluster.peak_flops["float32"]
-    wanted = {m for m in micro_batches if facts.flops_per_token * m * facts.seq_len / peak < PROFILE_LIMIT_S}
-    if not cluster.is_this_machine or not wanted:
+    keys: dict[str, set[int]] = {}
+    for plan in plans_:
+        micro = plan.micro_batch // plan.microbatches
+        if facts.flops_per_token * micro * facts.seq_len / peak < PROFILE_LIMIT_S:
+            keys.setdefault(profile_key(plan), set()).add(micro)
+    if not cluster.is_this_machine or not keys:
         return facts
-    with torch.random.fork_rng():  # the run's own random stream stays untouched
-        torch.manual_seed(0)
-        net = instantiate(cfg.model.net, _convert_="all")
-    return with_profile(facts, net, micro_batches=wanted, vocab_size=int(cfg.data.vocab_size))
+    net_config = OmegaConf.to_container(cfg.model.net, resolve=True)
+    profiles = profiles_in_child(net_config, keys=keys, seq_len=facts.seq_len, vocab_size=int(cfg.data.vocab_size))
+    return dataclasses.replace(facts, profiles=profiles)
 
 
 def _verify(cfg: DictConfig, cluster: Cluster, top: list[Prediction]) -> list[str] | None:

@@ -185,30 +185,50 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     return found
 
 
+def profile_key(plan: Plan) -> str:
+    """How one rank of ``plan`` runs the network, as ``ModelFacts.profiles`` names it: under
+    FSDP2 sharded over its data ranks (``fsdp<n>``), under tensor parallel (``tp<n>``), or plain."""
+    if plan.strategy == "tensor_parallel":
+        return f"tp{plan.mesh.tensor}"
+    if plan.strategy == "fsdp" and plan.mesh.data_shard > 1:
+        return f"fsdp{plan.mesh.data_shard}"
+    return "plain"
+
+
 def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
-    """Forward-backward time of one rank's micro-batches, before tensor and pipeline splits:
-    timed on this machine where the facts carry a profile, else FLOPs over the cluster's
+    """Forward-backward time of one rank's micro-batches, before the pipeline's split: timed on
+    this machine where the facts carry a profile of the network as the plan runs it (else of
+    the plain network, divided by the tensor-parallel size), else FLOPs over the cluster's
     achieved throughput."""
     micro, count = plan.micro_batch // plan.microbatches, plan.accumulation * plan.microbatches
-    if facts.profile is not None and micro in facts.profile.forward_backward_s:
-        return count * facts.profile.forward_backward_s[micro]
-    return facts.flops_per_token * count * micro * facts.seq_len / cluster.flops(plan.compute_dtype)
+    timed = facts.profiles.get(profile_key(plan))
+    if timed is not None and micro in timed.forward_backward_s:
+        return count * timed.forward_backward_s[micro]
+    plain = facts.profiles.get("plain")
+    if plain is not None and micro in plain.forward_backward_s:
+        return count * plain.forward_backward_s[micro] / plan.mesh.tensor
+    flops = facts.flops_per_token * count * micro * facts.seq_len / plan.mesh.tensor
+    return flops / cluster.flops(plan.compute_dtype)
 
 
 def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> float:
     """The optimizer step over the parameters this rank updates (its shard of them)."""
-    mesh = prediction.plan.mesh
-    sharded = ZERO_STAGE[prediction.plan.strategy] >= 1 and mesh.data_shard > 1
+    plan, key = prediction.plan, profile_key(prediction.plan)
+    if key != "plain" and key in facts.profiles:  # timed on the shard this rank holds
+        return facts.profiles[key].optimizer_step_s / plan.mesh.pipeline
+    mesh = plan.mesh
+    sharded = ZERO_STAGE[plan.strategy] >= 1 and mesh.data_shard > 1
     share = 1 / (mesh.tensor * mesh.pipeline * (mesh.data_shard if sharded else 1))
-    if facts.profile is not None:
-        return facts.profile.optimizer_step_s * share
+    plain = facts.profiles.get("plain")
+    if plain is not None:
+        return plain.optimizer_step_s * share
     return cluster.optimizer_s_per_param * facts.num_params * share
 
 
 def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
     plan, mesh = prediction.plan, prediction.plan.mesh
     tokens_per_rank = plan.micro_batch * plan.accumulation * facts.seq_len
-    compute = _compute_s(plan, facts, cluster) / (mesh.tensor * mesh.pipeline)
+    compute = _compute_s(plan, facts, cluster) / mesh.pipeline
     if plan.activation_checkpointing:
         compute *= 4 / 3  # the forward again, inside backward
     compute += plan.accumulation * plan.microbatches * cluster.overhead_per_microbatch_s

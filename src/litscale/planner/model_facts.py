@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -16,9 +16,11 @@ from torch.nn import functional as F
 @dataclass(frozen=True)
 class Profile:
     """Seconds of one forward-backward by micro batch and of one AdamW step, timed on this
-    machine on one thread (a CPU rank's share). Where the plan runs here, this replaces FLOPs
-    over an assumed throughput: a small model's matmuls reach anywhere from a third to three
-    quarters of the probed peak on CPU depending on their widths, and no single fraction holds."""
+    machine on one thread (a CPU rank's share), for the network as one rank of a plan runs it
+    (``profile_key``: plain, FSDP2-sharded, tensor-parallel). Where the plan runs here, this
+    replaces FLOPs over an assumed throughput: a small model's matmuls reach anywhere from a
+    third to three quarters of the probed peak on CPU depending on their widths, and FSDP2's
+    and DTensor's own costs per step are not FLOPs at all."""
 
     forward_backward_s: dict[int, float]
     optimizer_step_s: float
@@ -38,7 +40,7 @@ class ModelFacts:
     activation_bytes_per_sample: float
     activation_bytes_fixed: float = 0.0
     root_params: int = 0  # parameters outside the sharding units (embeddings, final norm, head)
-    profile: Profile | None = None
+    profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
 
     def activations(self, micro_batch: int) -> float:
         return self.activation_bytes_fixed + micro_batch * self.activation_bytes_per_sample
@@ -103,28 +105,29 @@ def _first(config, names: tuple[str, ...], default: int) -> int:
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), default)
 
 
-def with_profile(facts: ModelFacts, net: nn.Module, *, micro_batches: set[int], vocab_size: int,
-                 repeats: int = 3) -> ModelFacts:
-    """``facts`` with ``net`` (real weights, on the CPU) timed at each micro batch: the median
-    of ``repeats`` forward-backwards after one untimed, on one thread."""
+def profile(net: nn.Module, *, seq_len: int, micro_batches: set[int], vocab_size: int, repeats: int = 3) -> Profile:
+    """``net`` (real weights, on the CPU; sharded or not) timed at each micro batch: the median
+    of ``repeats`` forward-backwards after one untimed, on one thread; and one AdamW step."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     try:
         timed = {}
         for micro in sorted(micro_batches):
-            tokens = torch.randint(vocab_size, (micro, facts.seq_len + 1), generator=generator)
+            tokens = torch.randint(vocab_size, (micro, seq_len + 1), generator=generator)
             timed[micro] = _median_seconds(lambda t=tokens: _forward_backward(net, t), repeats)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
         step_s = _median_seconds(optimizer.step, repeats)
         net.zero_grad(set_to_none=True)
     finally:
         torch.set_num_threads(previous)
-    return replace(facts, profile=Profile(timed, step_s))
+    return Profile(timed, step_s)
 
 
 def _forward_backward(net: nn.Module, tokens: torch.Tensor) -> None:
     logits = net(tokens[:, :-1])
+    if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel): the loss on the whole logits
+        logits = logits.full_tensor()
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
 
 
