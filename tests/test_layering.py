@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ def _imports(name: str, path: Path) -> set[str]:
     return found
 
 
+@functools.cache  # every module parsed once per session: the tests below share the graph
 def _graph() -> dict[str, set[str]]:
     return {name: {m for m in _imports(name, path) if m in MODULES and m != name}
             for name, path in MODULES.items()}
