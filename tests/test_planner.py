@@ -95,6 +95,12 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
     assert (ddp.compute_s, fsdp.compute_s, tp.compute_s) == pytest.approx((0.2, 0.3, 0.1))
     assert (ddp.optimizer_s, fsdp.optimizer_s, tp.optimizer_s, zero1.optimizer_s) == pytest.approx(
         (0.02, 0.012, 0.01, 0.01))
+    # DDP with a compression hook: its own profile (the codec's time) and its bytes ratio
+    facts = dataclasses.replace(facts, profiles={**facts.profiles, "ddp2-topk": Profile({8: 0.13}, 0.02, 40.0)})
+    topk = predict(Plan("ddp", MeshSizes(data_replicate=2), micro_batch=8, accumulation=2, compression="topk"),
+                   facts, CLUSTER)
+    assert topk.compute_s == pytest.approx(0.26)
+    assert topk.collectives[0].bytes_per_rank == pytest.approx(ddp.collectives[0].bytes_per_rank / 40)
 
 
 @pytest.mark.slow
@@ -107,6 +113,10 @@ def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
     assert sorted(found) == ["fsdp2", "plain", "tp2"]
     assert sorted(found["plain"].forward_backward_s) == [1, 2] and list(found["tp2"].forward_backward_s) == [2]
     assert all(t > 0 for p in found.values() for t in [*p.forward_backward_s.values(), p.optimizer_step_s])
+    # DDP with litscale's top-k hook past its warm-up: 1% of values + int32 indices, 50x fewer bytes
+    topk = {"_target_": "litscale.compression.topk", "ratio": 0.01}
+    found = profiles_in_child(net, keys={"ddp2-topk": {2}}, seq_len=32, vocab_size=256, compression=topk)
+    assert found["ddp2-topk"].bytes_ratio == pytest.approx(50, rel=0.05)
 
 
 def test_pipeline_time_is_stretched_by_the_bubble():

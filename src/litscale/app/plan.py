@@ -80,7 +80,8 @@ def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout)
     return Plan(strategy, layout.mesh, layout.micro_batch, layout.accumulation,
                 bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
                 cfg.precision.param_dtype, microbatches, schedule,
-                int(cfg.strategy.get("virtual_stages") or (1 if schedule in ("gpipe", "1f1b") else 2)))
+                int(cfg.strategy.get("virtual_stages") or (1 if schedule in ("gpipe", "1f1b") else 2)),
+                choices.get("compression", "none") if strategy == "ddp" else "none")
 
 
 def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> dict:
@@ -157,7 +158,10 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     if not cluster.is_this_machine or not keys:
         return facts
     net_config = OmegaConf.to_container(cfg.model.net, resolve=True)
-    profiles = profiles_in_child(net_config, keys=keys, seq_len=facts.seq_len, vocab_size=int(cfg.data.vocab_size))
+    compression = OmegaConf.to_container(cfg.compression, resolve=True) if "_target_" in (
+        cfg.get("compression") or {}) else None
+    profiles = profiles_in_child(net_config, keys=keys, seq_len=facts.seq_len, vocab_size=int(cfg.data.vocab_size),
+                                 compression=compression)
     return dataclasses.replace(facts, profiles=profiles)
 
 

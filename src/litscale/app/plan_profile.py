@@ -15,20 +15,29 @@ from concurrent.futures import ProcessPoolExecutor
 
 from litscale.planner.model_facts import Profile
 
+# Steps a compression hook may take to reach its steady state (PowerSGD's dense warm-up is
+# `start_iteration`, 10 by default).
+MAX_WARMUP_STEPS = 40
 
-def profiles_in_child(net_config: dict, *, keys: dict[str, set[int]], seq_len: int, vocab_size: int
-                      ) -> dict[str, Profile]:
-    """``keys``: profile key (``litscale.planner.cost.profile_key``) -> micro batches to time."""
+
+def profiles_in_child(net_config: dict, *, keys: dict[str, set[int]], seq_len: int, vocab_size: int,
+                      compression: dict | None = None) -> dict[str, Profile]:
+    """``keys``: profile key (``litscale.planner.cost.profile_key``) -> micro batches to time;
+    ``compression``: the ``compression`` config a ``ddp<n>-<name>`` key runs."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_profiles, net_config, keys, seq_len, vocab_size).result()
+        return pool.submit(_profiles, net_config, keys, seq_len, vocab_size, compression).result()
 
 
-def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_size: int) -> dict[str, Profile]:
+def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_size: int,
+              compression: dict | None) -> dict[str, Profile]:
+    import dataclasses
+
     import torch
     import torch.distributed as dist
     from hydra.utils import instantiate
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from litscale.planner.model_facts import profile
@@ -39,18 +48,52 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
     for key, micro_batches in sorted(keys.items()):
         torch.manual_seed(0)
         net = instantiate(net_config, _convert_="all")
-        world = int(key.removeprefix("fsdp").removeprefix("tp")) if key != "plain" else 1
+        kind, world = _parse(key)
         if world > 1:
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-            mesh = init_device_mesh("cpu", (world,))
-            if key.startswith("fsdp"):  # as the FSDP strategy wraps it: units, then the network
+        try:
+            ratio = 1.0
+            if kind == "fsdp":  # as the FSDP strategy wraps it: units, then the network
+                mesh = init_device_mesh("cpu", (world,))
                 shard_units(list(net.sharding_units()), reshard_after_forward=True, mesh=mesh)
                 fully_shard(net, mesh=mesh, reshard_after_forward=False)
-            else:  # tensor parallel, as the strategy's defaults run it (sequence parallel)
-                apply_declared_plan(net, mesh)
-        try:
-            found[key] = profile(net, seq_len=seq_len, micro_batches=micro_batches, vocab_size=vocab_size)
+            elif kind == "tp":  # tensor parallel, as the strategy's defaults run it (sequence parallel)
+                apply_declared_plan(net, init_device_mesh("cpu", (world,)))
+            elif kind == "ddp":  # DDP with the run's compression hook, past its warm-up
+                net = DistributedDataParallel(net)
+                hook = instantiate(compression, _convert_="all")
+                hook.register(net)
+                ratio = _steady_ratio(net, hook.state, seq_len, vocab_size, min(micro_batches))
+            timed = profile(net, seq_len=seq_len, micro_batches=micro_batches, vocab_size=vocab_size)
+            found[key] = dataclasses.replace(timed, bytes_ratio=ratio)
         finally:
             if world > 1:
                 dist.destroy_process_group()
     return found
+
+
+def _parse(key: str) -> tuple[str, int]:
+    """``plain`` -> (plain, 1); ``fsdp2`` -> (fsdp, 2); ``tp2`` -> (tp, 2); ``ddp2-topk`` -> (ddp, 2)."""
+    for kind in ("fsdp", "tp", "ddp"):
+        if key.startswith(kind):
+            return kind, int(key.removeprefix(kind).split("-")[0])
+    return "plain", 1
+
+
+def _steady_ratio(ddp, state, seq_len: int, vocab_size: int, micro_batch: int) -> float:
+    """Dense over sent bytes of one step, once two steps in a row sent the same."""
+    import torch
+
+    from litscale.planner.model_facts import forward_backward
+
+    tokens = torch.randint(vocab_size, (micro_batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    previous = None
+    for _ in range(MAX_WARMUP_STEPS):
+        sent, dense = state.bytes_sent, state.dense_bytes
+        forward_backward(ddp, tokens)
+        ddp.zero_grad(set_to_none=True)
+        step = (state.bytes_sent - sent, state.dense_bytes - dense)
+        if step == previous:
+            break
+        previous = step
+    return step[1] / step[0]

@@ -43,6 +43,7 @@ class Plan:
     microbatches: int = 1  # a pipeline's split of the micro batch
     schedule: str = "1f1b"
     virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules: 2 or more)
+    compression: str = "none"  # DDP's gradient compression (litscale's compression= option)
 
     def describe(self) -> str:
         mesh = self.mesh
@@ -50,6 +51,8 @@ class Plan:
                  f"mb{self.micro_batch}", f"acc{self.accumulation}"]
         if self.mesh.pipeline > 1:
             parts.append(f"{self.schedule}x{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        if self.compression != "none":
+            parts.append(self.compression)
         return " ".join(parts) + (" ac" if self.activation_checkpointing else "")
 
 
@@ -158,7 +161,11 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     stage = ZERO_STAGE[plan.strategy] if mesh.data_shard > 1 else 0
     if stage == 0:  # accumulation runs under no_sync: one reduction per step
         buckets = 1 + math.ceil(max(0.0, grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
-        ring("gradient all-reduce", grad_bytes, buckets if plan.strategy == "ddp" else 1, mesh.data, data_link, 2)
+        # NOTE: a compressed bucket is costed as an all-reduce of what its hook sends; hooks
+        # that all-gather (top-k, QSGD, ...) send that many bytes per rank only at 2 ranks
+        timed = facts.profiles.get(profile_key(plan))
+        sent = grad_bytes / (timed.bytes_ratio if timed is not None else 1.0)
+        ring("gradient all-reduce", sent, buckets if plan.strategy == "ddp" else 1, mesh.data, data_link, 2)
     else:
         acc = plan.accumulation
         if stage == 3:  # each unit gathered for forward and again for backward; the root once, kept
@@ -187,9 +194,12 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
 
 def profile_key(plan: Plan) -> str:
     """How one rank of ``plan`` runs the network, as ``ModelFacts.profiles`` names it: under
-    FSDP2 sharded over its data ranks (``fsdp<n>``), under tensor parallel (``tp<n>``), or plain."""
+    FSDP2 sharded over its data ranks (``fsdp<n>``), under tensor parallel (``tp<n>``), under
+    DDP with a compression hook (``ddp<n>-<compression>``: the codec's time and ratio), or plain."""
     if plan.strategy == "tensor_parallel":
         return f"tp{plan.mesh.tensor}"
+    if plan.strategy == "ddp" and plan.compression != "none" and plan.mesh.data > 1:
+        return f"ddp{plan.mesh.data}-{plan.compression}"
     if plan.strategy == "fsdp" and plan.mesh.data_shard > 1:
         return f"fsdp{plan.mesh.data_shard}"
     return "plain"

@@ -24,6 +24,9 @@ class Profile:
 
     forward_backward_s: dict[int, float]
     optimizer_step_s: float
+    # Dense gradient bytes over the bytes a compression hook hands to collectives, in its
+    # steady state (after any dense warm-up): litscale's own codecs, run on the profiled step.
+    bytes_ratio: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def profile(net: nn.Module, *, seq_len: int, micro_batches: set[int], vocab_size
         timed = {}
         for micro in sorted(micro_batches):
             tokens = torch.randint(vocab_size, (micro, seq_len + 1), generator=generator)
-            timed[micro] = _median_seconds(lambda t=tokens: _forward_backward(net, t), repeats)
+            timed[micro] = _median_seconds(lambda t=tokens: forward_backward(net, t), repeats)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
         step_s = _median_seconds(optimizer.step, repeats)
         net.zero_grad(set_to_none=True)
@@ -124,7 +127,8 @@ def profile(net: nn.Module, *, seq_len: int, micro_batches: set[int], vocab_size
     return Profile(timed, step_s)
 
 
-def _forward_backward(net: nn.Module, tokens: torch.Tensor) -> None:
+def forward_backward(net: nn.Module, tokens: torch.Tensor) -> None:
+    """One training step's forward and backward: next-token cross-entropy over ``tokens``."""
     logits = net(tokens[:, :-1])
     if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel): the loss on the whole logits
         logits = logits.full_tensor()
