@@ -100,6 +100,11 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
     topk = predict(Plan("ddp", MeshSizes(data_replicate=2), micro_batch=8, accumulation=2, compression="topk"),
                    facts, CLUSTER)
     assert topk.compute_s == pytest.approx(0.26)
+    # ranks computing side by side on one node's cores: each slower by the measured contention
+    busy = dataclasses.replace(CLUSTER, contention=1.25)
+    assert predict(ddp.plan, facts, busy).compute_s == pytest.approx(1.25 * ddp.compute_s)
+    single = Plan("ddp", MeshSizes(), micro_batch=8, accumulation=2)
+    assert predict(single, facts, busy).compute_s == pytest.approx(predict(single, facts, CLUSTER).compute_s)
     assert topk.collectives[0].bytes_per_rank == pytest.approx(ddp.collectives[0].bytes_per_rank / 40)
 
 

@@ -1,9 +1,9 @@
 """``python -m litscale.planner.calibrate``: this machine's figures for ``cluster=local_cpu``.
 
-Times square matmuls on one rank's share of the cores (each CPU rank runs one thread) and
-gloo all-reduces between two local processes at sizes from 4 KiB to 16 MiB, fits latency and
-bandwidth to the all-reduce times (least squares on the ring's bytes), and writes them to
-``$LITSCALE_CACHE/cluster_local_cpu.json`` (default ``~/.cache/litscale``). A plan for
+Times square matmuls on one rank's share of the cores (each CPU rank runs one thread), gloo
+all-reduces between two local processes at sizes from 4 KiB to 16 MiB (latency and bandwidth
+fitted to them), and a small training step alone and in two processes at once (contention);
+writes them to ``$LITSCALE_CACHE/cluster_local_cpu.json`` (default ``~/.cache/litscale``). A plan for
 ``cluster=local_cpu`` reads that file, and calibrates first if it is missing.
 """
 
@@ -87,6 +87,41 @@ def measure_link() -> tuple[Link, dict[int, float]]:
     return Link(bandwidth_bytes_s=1 / slope, latency_s=latency), times
 
 
+def _step_seconds(seconds: float = 3.0) -> float:
+    """Median time of GPT-nano's forward-backward (micro batch 8, 128 tokens) on one thread,
+    over ``seconds`` of repeats."""
+    from litscale.models.gpt import build_gpt
+    from litscale.planner.model_facts import forward_backward
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net, tokens = build_gpt(preset="nano"), torch.randint(256, (8, 129))
+    forward_backward(net, tokens)
+    samples, deadline = [], time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        forward_backward(net, tokens)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def measure_contention(ranks: int) -> float:
+    """How much slower a training step runs while ``ranks`` processes run it at once (one per
+    core) than alone: they share the memory system, which a step timed alone does not see."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    alone = _step_seconds()
+    with ProcessPoolExecutor(ranks, mp_context=get_context("spawn")) as pool:
+        list(pool.map(_started, [1.0] * ranks))  # every worker up (torch imported) before timing
+        together = list(pool.map(_step_seconds, [6.0] * ranks))
+    return max(1.0, statistics.median(together) / alone)
+
+
+def _started(seconds: float) -> None:
+    time.sleep(seconds)  # held, so that the pool starts its next worker for the next call
+
+
 def calibrate() -> dict:
     """Measure and write this machine's figures; return them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -100,6 +135,7 @@ def calibrate() -> dict:
     link, times = measure_link()
     figures = {"cores": cores, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                "peak_flops": peak, "bandwidth_bytes_s": link.bandwidth_bytes_s, "latency_s": link.latency_s,
+               "contention": measure_contention(min(cores, 2)),
                "all_reduce_s_by_bytes": times,  # what latency and bandwidth were fitted to
                "measured": time.strftime("%Y-%m-%d %H:%M")}
     path = calibration_path()
@@ -119,6 +155,7 @@ def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegat
     figures = json.loads(path.read_text()) if path.exists() else calibrate()
     link = Link(bandwidth_bytes_s=figures["bandwidth_bytes_s"], latency_s=figures["latency_s"])
     return Cluster(name="local_cpu", nodes=1, devices_per_node=figures["cores"],
+                   contention=figures.get("contention", 1.0),
                    device_memory_bytes=figures["memory_bytes"] / figures["cores"], peak_flops=figures["peak_flops"],
                    intra_node=link, inter_node=link, achieved_fraction=achieved_fraction,
                    allocator_overhead=allocator_overhead, overlap=overlap,

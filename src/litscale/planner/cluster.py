@@ -43,6 +43,9 @@ class Cluster:
     # The optimizer step's time per parameter a rank updates (memory-bound: it reads and writes
     # each parameter, its gradient and its two moments): what sharding the optimizer saves.
     optimizer_s_per_param: NonNegativeFloat = 0.0
+    # How much slower a rank computes while the node's other ranks compute too (CPU cores share
+    # caches and memory bandwidth; 1: a GPU's own memory).
+    contention: float = 1.0
     # True for the machine the planner runs on: a plan's forward-backward is then timed here
     # (litscale.planner.model_facts.with_profile) instead of predicted from FLOPs.
     is_this_machine: bool = False

@@ -239,6 +239,8 @@ def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
     plan, mesh = prediction.plan, prediction.plan.mesh
     tokens_per_rank = plan.micro_batch * plan.accumulation * facts.seq_len
     compute = _compute_s(plan, facts, cluster) / mesh.pipeline
+    if mesh.world_size > 1:  # the node's other ranks compute at the same time
+        compute *= cluster.contention
     if plan.activation_checkpointing:
         compute *= 4 / 3  # the forward again, inside backward
     compute += plan.accumulation * plan.microbatches * cluster.overhead_per_microbatch_s
