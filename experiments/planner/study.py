@@ -153,8 +153,12 @@ def metrics(runs: dict[str, dict]) -> dict:
 
 def report(results: dict) -> str:
     runs, m = results["runs"], results["metrics"]
+    calibration = results.get("calibration", {})
     lines = [f"Machine: {results['machine']}. Recorded {results['date']} with `python experiments/planner/study.py`; "
-             f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank.", "",
+             f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank. Calibration "
+             f"({calibration.get('measured', '?')}): gloo latency {calibration.get('latency_s', 0) * 1e3:.2f} ms, "
+             f"bandwidth {calibration.get('bandwidth_bytes_s', 0) / 1e9:.2f} GB/s, contention "
+             f"{calibration.get('contention', 1.0):.3f}.", "",
              "| configuration | ranks | global batch | predicted s/step | measured s/step | error |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in runs.items():
@@ -235,8 +239,11 @@ def main() -> None:
                       f"({r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%})", flush=True)
         import torch
 
+        from litscale.planner.calibrate import calibration_path
+
         results = {"machine": f"{os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}, "
                               f"torch {torch.__version__}",
+                   "calibration": json.loads(calibration_path().read_text()),  # what local_cpu read
                    "date": time.strftime("%Y-%m-%d"), "runs": runs, "metrics": metrics(runs)}
     text = report(results)
     print(text)
