@@ -49,7 +49,10 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
         torch.manual_seed(0)
         net = instantiate(net_config, _convert_="all")
         kind, world = _parse(key)
-        if world > 1:
+        if kind == "ddp":  # one real gloo rank: torch's hooks read their all-reduce's result,
+            # which the fake group's futures do not carry
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        elif world > 1:
             dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
             ratio = 1.0
@@ -67,7 +70,7 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
             timed = profile(net, seq_len=seq_len, micro_batches=micro_batches, vocab_size=vocab_size)
             found[key] = dataclasses.replace(timed, bytes_ratio=ratio)
         finally:
-            if world > 1:
+            if dist.is_initialized():
                 dist.destroy_process_group()
     return found
 
