@@ -121,6 +121,8 @@ def test_multirun_runs_each_job_once_with_its_own_world_size(sweep):
     found = sorted((s["choices"]["strategy"], s["world_size"]) for s in summaries(outputs))
     assert found == [("ddp", 1), ("ddp", 2), ("fsdp", 1), ("fsdp", 2)]
     assert process.stdout.count("litscale: done:") == 4  # one summary per job, from rank 0
+    # like for like: each 1-device job ran on the threads each rank of the 2-device jobs had
+    assert len({s["threads_per_rank"] for s in summaries(outputs)}) == 1
 
 
 @pytest.mark.slow

@@ -88,7 +88,11 @@ def _share_cpu_threads() -> None:
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(int(os.environ.get(THREADS_ENV) or max(1, cores // local_ranks)))
+    threads = int(os.environ.get(THREADS_ENV) or max(1, cores // local_ranks))
+    torch.set_num_threads(threads)
+    # NOTE: Lightning's launchers set torch's threads to cores / processes again unless
+    # OMP_NUM_THREADS is set: a sweep's 1-device job ran on 2 threads beside ranks on 1.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
 
 
 def build_strategy(cfg: DictConfig):
