@@ -50,7 +50,7 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
         _say(f"  {count} x {reason}")
     if not ranked:
         _say("no plan fits: see the reasons above")
-    _as_configured(cfg, choices, layout, cluster, facts, fitting=bool(ranked))
+    _as_configured(cfg, choices, layout, cluster, facts, configured, fitting=bool(ranked))
     if not ranked:
         return {}
     winner = overrides(ranked[0].plan, cluster)
@@ -106,7 +106,7 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
 
 
 def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, cluster: Cluster,
-                   facts: ModelFacts, *, fitting: bool) -> None:
+                   facts: ModelFacts, plan: Plan | None, *, fitting: bool) -> None:
     """Print the run as configured: its layout, LR and predicted memory per rank; refuse it
     (before any process starts) when that memory exceeds the device's."""
     from litscale.errors import ConfigError
@@ -120,7 +120,6 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
                        base_batch_size=int(cfg.lr_scaling.base_batch_size), rule=rule)
         _say(f"as configured: lr {cfg.optimizer.lr:g} scaled by the {rule} rule to {lr:.4g} "
              f"(global batch {layout.global_batch}, base {cfg.lr_scaling.base_batch_size})")
-    plan = configured_plan(cfg, choices, layout)
     if plan is None:
         _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
         return
