@@ -93,15 +93,20 @@ def _step_seconds(seconds: float = 3.0) -> float:
     from litscale.models.gpt import build_gpt
     from litscale.planner.model_facts import forward_backward
 
+    previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    net, tokens = build_gpt(preset="nano"), torch.randint(256, (8, 129))
-    forward_backward(net, tokens)
-    samples, deadline = [], time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            net, tokens = build_gpt(preset="nano"), torch.randint(256, (8, 129))
         forward_backward(net, tokens)
-        samples.append(time.perf_counter() - start)
+        samples, deadline = [], time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            start = time.perf_counter()
+            forward_backward(net, tokens)
+            samples.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
     return statistics.median(samples)
 
 
