@@ -71,6 +71,8 @@ RUN_STRATEGIES = {"single": "ddp", "ddp": "ddp", "fsdp": "fsdp", "tensor_paralle
 
 def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
     """The run as configured, as the planner's ``Plan`` (None where its strategy is not modelled)."""
+    from litscale.strategies.pipeline import default_virtual_stages
+
     strategy = RUN_STRATEGIES.get(choices.get("strategy", ""))
     if choices.get("strategy") == "deepspeed_zero":
         strategy = f"deepspeed_zero{cfg.strategy.stage}"
@@ -80,7 +82,7 @@ def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout)
     return Plan(strategy, layout.mesh, layout.micro_batch, layout.accumulation,
                 bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
                 cfg.precision.param_dtype, microbatches, schedule,
-                int(cfg.strategy.get("virtual_stages") or (1 if schedule in ("gpipe", "1f1b") else 2)),
+                int(cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)),
                 choices.get("compression", "none") if strategy == "ddp" else "none")
 
 

@@ -84,6 +84,12 @@ SCHEDULES: dict[str, tuple[str, str]] = {
 }
 
 
+def default_virtual_stages(schedule: str) -> int:
+    """Stages per rank when ``strategy.virtual_stages`` is null: 1 for a single-stage schedule,
+    2 for the looped and V-shaped ones."""
+    return 1 if SCHEDULES[schedule][1] == "single" else 2
+
+
 class PipelineParallelStrategy(ModelParallelStrategy):
     """Pipeline x data x tensor parallel as a Lightning strategy; stages from the model's blocks.
 
@@ -118,7 +124,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         timeout_s: PositiveInt = 1800,
     ) -> None:
         placement = SCHEDULES[schedule][1]
-        virtual_stages = virtual_stages or (1 if placement == "single" else 2)
+        virtual_stages = virtual_stages or default_virtual_stages(schedule)
         if placement == "single" and virtual_stages != 1:
             raise ValueError(f"strategy.virtual_stages={virtual_stages} needs a multi-stage schedule; "
                              f"strategy.schedule={schedule} runs 1 stage per rank (try interleaved_1f1b)")
