@@ -87,27 +87,15 @@ def measure_link() -> tuple[Link, dict[int, float]]:
     return Link(bandwidth_bytes_s=1 / slope, latency_s=latency), times
 
 
-def _step_seconds(seconds: float = 3.0) -> float:
-    """Median time of GPT-nano's forward-backward (micro batch 8, 128 tokens) on one thread,
-    over ``seconds`` of repeats."""
+def _step_seconds(repeats: int = 30) -> float:
+    """Median time of GPT-nano's forward-backward (micro batch 8, 128 tokens) on one thread."""
     from litscale.models.gpt import build_gpt
-    from litscale.planner.model_facts import forward_backward
+    from litscale.planner.model_facts import profile
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            net, tokens = build_gpt(preset="nano"), torch.randint(256, (8, 129))
-        forward_backward(net, tokens)
-        samples, deadline = [], time.perf_counter() + seconds
-        while time.perf_counter() < deadline:
-            start = time.perf_counter()
-            forward_backward(net, tokens)
-            samples.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
-    return statistics.median(samples)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = build_gpt(preset="nano")
+    return profile(net, seq_len=128, micro_batches={8}, vocab_size=256, repeats=repeats).forward_backward_s[8]
 
 
 def measure_contention(ranks: int) -> float:
@@ -119,7 +107,7 @@ def measure_contention(ranks: int) -> float:
     alone = _step_seconds()
     with ProcessPoolExecutor(ranks, mp_context=get_context("spawn")) as pool:
         list(pool.map(_started, [1.0] * ranks))  # every worker up (torch imported) before timing
-        together = list(pool.map(_step_seconds, [6.0] * ranks))
+        together = list(pool.map(_step_seconds, [60] * ranks))  # longer: the ranks' runs overlap
     return max(1.0, statistics.median(together) / alone)
 
 
