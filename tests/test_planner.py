@@ -211,7 +211,8 @@ def test_plan_auto_prints_a_ranking_and_writes_the_fastest_as_an_experiment(tmp_
     experiment = OmegaConf.load(path)
     fastest = next(line for line in lines if line.startswith("litscale: fastest: "))
     strategy = fastest.split("strategy=", 1)[1].split()[0]
-    assert experiment.defaults[0] == {"override /strategy": strategy}
+    assert {"override /strategy": strategy} in experiment.defaults
+    assert {"override /model": "llama"} in experiment.defaults and experiment.model.net.preset == "llama3_8b"
     assert experiment.trainer.num_nodes == 2 and experiment.trainer.devices == 8
     assert not summaries(tmp_path)  # nothing trained
 
@@ -238,6 +239,53 @@ def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_
         train(cfg, choices=choices)
     assert re.fullmatch(r"the run as configured needs \d+\.\d GiB per rank, more than cluster=h100_8x's 80 GiB "
                         r"per device; the plans above fit", str(error.value)), str(error.value)
+
+
+def test_a_plan_keeps_the_users_run_and_replaces_its_layout():
+    from litscale.app.experiment_file import carried_overrides
+
+    user = ["model=gpt", "strategy=fsdp", "strategy.activation_checkpointing=true", "trainer.devices=2",
+            "trainer.num_nodes=1", "data.batch_size=4", "trainer.accumulate_grad_batches=2", "plan=auto",
+            "plan.verify=3", "hydra.run.dir=x", "hydra/launcher=slurm", "data.seq_len=32", "+model.net.n_layer=2",
+            "trainer.max_steps=50", "cluster=local_cpu"]
+    assert carried_overrides(user) == ["model=gpt", "data.seq_len=32", "+model.net.n_layer=2", "trainer.max_steps=50",
+                                       "cluster=local_cpu"]
+
+
+def test_an_experiment_file_composes_as_its_overrides_do(tmp_path):
+    """The reference is Hydra composing the command line itself: the file written from the
+    same overrides (a user's experiment, group choices, nested values, an added key) composes
+    to the same config; a deletion, which a file cannot hold, is handed back."""
+    from helpers.configs import compose_full
+
+    from litscale.app.experiment_file import write_experiment
+
+    overrides = ["experiment=digits_mlp", "strategy=ddp", "precision=bf16_mixed", "trainer.devices=2",
+                 "optimizer.lr=0.01", "data.batch_size=8", "+trainer.detect_anomaly=true", "name='my run'"]
+    groups = set(compose_full().hydra.runtime.choices)
+    left = write_experiment([*overrides, "~logger"], str(tmp_path / "experiment" / "x.yaml"), groups=groups,
+                            comment="a test")
+    assert left == ["~logger"]
+    direct = compose_full(overrides)
+    from_file = compose_full([f"hydra.searchpath=[file://{tmp_path}]", "experiment=x"])
+    without_hydra = [{k: v for k, v in OmegaConf.to_container(cfg).items() if k != "hydra"} for cfg in (from_file, direct)]
+    assert without_hydra[0] == without_hydra[1]
+    assert from_file.name == "my run" and from_file.trainer.detect_anomaly is True
+
+
+def test_a_run_from_a_config_dir_is_checked_before_it_starts(tmp_path, capsys):
+    """plan=auto's experiments run with --config-dir: the command line is checked as any other."""
+    from helpers.configs import CONF_DIR
+
+    from litscale.app.preflight import check_command_line
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "too_many.yaml").write_text("# @package _global_\ntrainer:\n  devices: 999\n")
+    with pytest.raises(SystemExit) as exit_:
+        check_command_line(["--config-dir", str(tmp_path), "experiment=too_many", "trainer.accelerator=cpu"],
+                           config_dir=str(CONF_DIR), config_name="train")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("error: trainer.devices=999 is more than this machine has: ")
 
 
 def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
@@ -277,18 +325,24 @@ def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monk
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_plan_verify_runs_the_top_plans_here_and_writes_the_measured_fastest(tmp_path):
-    """Two plans for GPT-nano on this machine's 2 cores, 12 steps each: both measured, the
-    predicted bytes of parameters, gradients and optimizer state are what the runs held, and
-    the experiment written is the plan measured fastest, with the predicted order judged."""
-    process = run_train("plan=auto", "plan.verify=2", "plan.verify_steps=12", "plan.top=3", "trainer.accelerator=cpu",
-                        "data.seq_len=32", "data.max_bytes=200000", outputs=tmp_path, timeout=540)
+    """The done-when command, two plans for GPT-nano on this machine's 2 cores, 12 steps each:
+    each plan written as an experiment config and run as one job of a Hydra multirun; both
+    measured, the predicted bytes of parameters, gradients and optimizer state are what the
+    runs held, and the experiment written is the file measured fastest, with the predicted
+    order judged."""
+    process = run_train("model=gpt", "trainer.accelerator=cpu", "trainer.devices=2", "plan=auto", "plan.verify=2",
+                        "plan.verify_steps=12", "plan.top=3", "data.seq_len=32", "data.max_bytes=200000",
+                        outputs=tmp_path, timeout=540)
     assert process.returncode == 0, explain(process)
-    assert "litscale: predicted vs measured (also in plan/verify.json):" in process.stdout
-    (path,) = tmp_path.glob("**/plan/verify.json")
-    records = json.loads(path.read_text())
-    assert len(records) == 2
+    (plan_dir,) = tmp_path.glob("**/plan")
+    assert f"litscale: predicted vs measured (also in {plan_dir / 'verify.json'}):" in process.stdout
+    assert "litscale: verifying 2 plan(s) as one multirun, 12 steps each: verify_1, verify_2" in process.stdout
+    records = json.loads((plan_dir / "verify.json").read_text())
+    assert [r["experiment"] for r in records] == ["verify_1", "verify_2"]
     for record in records:
         assert record["error"] is None and record["measured_step_s"] > 0, record
+        summary = json.loads((plan_dir / "verify" / record["experiment"] / "summary.json").read_text())
+        assert summary["steps"] == 12 and summary["world_size"] == 2, summary
         if record["plan"].startswith("deepspeed"):
             # DeepSpeed holds the ZeRO formula's bytes and more (ZeRO-2: its gradient reduce
             # bucket, 20% more on GPT-nano): the formula is a floor there
@@ -299,11 +353,13 @@ def test_plan_verify_runs_the_top_plans_here_and_writes_the_measured_fastest(tmp
     assert f"litscale: measured fastest: {fastest['plan']}" in process.stdout
     held = records[0] is fastest
     assert ("litscale: predicted order wrong: #1" in process.stdout) is not held
-    written = next(line for line in process.stdout.splitlines() if line.startswith("litscale: written: "))
-    experiment = OmegaConf.load(written.split("written: ", 1)[1].split(";")[0])
-    batch = next(o for o in fastest["overrides"] if o.startswith("data.batch_size="))
-    assert experiment.data.batch_size == int(batch.split("=")[1])
-    assert experiment.defaults[0] == {"override /strategy": fastest["overrides"][0].split("=")[1]}
+    assert f"run it with python train.py --config-dir {plan_dir} experiment=planned" in process.stdout
+    measured = (plan_dir / "experiment" / f"{fastest['experiment']}.yaml").read_text().splitlines()
+    written = (plan_dir / "experiment" / "planned.yaml").read_text().splitlines()
+    assert written[2:] == measured[2:]  # the same run: only the comment differs
+    experiment = OmegaConf.load(plan_dir / "experiment" / "planned.yaml")
+    assert experiment.data.seq_len == 32 and experiment.trainer.devices == 2  # the user's run, as planned
+    assert {"override /model": "gpt"} in experiment.defaults
 
 
 @pytest.mark.full  # make test-full: keeps make test within its time budget

@@ -53,15 +53,16 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     _as_configured(cfg, choices, layout, cluster, facts, configured, fitting=bool(ranked))
     if not ranked:
         return {}
-    winner = overrides(ranked[0].plan, cluster)
-    _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(winner)}")
-    if int(cfg.plan.verify) > 0:
-        winner = _verify(cfg, cluster, ranked[: int(cfg.plan.verify)]) or winner
+    _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(overrides(ranked[0].plan, cluster))}")
+    plan_dir = os.path.join(cfg.paths.output_dir, "plan")
+    top = ranked[: int(cfg.plan.verify)]
+    best = (_verify(cfg, cluster, choices, top, plan_dir) if top else None) or ranked[0]
+    winner = overrides(best.plan, cluster)
     if cfg.plan.mode == "auto":
-        path = write_experiment(winner, os.path.join(cfg.paths.output_dir, "plan"))
-        _say(f"written: {path}; run it with python train.py --config-dir {os.path.dirname(os.path.dirname(path))} "
-             "experiment=planned")
-    return {"plan/winner": winner, "plan/predicted_step_s": ranked[0].step_s}
+        left = _experiment(cfg, choices, winner, plan_dir, "planned", "plan=auto's pick")
+        _say(f"written: {os.path.join(plan_dir, 'experiment', 'planned.yaml')}; run it with python train.py "
+             f"--config-dir {plan_dir} experiment=planned{''.join(' ' + o for o in left)}")
+    return {"plan/winner": winner, "plan/predicted_step_s": best.step_s}
 
 
 # A run's strategy option -> the planner's name for it (None: not modelled).
@@ -166,31 +167,47 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     return dataclasses.replace(facts, profiles=profiles)
 
 
-def _verify(cfg: DictConfig, cluster: Cluster, top: list[Prediction]) -> list[str] | None:
-    """Measure ``top`` here; return the overrides of the plan measured fastest (None when
-    none could be measured), after saying where the predicted order was wrong."""
-    from litscale.app.plan_verify import check_verifiable, order_mistakes, table, verify
+def _experiment(cfg: DictConfig, choices: dict[str, str], plan_overrides: list[str], plan_dir: str, name: str,
+                what: str) -> list[str]:
+    """Write ``<plan_dir>/experiment/<name>.yaml``: the user's run with ``plan_overrides``; return
+    the overrides a file cannot hold."""
+    from litscale.app.experiment_file import carried_overrides, write_experiment
     from litscale.app.scaling_study import job_context
+
+    run = carried_overrides(job_context(cfg).overrides)
+    return write_experiment([*run, *plan_overrides], os.path.join(plan_dir, "experiment", f"{name}.yaml"),
+                            groups=set(choices), comment=f"Written by litscale's planner: {what}.")
+
+
+def _verify(cfg: DictConfig, cluster: Cluster, choices: dict[str, str], top: list[Prediction],
+            plan_dir: str) -> Prediction | None:
+    """Measure ``top`` here, each written as ``<plan_dir>/experiment/verify_<i>.yaml``; return the
+    plan measured fastest (None when none could be measured), after saying where the predicted
+    order was wrong."""
+    from litscale.app.plan_verify import check_verifiable, order_mistakes, table, verify
     from litscale.app.validation import resolve_accelerator
 
     reason = check_verifiable(cluster)
     if reason:
         _say(f"not verified: {reason}")
         return None
-    records = verify(top, [overrides(p.plan, cluster) for p in top], user_overrides=job_context(cfg).overrides,
-                     steps=int(cfg.plan.verify_steps), output_dir=os.path.join(cfg.paths.output_dir, "plan"),
+    names = [f"verify_{i}" for i in range(1, len(top) + 1)]
+    for i, (prediction, name) in enumerate(zip(top, names, strict=True), 1):
+        left = _experiment(cfg, choices, overrides(prediction.plan, cluster), plan_dir, name,
+                           f"plan #{i} ({prediction.plan.describe()})")
+    records = verify(top, names, config_dir=plan_dir, extra=left, steps=int(cfg.plan.verify_steps),
                      accelerator=resolve_accelerator(str(cfg.trainer.get("accelerator", "auto"))))
-    _say("predicted vs measured (also in plan/verify.json):")
+    _say(f"predicted vs measured (also in {os.path.join(plan_dir, 'verify.json')}):")
     print(table(records), flush=True)
-    measured = [r for r in records if r["measured_step_s"]]
+    measured = [(r, p) for r, p in zip(records, top, strict=True) if r["measured_step_s"]]
     if not measured:
         return None
     for line in order_mistakes(records):
         _say(line)
-    fastest = min(measured, key=lambda r: r["measured_step_s"])
+    fastest, prediction = min(measured, key=lambda pair: pair[0]["measured_step_s"])
     _say(f"measured fastest: {fastest['plan']}" + (" (the predicted order held)" if not order_mistakes(records)
                                                   else ""))
-    return fastest["overrides"]
+    return prediction
 
 
 def table(ranked: list[Prediction], cluster: Cluster) -> str:
@@ -199,7 +216,6 @@ def table(ranked: list[Prediction], cluster: Cluster) -> str:
         rows.append((str(index), p.plan.describe(), f"{p.step_s:.4g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
                      f"{p.peak_bytes / GiB:.2f}", f"{p.exposed_comm_s:.3g}", p.binding(cluster)))
     return aligned(rows)
-
 
 
 def overrides(plan: Plan, cluster: Cluster) -> list[str]:
@@ -224,27 +240,6 @@ def overrides(plan: Plan, cluster: Cluster) -> list[str]:
         if plan.virtual_stages > 1:
             found.append(f"strategy.virtual_stages={plan.virtual_stages}")
     return found
-
-
-def write_experiment(overrides_: list[str], directory: str) -> str:
-    """The overrides as ``<directory>/experiment/planned.yaml`` (a Hydra experiment file)."""
-    groups = [o for o in overrides_ if o.startswith("strategy=")]
-    values = [o for o in overrides_ if not o.startswith("strategy=")]
-    lines = ["# @package _global_", "# Written by plan=auto: the planner's fastest plan.", "defaults:"]
-    lines += [f"  - override /strategy: {g.split('=', 1)[1]}" for g in groups]
-    nested: dict[str, dict[str, str]] = {}
-    for override in values:
-        key, value = override.split("=", 1)
-        group, _, name = key.partition(".")
-        nested.setdefault(group, {})[name] = value
-    for group, entries in nested.items():
-        lines.append(f"{group}:")
-        lines += [f"  {name}: {value}" for name, value in entries.items()]
-    path = os.path.join(directory, "experiment", "planned.yaml")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as handle:
-        handle.write("\n".join(lines) + "\n")
-    return path
 
 
 def _say(line: str) -> None:

@@ -1,5 +1,6 @@
-"""``plan.verify=k``: the planner's top ``k`` plans run as short jobs on this machine, and each
-prediction printed and recorded beside what was measured."""
+"""``plan.verify=k``: the planner's top ``k`` plans, each written as an experiment config, run
+as short jobs of one Hydra multirun on this machine, and each prediction printed and recorded
+beside what was measured."""
 
 from __future__ import annotations
 
@@ -7,15 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Prediction
-
-# Overrides of the user's command line that a verified plan replaces or that would recurse.
-PLAN_KEYS = ("plan", "cluster", "strategy", "trainer.devices", "trainer.num_nodes", "data.batch_size",
-             "trainer.accumulate_grad_batches", "trainer.max_steps", "name", "hydra.")
 
 
 def check_verifiable(cluster: Cluster) -> str | None:
@@ -31,39 +27,63 @@ def check_verifiable(cluster: Cluster) -> str | None:
     return None
 
 
-def verify(ranked: list[Prediction], winners: list[list[str]], *, user_overrides: list[str], steps: int,
-           output_dir: str, accelerator: str) -> list[dict]:
-    """Run each plan ``steps`` steps (``python train.py``, one after another) and return, per
-    plan, the predicted and measured step time and memory; write them to ``verify.json``."""
-    kept = [o for o in user_overrides if not o.lstrip("+~").startswith(PLAN_KEYS)]
-    records = []
-    for index, (prediction, overrides) in enumerate(zip(ranked, winners, strict=True), 1):
-        print(f"litscale: verifying {index}/{len(ranked)}: {prediction.plan.describe()}", flush=True)
-        summary = _measure([*kept, *overrides, f"trainer.accelerator={accelerator}", f"trainer.max_steps={steps}",
-                            f"callbacks.throughput.warmup_steps={min(10, steps // 3)}"])
-        records.append({
-            "plan": prediction.plan.describe(), "overrides": overrides,
-            "predicted_step_s": prediction.step_s, "measured_step_s": summary.get("perf/step_time_s"),
-            "predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer")),
-            "measured_states_bytes": sum(summary.get(f"memory/{k}_bytes", 0) for k in ("params", "grads", "optimizer"))
-            or None,
-            "error": summary.get("error"),
-        })
-    path = Path(output_dir) / "verify.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+def verify(ranked: list[Prediction], experiments: list[str], *, config_dir: str, extra: list[str], steps: int,
+           accelerator: str) -> list[dict]:
+    """Run each plan's experiment (``<config_dir>/experiment/<name>.yaml``) ``steps`` steps, as one
+    Hydra multirun through litscale's launcher, and return per plan the predicted and measured
+    step time and memory; write them to ``<config_dir>/verify.json``. ``extra``: overrides the
+    experiment files cannot hold. A job that fails is recorded with its error, and the sweep
+    goes on with the plans after it."""
+    sweep_dir = os.path.join(config_dir, "verify")
+    summaries, errors, pending = {}, {}, list(range(len(experiments)))
+    while pending:
+        names = [experiments[i] for i in pending]
+        print(f"litscale: verifying {len(names)} plan(s) as one multirun, {steps} steps each: "
+              f"{', '.join(names)} (logs in {sweep_dir})", flush=True)
+        error = _multirun([
+            "-m", "--config-dir", config_dir, f"experiment={','.join(names)}", *extra,
+            f"trainer.accelerator={accelerator}", f"trainer.max_steps={steps}",
+            f"callbacks.throughput.warmup_steps={min(10, steps // 3)}", "trainer.enable_progress_bar=false",
+            f"hydra.sweep.dir={sweep_dir}", "hydra.sweep.subdir=${hydra.runtime.choices.experiment}"],
+            log=os.path.join(sweep_dir, f"multirun_{pending[0] + 1}.log"))
+        for i in pending:
+            found = Path(sweep_dir, experiments[i], "summary.json")
+            if found.exists():
+                summaries[i] = json.loads(found.read_text())
+        failed = next((i for i in pending if i not in summaries), None)
+        if failed is None:
+            break
+        # Hydra stops a multirun at its first failed job: that one gets the error, and the
+        # jobs after it, which never started, run in the next multirun
+        errors[failed] = error or "no summary.json written"
+        pending = [i for i in pending if i > failed]
+    records = [_record(prediction, summaries.get(i, {}), errors.get(i), experiments[i])
+               for i, prediction in enumerate(ranked)]
+    path = Path(config_dir) / "verify.json"
     path.write_text(json.dumps(records, indent=2))
     return records
 
 
-def _measure(overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as outputs:
-        process = subprocess.run([sys.executable, sys.argv[0], *overrides, "trainer.enable_progress_bar=false"],
-                                 env={**os.environ, "LITSCALE_OUTPUTS": outputs}, capture_output=True, text=True)
-        found = sorted(Path(outputs).glob("**/summary.json"))
-        if process.returncode or not found:
-            errors = [line for line in process.stderr.splitlines() if line.startswith("error:")]
-            return {"error": (errors or [f"exit code {process.returncode}"])[-1]}
-        return json.loads(found[-1].read_text())
+def _multirun(arguments: list[str], *, log: str) -> str | None:
+    """``python train.py <arguments>``, its output in ``log``; the last ``error:`` line (None on success)."""
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    with open(log, "w") as output:
+        process = subprocess.run([sys.executable, sys.argv[0], *arguments], stdout=output,
+                                 stderr=subprocess.STDOUT, text=True)
+    if process.returncode == 0:
+        return None
+    errors = [line for line in Path(log).read_text().splitlines() if line.startswith("error:")]
+    return (errors or [f"exit code {process.returncode}"])[-1]
+
+
+def _record(prediction: Prediction, summary: dict, error: str | None, experiment: str) -> dict:
+    states = sum(summary.get(f"memory/{k}_bytes", 0) for k in ("params", "grads", "optimizer"))
+    return {
+        "plan": prediction.plan.describe(), "experiment": experiment,
+        "predicted_step_s": prediction.step_s, "measured_step_s": summary.get("perf/step_time_s"),
+        "predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer")),
+        "measured_states_bytes": states or None, "error": error,
+    }
 
 
 def order_mistakes(records: list[dict]) -> list[str]:

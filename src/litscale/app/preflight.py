@@ -107,11 +107,13 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
         return  # Hydra's own informational modes: nothing runs
-    if args.config_path or args.config_dir:
+    if args.config_path:
         return  # another primary config: left to Hydra and the job's own validation
     config_name = args.config_name or config_name
+    # --config-dir adds a folder of configs (plan=auto's experiments): searched first, as Hydra does
+    searched = [f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]"] if args.config_dir else []
     try:
-        jobs = job_overrides(args.overrides, args.multirun)
+        jobs = [searched + job for job in job_overrides(args.overrides, args.multirun)]
     except OverrideParseException as error:
         fail(f"cannot parse the overrides: {str(error).splitlines()[0]}")
     from litscale.app.launch import check_launchable

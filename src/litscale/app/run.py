@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from litscale.app.launch import launch, wait_for_the_cause
 from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
-from litscale.app.validation import only_planned, validate
+from litscale.app.validation import only_planned, planning, validate
 from litscale.layout import RunLayout
 
 
@@ -40,7 +40,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     """Validate ``cfg``, start its ranks, and return rank 0's summary."""
     choices = hydra_choices() if choices is None else choices
     layout = validate(cfg, choices=choices, this_machine=not only_planned(cfg))
-    if (cfg.get("plan") or {}).get("mode", "none") != "none":
+    if planning(cfg):
         from litscale.app.plan import run_plan
 
         return run_plan(cfg, layout, choices)

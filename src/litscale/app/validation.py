@@ -32,7 +32,7 @@ from litscale.arguments import (
 from litscale.checkpoints import resolve_ckpt_path
 from litscale.constraints import NonNegativeInt, PositiveFloat, PositiveInt
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout, mesh_of, micro_batch_for
+from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
 
 __all__ = ["ConfigError", "validate"]
 
@@ -134,11 +134,15 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     return layout
 
 
+def planning(cfg: DictConfig) -> bool:
+    """``plan=show|auto``: the planner picks the strategy; the configured one is only compared."""
+    return (cfg.get("plan") or {}).get("mode", "none") != "none"
+
+
 def only_planned(cfg: DictConfig) -> bool:
     """``plan=show|auto`` without ``plan.verify``: nothing runs, so the devices the config names
     (``trainer.devices=256``) need not be on this machine."""
-    plan = cfg.get("plan") or {}
-    return plan.get("mode", "none") != "none" and not plan.get("verify")
+    return planning(cfg) and not cfg.plan.get("verify")
 
 
 def check_schema(prefix: str, node: DictConfig, schema: type) -> None:
@@ -261,7 +265,7 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
             f"(allowed: 1..{available})"
         )
     strategy = choices.get("strategy", "")
-    if count * int(cfg.trainer.get("num_nodes", 1)) > 1 and strategy == "single":
+    if count * int(cfg.trainer.get("num_nodes", 1)) > 1 and strategy == "single" and not planning(cfg):
         raise ConfigError(
             f"strategy=single runs one process but trainer.devices={_shown(devices)}; "
             "use strategy=ddp (or another multi-device strategy)"
@@ -317,6 +321,8 @@ def run_layout(cfg: DictConfig, processes: int) -> RunLayout:
         if validate_setup is not None:
             validate_setup(world_size=world_size, net=net)
         mesh = mesh_of(strategy, world_size)
+        if mesh.world_size < world_size and planning(cfg):  # strategy=single, the default: the
+            mesh = MeshSizes(data_replicate=world_size)  # planner compares data parallel over the world
     except (ValueError, TypeError) as error:
         if isinstance(error, ConfigError):
             raise
