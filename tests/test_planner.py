@@ -232,6 +232,10 @@ def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_
     assert "litscale: as configured: 32 node(s) x 8 process(es) = world 256 | mesh pipeline 1 x data 256 x tensor 1" in out
     assert f"scaled by the linear rule to {1e-3 * 4096 / 16:.4g} (global batch 4096, base 16)" in out
     assert "litscale: as configured: fsdp pp1 dp256 tp1 mb16 acc1: " in out
+    # the strategy itself, built at 256 ranks on the meta device: nano's 128-row matrices give
+    # rank 0 a whole row each, more than the even share the formula predicts
+    assert "litscale: as configured: built on a fake process group of 256 ranks (mesh shard 256): rank 0 holds" in out
+    assert re.search(r"as configured: rank 0 holds \d\.\d\dx the predicted parameters", out), out
     cfg, choices = compose_job(["plan=show", "strategy=ddp", "trainer.devices=8", "trainer.num_nodes=32",
                                 "cluster=h100_8x", "cluster.nodes=32", "model=llama", "model.net.preset=llama3_8b",
                                 "precision=bf16_mixed", "data.seq_len=2048"], tmp_path / "too_big")

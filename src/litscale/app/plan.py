@@ -110,8 +110,9 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
 
 def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, cluster: Cluster,
                    facts: ModelFacts, plan: Plan | None, *, fitting: bool) -> None:
-    """Print the run as configured: its layout, LR and predicted memory per rank; refuse it
-    (before any process starts) when that memory exceeds the device's."""
+    """Print the run as configured: its layout, LR, the strategy built on a fake process group
+    at the configured world, and the predicted memory per rank; refuse it (before any process
+    starts) when that memory, with the parameters as built, exceeds the device's."""
     from litscale.errors import ConfigError
     from litscale.lr_scaling import scaled_lr
     from litscale.planner.cost import predict
@@ -123,6 +124,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
                        base_batch_size=int(cfg.lr_scaling.base_batch_size), rule=rule)
         _say(f"as configured: lr {cfg.optimizer.lr:g} scaled by the {rule} rule to {lr:.4g} "
              f"(global batch {layout.global_batch}, base {cfg.lr_scaling.base_batch_size})")
+    built = _dry_run(cfg, layout)
     if plan is None:
         _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
         return
@@ -130,12 +132,32 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     parts = ", ".join(f"{k} {prediction.memory[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations"))
     _say(f"as configured: {plan.describe()}: {prediction.peak_bytes / GiB:.2f} GiB per rank predicted ({parts}), "
          f"{prediction.step_s:.4g} s per step on {cluster.name}")
-    if prediction.peak_bytes > cluster.device_memory_bytes:
-        too_big = (f"the run as configured needs {prediction.peak_bytes / GiB:.1f} GiB per rank, more than "
+    peak = prediction.peak_bytes
+    if built is not None:  # the parameters' bytes as built, in place of the formula's
+        peak += (built - prediction.memory["params"]) * (1 + cluster.allocator_overhead)
+        if built > 1.05 * prediction.memory["params"]:
+            _say(f"as configured: rank 0 holds {built / prediction.memory['params']:.2f}x the predicted parameters "
+                 f"(shards of whole rows, parameters a split leaves whole): {peak / GiB:.2f} GiB per rank")
+    if peak > cluster.device_memory_bytes:
+        too_big = (f"the run as configured needs {peak / GiB:.1f} GiB per rank, more than "
                    f"cluster={cluster.name}'s {cluster.device_memory_bytes / GiB:.0f} GiB per device")
         if cfg.plan.mode == "show":  # a dry run: refused, as the launch would be
             raise ConfigError(too_big + ("; the plans above fit" if fitting else ""))
         _say(f"{too_big}; plan=auto writes the fastest plan that fits instead")
+
+
+def _dry_run(cfg: DictConfig, layout: RunLayout) -> float | None:
+    """Build the configured strategy at the configured world on a fake process group (no rank
+    starts); say what rank 0 holds and return its parameters' bytes (None: not built)."""
+    from litscale.app.plan_dry_run import built_on_fake_world
+
+    built = built_on_fake_world(OmegaConf.to_container(cfg, resolve=True), layout.world_size)
+    if built["params_bytes"] is None:
+        _say(f"as configured: not built ({built['skipped']})")
+        return None
+    _say(f"as configured: built on a fake process group of {built['ranks']} ranks (mesh {built['mesh']}): rank 0 "
+         f"holds {_size(built['params_bytes'])} of parameters")
+    return float(built["params_bytes"])
 
 
 def facts_of(cfg: DictConfig) -> ModelFacts:
@@ -240,6 +262,14 @@ def overrides(plan: Plan, cluster: Cluster) -> list[str]:
         if plan.virtual_stages > 1:
             found.append(f"strategy.virtual_stages={plan.virtual_stages}")
     return found
+
+
+def _size(nbytes: float) -> str:
+    """``6.4 MiB``: bytes in the largest binary unit that leaves at least 1."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.1f} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 def _say(line: str) -> None:

@@ -157,7 +157,7 @@ class _NoAutocast(MixedPrecision):
         return nullcontext()
 
 
-def _shape_and_names(sizes: MeshSizes) -> ShapeAndNames:
+def fsdp_mesh_layout(sizes: MeshSizes) -> ShapeAndNames:
     """FSDP's mesh: ``shard``, or ``replicate x shard`` (HSDP) with replicas."""
     if sizes.data_replicate > 1:
         return (sizes.data_replicate, sizes.data_shard), ("replicate", "shard")
@@ -174,6 +174,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
     # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
     phase_collectives = {"forward": "parameter all-gather", "backward": "all-gather / gradient reduce-scatter"}
+    mesh_layout = staticmethod(fsdp_mesh_layout)
 
     @checked_arguments("strategy")
     def __init__(
@@ -220,7 +221,7 @@ class FSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        start_mesh(self, _shape_and_names)
+        start_mesh(self, self.mesh_layout)
 
     @property
     @override
@@ -234,13 +235,20 @@ class FSDPStrategy(ModelParallelStrategy):
             self.precision_plugin = _NoAutocast(plugin.precision, plugin.device, plugin.scaler)
         setup_parallel_module(self, trainer, self._shard, parallelized=is_parallelized(self.model))
 
-    def _shard(self, module: nn.Module) -> None:
+    def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+        """Shard ``module`` (the LightningModule) on ``mesh`` (laid out by ``mesh_layout``) as
+        this strategy does; its parameters stay where they are (the meta device, in a dry run).
+        Returns the modules this rank runs besides ``module``: none."""
         apply_fsdp(
-            module, self.device_mesh,
+            module, mesh,
             units=find_sharding_units(module, self.sharding_unit_patterns),
             reshard_after_forward=self.reshard_after_forward,
             mp_policy=mixed_precision_policy(self.precision_dtypes),
-            cpu_offload=self.cpu_offload and self.root_device.type == "cuda",
+            cpu_offload=self.cpu_offload and mesh.device_type == "cuda",
             activation_checkpointing=self.activation_checkpointing,
         )
+        return []
+
+    def _shard(self, module: nn.Module) -> None:
+        self.split(module, self.device_mesh)
         materialize_distributed_module(module, self.root_device)  # after meta-device init

@@ -68,6 +68,7 @@ from litscale.strategies.tensor_parallel import (
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                        "zbv_zero_bubble", "dualpipev"]
@@ -102,6 +103,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
 
     # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
     phase_collectives = {"forward": "pipeline send/recv", "optimizer": "gradient reduction"}
+    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, the dims > 1
 
     @checked_arguments("strategy")
     def __init__(
@@ -169,7 +171,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self.mesh_sizes = start_mesh(self)
+        self.mesh_sizes = start_mesh(self, self.mesh_layout)
 
     @property
     @override
@@ -182,26 +184,36 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
     def _cut_into_stages(self, module: nn.Module) -> None:
-        """Tensor parallel on the whole model, then keep this rank's stages, then FSDP2 per stage."""
-        owner, units = find_blocks(module, self.blocks)
-        cuts, ranks = self._layout(owner, units, self.mesh_sizes)
-        if self.mesh_sizes.tensor > 1:  # on the whole model, so the plan's patterns all match
-            apply_declared_plan(module, self.device_mesh[TENSOR], self.plan,
-                                sequence_parallel=self.sequence_parallel)
-        self._stage_modules = keep_stages(owner, units, cuts, ranks, self.device_mesh[PIPELINE].get_local_rank())
-        if self.mesh_sizes.data > 1:
-            for view in self._stage_modules.values():
-                self._shard_stage(view)
-        self._num_stages, self._stage_rank = len(ranks), ranks
+        self._stage_modules, self._stage_rank = self._split(module, self.device_mesh)
+        self._num_stages = len(self._stage_rank)
 
-    def _shard_stage(self, view: nn.Module) -> None:
+    def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+        """Cut ``module`` (the LightningModule) into stages on ``mesh`` (laid out by
+        ``mesh_layout``) as this strategy does; return the stages this rank runs."""
+        return list(self._split(module, mesh)[0].values())
+
+    def _split(self, module: nn.Module, mesh: DeviceMesh) -> tuple[dict[int, nn.Module], list[int]]:
+        """Tensor parallel on the whole model, then keep this rank's stages, then FSDP2 per stage;
+        returns (this rank's stages by index, the pipeline rank of every stage)."""
+        sizes = self.resolve_mesh(mesh.size())
+        owner, units = find_blocks(module, self.blocks)
+        cuts, ranks = self._layout(owner, units, sizes)
+        if sizes.tensor > 1:  # on the whole model, so the plan's patterns all match
+            apply_declared_plan(module, mesh[TENSOR], self.plan, sequence_parallel=self.sequence_parallel)
+        stages = keep_stages(owner, units, cuts, ranks, mesh[PIPELINE].get_local_rank())
+        if sizes.data > 1:
+            for view in stages.values():
+                self._shard_stage(view, mesh[DATA])
+        return stages, ranks
+
+    def _shard_stage(self, view: nn.Module, data_mesh: DeviceMesh) -> None:
         """FSDP2 on the data dimension: the stage's sharding units (GPT: its blocks), then the
         stage itself as the root for the rest. (Not ``fsdp.apply_fsdp``: its roots are a
         LightningModule's children; a stage's root is the stage, which the schedule calls, and
         it is always kept gathered after forward, as the last module of the stage to run.)"""
         from torch.distributed.fsdp import fully_shard
 
-        options = fsdp_options(self.device_mesh[DATA], mp_policy=mixed_precision_policy(self.precision_dtypes))
+        options = fsdp_options(data_mesh, mp_policy=mixed_precision_policy(self.precision_dtypes))
         shard_units(find_sharding_units(view), reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(view, reshard_after_forward=False, **options)
 

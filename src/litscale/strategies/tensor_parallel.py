@@ -191,6 +191,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
     phase_collectives = {"forward": "tensor-parallel collectives", "backward": "tensor-parallel collectives / gradient reduce-scatter"}
+    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, the dims > 1
 
     @checked_arguments("strategy")
     def __init__(
@@ -229,7 +230,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self.mesh_sizes = start_mesh(self)
+        self.mesh_sizes = start_mesh(self, self.mesh_layout)
 
     @property
     @override
@@ -238,18 +239,23 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        setup_parallel_module(self, trainer, self._parallelize, parallelized=is_parallelized(self.model))
+        setup_parallel_module(self, trainer, lambda module: self.split(module, self.device_mesh),
+                              parallelized=is_parallelized(self.model))
         clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
-    def _parallelize(self, module: nn.Module) -> None:
-        """TP on the tensor dimension, then FSDP2 on the data dimension (torchtitan's order)."""
-        if self.mesh_sizes.tensor > 1:
-            apply_declared_plan(module, self.device_mesh[TENSOR], self.plan,
+    def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
+        """TP on the tensor dimension of ``mesh`` (laid out by ``mesh_layout``), then FSDP2 on
+        its data dimension (torchtitan's order). Returns the modules this rank runs besides
+        ``module``: none."""
+        sizes = self.resolve_mesh(mesh.size())
+        if sizes.tensor > 1:
+            apply_declared_plan(module, mesh[TENSOR], self.plan,
                                 sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
-        if self.mesh_sizes.data > 1:
-            apply_fsdp(module, self.device_mesh[DATA], units=find_sharding_units(module),
+        if sizes.data > 1:
+            apply_fsdp(module, mesh[DATA], units=find_sharding_units(module),
                        reshard_after_forward=self.reshard_after_forward,
                        mp_policy=mixed_precision_policy(self.precision_dtypes))
+        return []
 
     @contextmanager
     def _loss_context(self):

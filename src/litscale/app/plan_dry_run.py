@@ -1,0 +1,98 @@
+"""The run as configured, built for real at its world size without starting a rank: the
+configured strategy (``build_strategy``, as a run builds it) splits the network on the meta
+device (no storage, so 256 ranks of a large model cost nothing) over torch's fake process
+group (its collectives return at once), and what rank 0 then holds is read off its
+parameters, for ``plan=show`` to print beside the planner's prediction.
+
+In a child process, because a process holds one default process group: ``plan=show`` may run
+where one is taken (the planner also runs at the end of a real run), and the fake group must
+have the configured world size.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+DEEPSPEED_SKIPPED = ("DeepSpeed is not built on a fake process group: its engine flattens the "
+                     "parameters into buffers on its device, which a meta-device network does not have")
+REPLICATED_MESH = "none: every rank holds the whole model"
+
+
+def built_on_fake_world(run_config: dict, world_size: int) -> dict[str, Any]:
+    """What rank 0 holds once the configured strategy has split the configured network at
+    ``world_size`` ranks. ``run_config``: the job's config, resolved (``OmegaConf.to_container``),
+    already validated. Returns ``{"params_bytes": bytes of the parameters rank 0 holds (its local
+    shards), "mesh": the device mesh built (e.g. "replicate 2 x shard 128"), "ranks": world_size}``;
+    for DeepSpeed ``params_bytes`` is None and ``skipped`` says why. Built in a spawned child."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(built_in_this_process, run_config, world_size).result()
+
+
+def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
+    """``built_on_fake_world`` in this process, which must hold no default process group (the
+    fake one is started here and destroyed again)."""
+    import torch
+    from omegaconf import OmegaConf
+    from torch import nn
+
+    from litscale.app.build import build_strategy
+    from litscale.app.validation import meta_net
+    from litscale.strategies.ddp import DDPStrategy
+    from litscale.strategies.single import SingleStrategy
+
+    cfg = OmegaConf.create(run_config)
+    strategy = build_strategy(cfg)
+    # As the strategies see it: the LightningModule, whose network is `net`, converted first
+    # (bf16-true stores the shards in bf16).
+    holder = nn.ModuleDict({"net": meta_net(cfg).to(getattr(torch, cfg.precision.param_dtype))})
+    if isinstance(strategy, (DDPStrategy, SingleStrategy)):
+        return {"params_bytes": held_bytes([holder]), "mesh": REPLICATED_MESH, "ranks": world_size}
+    if not hasattr(strategy, "split"):
+        return {"params_bytes": None, "mesh": "not built", "ranks": world_size, "skipped": DEEPSPEED_SKIPPED}
+    return _split_on_fake_group(holder, strategy, world_size)
+
+
+def _split_on_fake_group(holder: nn.Module, strategy: Any, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("this process holds a process group already; call built_on_fake_world, "
+                           "which builds in a child process")
+    shape, names = strategy.mesh_layout(strategy.resolve_mesh(world_size))
+    # init_process_group wraps sys.excepthook (a "[rank0]:" prefix) and nothing unwraps it;
+    # restored so that building here many times does not stack the prefixes.
+    excepthook = sys.excepthook
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        stages = strategy.split(holder, mesh)
+        return {"params_bytes": held_bytes([holder, *stages]), "mesh": describe(mesh), "ranks": world_size}
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+def describe(mesh: DeviceMesh) -> str:
+    """``replicate 2 x shard 128``: each dimension's name and size, outermost first."""
+    return " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+
+
+def held_bytes(modules: list[nn.Module]) -> int:
+    """Bytes of the parameters of ``modules`` (each counted once) as this rank holds them: a
+    DTensor's local shard. NOTE: counted from shapes, as meta tensors have no storage to
+    measure. FSDP2 pads every shard to ``ceil(dim 0 / ranks)`` rows and rank 0's local shard
+    is a whole one, so on rank 0 the local shard is what is held."""
+    from torch.distributed.tensor import DTensor
+
+    params = {id(p): p for module in modules for p in module.parameters()}
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params.values()]
+    return sum(t.numel() * t.element_size() for t in local)
