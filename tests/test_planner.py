@@ -292,6 +292,37 @@ def test_a_run_from_a_config_dir_is_checked_before_it_starts(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: trainer.devices=999 is more than this machine has: ")
 
 
+def test_a_failed_verify_job_is_recorded_and_the_plans_after_it_still_run(tmp_path, monkeypatch):
+    """Hydra stops a multirun at its first failed job: that plan gets the job's error line and
+    the plans after it run in a second multirun. The jobs here are stand-ins that write what a
+    real job would (a summary, or an error line)."""
+    from litscale.app import plan_verify
+
+    calls = []
+
+    def multirun(arguments, *, log):
+        names = next(a for a in arguments if a.startswith("experiment=")).split("=")[1].split(",")
+        calls.append(names)
+        for name in names:
+            if name == "verify_2":
+                return "error: rank 1 failed: RuntimeError: out of memory"
+            job = tmp_path / "verify" / name
+            job.mkdir(parents=True)
+            (job / "summary.json").write_text(json.dumps({"perf/step_time_s": 0.5, "memory/params_bytes": 8}))
+        return None
+
+    monkeypatch.setattr(plan_verify, "_multirun", multirun)
+    facts = model_facts(build_gpt(vocab_size=256, block_size=32), seq_len=32, vocab_size=256)
+    top = [predict(Plan("ddp", MeshSizes(data_replicate=2), micro_batch=m, accumulation=1), facts, CLUSTER)
+           for m in (1, 2, 4)]
+    records = plan_verify.verify(top, ["verify_1", "verify_2", "verify_3"], config_dir=str(tmp_path), extra=[],
+                                 steps=12, accelerator="cpu")
+    assert calls == [["verify_1", "verify_2", "verify_3"], ["verify_3"]]
+    assert [r["measured_step_s"] for r in records] == [0.5, None, 0.5]
+    assert records[1]["error"] == "error: rank 1 failed: RuntimeError: out of memory"
+    assert json.loads((tmp_path / "verify.json").read_text()) == records
+
+
 def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
     from helpers.configs import compose_job
 

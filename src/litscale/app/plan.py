@@ -133,8 +133,8 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     _say(f"as configured: {plan.describe()}: {prediction.peak_bytes / GiB:.2f} GiB per rank predicted ({parts}), "
          f"{prediction.step_s:.4g} s per step on {cluster.name}")
     peak = prediction.peak_bytes
-    if built is not None:  # the parameters' bytes as built, in place of the formula's
-        peak += (built - prediction.memory["params"]) * (1 + cluster.allocator_overhead)
+    if built is not None:  # what the formula's even share leaves out (a pipeline's gathered stage it counts already)
+        peak += max(0.0, built - prediction.memory["params"]) * (1 + cluster.allocator_overhead)
         if built > 1.05 * prediction.memory["params"]:
             _say(f"as configured: rank 0 holds {built / prediction.memory['params']:.2f}x the predicted parameters "
                  f"(shards of whole rows, parameters a split leaves whole): {peak / GiB:.2f} GiB per rank")
