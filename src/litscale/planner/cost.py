@@ -182,13 +182,40 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
                  cluster.inter_node, 2)
     micro = plan.micro_batch // plan.microbatches
     activation = facts.boundary_bytes(micro) * DTYPE_BYTES[plan.compute_dtype] / 4
-    if mesh.tensor > 1:  # two all-reduces of a layer's activations in forward, two in backward
-        calls = 4 * facts.layers // mesh.pipeline * plan.accumulation * plan.microbatches
-        ring("tensor-parallel all-reduce", calls * activation, calls, mesh.tensor, cluster.intra_node, 2)
-    if mesh.pipeline > 1:  # each stage boundary: activations forward, their gradients backward
+    runs = plan.accumulation * plan.microbatches  # forward-backwards per step
+    if mesh.tensor > 1:
+        # As counted on a real step (tests/test_planner_collectives.py), with the strategy's
+        # sequence parallelism (Megatron's pattern): per layer, attention and the MLP each
+        # gather the sequence and reduce-scatter their output in forward; in backward each
+        # gathers its output's gradient and reduce-scatters its input's. Per forward-backward,
+        # the embedding's output is all-reduced and its gradient gathered; the head's input
+        # gathered and its gradient reduce-scattered, and its logits gathered whole (on the last
+        # stage: a pipeline is costed at its first). Per step, each norm's partial gradient is
+        # all-reduced once.
+        layers, head = facts.layers // mesh.pipeline, int(mesh.pipeline == 1)
+        logits = micro * facts.seq_len * facts.vocab_size * DTYPE_BYTES[plan.compute_dtype]
+        gathers = runs * (4 * layers + 1 + 2 * head)
+        ring("tensor-parallel all-gather", runs * ((4 * layers + 1 + head) * activation + head * logits), gathers,
+             mesh.tensor, cluster.intra_node, 1)
+        ring("tensor-parallel reduce-scatter", runs * (4 * layers + head) * activation, runs * (4 * layers + head),
+             mesh.tensor, cluster.intra_node, 1)
+        norms = facts.norm_tensors // mesh.pipeline
+        ring("tensor-parallel all-reduce", runs * activation + facts.norm_params / mesh.pipeline * 4, runs + norms,
+             mesh.tensor, cluster.intra_node, 2)
+    if mesh.pipeline > 1:
+        # The busiest rank's sends, as counted: each of its stages sends activations forward
+        # and gradients back, but not past an end of the pipeline (at 2 ranks each rank holds
+        # one: one send fewer per micro-batch) nor to a stage on the same rank (a V-shaped
+        # schedule's middle two, on one rank at 2 ranks: one fewer again). With tensor
+        # parallel a stage sends its slice of the sequence. Then the last stage broadcasts
+        # the loss (fp32), once per training step.
         link = cluster.link_for(mesh.pipeline, mesh.data * mesh.tensor)
-        calls = 2 * plan.microbatches * plan.accumulation * plan.virtual_stages
-        found.append(Collective("pipeline send/recv", calls * activation, calls, link.seconds(calls * activation, calls)))
+        ends = 0 if mesh.pipeline > 2 else 1 + (plan.schedule in ("zbv_zero_bubble", "dualpipev"))
+        calls = runs * (2 * plan.virtual_stages - ends)
+        sent = calls * activation / mesh.tensor
+        found.append(Collective("pipeline send/recv", sent, calls, link.seconds(sent, calls)))
+        found.append(Collective("pipeline loss broadcast", 4 * plan.accumulation, plan.accumulation,
+                                link.seconds(4 * plan.accumulation, plan.accumulation * latency_steps(mesh.pipeline, 1))))
     return found
 
 

@@ -43,6 +43,11 @@ class ModelFacts:
     activation_bytes_per_sample: float
     activation_bytes_fixed: float = 0.0
     root_params: int = 0  # parameters outside the sharding units (embeddings, final norm, head)
+    vocab_size: int = 0
+    # The norms' parameter tensors and their elements: under sequence parallel each one's
+    # gradient is a partial sum, reduced once per step.
+    norm_tensors: int = 0
+    norm_params: int = 0
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
 
     def activations(self, micro_batch: int) -> float:
@@ -97,9 +102,11 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int) -> ModelFacts:
                                      next_token_loss=True) for batch in (1, 2)]
     per_sample = traced[1] - traced[0]
     num_params = sum(p.numel() for p in net.parameters())
+    norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
     return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
                       layers=len(units), hidden=hidden, heads=heads, activation_bytes_per_sample=per_sample,
-                      activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units)
+                      activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units,
+                      vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms))
 
 
 def _first(config, names: tuple[str, ...], default: int) -> int:

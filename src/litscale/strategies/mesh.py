@@ -134,6 +134,34 @@ def setup_parallel_module(strategy: ModelParallelStrategy, trainer: pl.Trainer,
 
 # --- gradient clipping across the mesh ---------------------------------------------------------
 
+def _summed(grad: torch.Tensor) -> torch.Tensor:
+    """A partial DTensor gradient (a sum still to be taken over a mesh dimension, e.g. a
+    sequence-parallel norm's) with the sum taken; any other gradient as it is."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+    return grad
+
+
+def sum_partial_gradients_after(closure: Callable[[], object], module: nn.Module) -> Callable[[], object]:
+    """``closure`` (Lightning's forward-backward of a stepping batch), then each partial
+    gradient of ``module`` summed once, before clipping and the optimizer read it.
+
+    NOTE: left partial, every optimizer op on such a gradient sums it again: AdamW's step
+    all-reduced each sequence-parallel norm gradient 3 times (tests/test_planner_collectives.py).
+    """
+
+    def closure_then_sum() -> object:
+        loss = closure()
+        for param in module.parameters():
+            if param.grad is not None:
+                param.grad = _summed(param.grad)
+        return loss
+
+    return closure_then_sum
+
+
 def _values_and_copies(grad: torch.Tensor, ranks_per_stage: int) -> tuple[torch.Tensor, int]:
     """This rank's gradient values and on how many ranks of the world the same values live:
     the replicated dimensions of its mesh, times the ranks of this pipeline stage that its
@@ -147,8 +175,7 @@ def _values_and_copies(grad: torch.Tensor, ranks_per_stage: int) -> tuple[torch.
 
     if not isinstance(grad, DTensor):
         return grad, ranks_per_stage
-    if any(p.is_partial() for p in grad.placements):
-        grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+    grad = _summed(grad)
     mesh = grad.device_mesh
     copies = math.prod(mesh.size(d) for d, p in enumerate(grad.placements) if isinstance(p, Replicate))
     return grad.to_local(), copies * (ranks_per_stage // mesh.size())

@@ -52,6 +52,7 @@ from litscale.strategies.mesh import (
     sampler_kwargs,
     setup_parallel_module,
     start_mesh,
+    sum_partial_gradients_after,
 )
 from litscale.strategies.stages import (
     Units,
@@ -177,6 +178,10 @@ class PipelineParallelStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return super().optimizer_step(optimizer, sum_partial_gradients_after(closure, self.model), model, **kwargs)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

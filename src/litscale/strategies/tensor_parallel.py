@@ -12,6 +12,7 @@ load: a run saved at TP=2 loads at TP=1 or into the plain network.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -36,6 +37,7 @@ from litscale.strategies.mesh import (
     sampler_kwargs,
     setup_parallel_module,
     start_mesh,
+    sum_partial_gradients_after,
 )
 
 if TYPE_CHECKING:
@@ -86,8 +88,12 @@ def parallel_style(name: str, *, sequence_parallel: bool, loss_parallel: bool):
     if name == "norm":
         return SequenceParallel()
     if name == "sequence_input":
+        # NOTE: the gathered input stays a DTensor (use_local_output=False, as torchtitan), so
+        # the gradients of the projections that read it (q, k, v; up, gate) are summed as one
+        # partial tensor and reduce-scattered once, in the gather's backward (Megatron's
+        # pattern); handed on as a plain tensor, each projection all-reduced its own.
         return PrepareModuleInput(input_layouts=(sequence,), desired_input_layouts=(Replicate(),),
-                                  use_local_output=True)
+                                  use_local_output=False)
     if name == "sequence_start":
         return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(sequence,),
                                   use_local_output=True)
@@ -236,6 +242,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        return super().optimizer_step(optimizer, sum_partial_gradients_after(closure, self.model), model, **kwargs)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
