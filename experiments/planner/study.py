@@ -102,6 +102,19 @@ def measure(name: str, outputs: Path) -> dict:
             "threads_per_rank": summary.get("threads_per_rank"), "wall_s": time.perf_counter() - started}
 
 
+def combined(runs: list[dict]) -> dict:
+    """One configuration's passes: the median measured and predicted step times, and each pass's."""
+    return {**runs[0], "measured_step_s": statistics.median(r["measured_step_s"] for r in runs),
+            "predicted_step_s": statistics.median(r["predicted_step_s"] for r in runs),
+            "measured_each": [r["measured_step_s"] for r in runs], "predicted_each": [r["predicted_step_s"] for r in runs],
+            "wall_s": sum(r["wall_s"] for r in runs)}
+
+
+def spread(values: list[float]) -> str:
+    """How far apart one configuration's passes measured: largest over smallest, less 1."""
+    return f"{max(values) / min(values) - 1:.0%}" if len(values) > 1 else "-"
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Rank correlation (ties share their mean rank); hand-written to keep scipy out of the stack."""
     def ranks(values: list[float]) -> list[float]:
@@ -155,16 +168,20 @@ def report(results: dict) -> str:
     runs, m = results["runs"], results["metrics"]
     calibration = results.get("calibration", {})
     lines = [f"Machine: {results['machine']}. Recorded {results['date']} with `python experiments/planner/study.py`; "
-             f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank. Calibration "
+             f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank; "
+             f"{len(next(iter(runs.values())).get('measured_each', [0]))} pass(es), each configuration's median "
+             "reported. Calibration "
              f"({calibration.get('measured', '?')}): gloo latency {calibration.get('latency_s', 0) * 1e3:.2f} ms, "
              f"bandwidth {calibration.get('bandwidth_bytes_s', 0) / 1e9:.2f} GB/s, contention "
              f"{calibration.get('contention', 1.0):.3f}.", "",
-             "| configuration | ranks | global batch | predicted s/step | measured s/step | error |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| configuration | ranks | global batch | predicted s/step | measured s/step | error | "
+             "measured spread | predicted spread |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in runs.items():
         error = r["predicted_step_s"] / r["measured_step_s"] - 1
         lines.append(f"| `{name}` | {r['ranks']} | {r['global_batch']} | {r['predicted_step_s']:.4f} | "
-                     f"{r['measured_step_s']:.4f} | {error:+.1%} |")
+                     f"{r['measured_step_s']:.4f} | {error:+.1%} | {spread(r.get('measured_each', []))} | "
+                     f"{spread(r.get('predicted_each', []))} |")
 
     def verdict(value: float, goal: float, higher_is_better: bool = False) -> str:
         met = value >= goal if higher_is_better else value <= goal
@@ -224,19 +241,23 @@ def write_section(name: str, script: str, text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="configurations to run (default: all)")
+    parser.add_argument("--passes", type=int, default=2, help="runs of each configuration (medians are reported)")
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
     parser.add_argument("--report-only", action="store_true", help="rewrite README and plot from results.json")
     args = parser.parse_args()
     if args.report_only:
         results = json.loads((HERE / "results.json").read_text())
     else:
-        runs = {}
+        names, samples = args.only or list(CONFIGS), {}
         with tempfile.TemporaryDirectory() as outputs:
-            for name in args.only or CONFIGS:
-                runs[name] = measure(name, Path(outputs))
-                r = runs[name]
-                print(f"  predicted {r['predicted_step_s']:.4f} s, measured {r['measured_step_s']:.4f} s "
-                      f"({r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%})", flush=True)
+            for index in range(args.passes):  # every configuration once per pass: drifts in the machine's load
+                for name in names:            # fall on all of them, not on a few
+                    r = measure(name, Path(outputs) / f"pass{index}")
+                    samples.setdefault(name, []).append(r)
+                    print(f"  pass {index + 1}: predicted {r['predicted_step_s']:.4f} s, measured "
+                          f"{r['measured_step_s']:.4f} s ({r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%})",
+                          flush=True)
+        runs = {name: combined(runs_of_name) for name, runs_of_name in samples.items()}
         import torch
 
         from litscale.planner.calibrate import calibration_path

@@ -2,7 +2,8 @@
 
 Times square matmuls on one rank's share of the cores (each CPU rank runs one thread), gloo
 all-reduces between two local processes at sizes from 4 KiB to 16 MiB (latency and bandwidth
-fitted to them), and a small training step alone and in two processes at once (contention);
+fitted to them), and a small training step alone and under DDP on two processes at once
+(contention, beyond the all-reduce those figures predict);
 writes them to ``$LITSCALE_CACHE/cluster_local_cpu.json`` (default ``~/.cache/litscale``). A plan for
 ``cluster=local_cpu`` reads that file, and calibrates first if it is missing.
 """
@@ -87,32 +88,65 @@ def measure_link() -> tuple[Link, dict[int, float]]:
     return Link(bandwidth_bytes_s=1 / slope, latency_s=latency), times
 
 
-def _step_seconds(repeats: int = 30) -> float:
-    """Median time of GPT-nano's forward-backward (micro batch 8, 128 tokens) on one thread."""
+PROBE_SEQ, PROBE_MICRO = 128, 8  # the probe step: GPT-nano, micro batch 8 of 128 tokens
+
+
+def _nano() -> torch.nn.Module:
     from litscale.models.gpt import build_gpt
-    from litscale.planner.model_facts import profile
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        net = build_gpt(preset="nano")
-    return profile(net, seq_len=128, micro_batches={8}, vocab_size=256, repeats=repeats).forward_backward_s[8]
+        return build_gpt(preset="nano", vocab_size=256, block_size=PROBE_SEQ)
 
 
-def measure_contention(ranks: int) -> float:
-    """How much slower a training step runs while ``ranks`` processes run it at once (one per
-    core) than alone: they share the memory system, which a step timed alone does not see."""
-    from concurrent.futures import ProcessPoolExecutor
-    from multiprocessing import get_context
+def _step_seconds(net: torch.nn.Module | None = None, repeats: int = 30) -> float:
+    """Median time of GPT-nano's forward-backward (micro batch 8, 128 tokens) on one thread
+    (``net``: the same network wrapped, e.g. by DDP)."""
+    from litscale.planner.model_facts import profile
+
+    timed = profile(net or _nano(), seq_len=PROBE_SEQ, micro_batches={PROBE_MICRO}, vocab_size=256, repeats=repeats)
+    return timed.forward_backward_s[PROBE_MICRO]
+
+
+def _time_ddp_step(rank: int, ranks: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = dist.TCPStore("127.0.0.1", port, ranks, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
+    try:
+        seconds = _step_seconds(DistributedDataParallel(_nano()))
+        if rank == 0:
+            Path(out).write_text(json.dumps(seconds))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_contention(ranks: int, link: Link) -> float:
+    """How much slower a data-parallel step runs on ``ranks`` processes at once (GPT-nano under
+    DDP over gloo, one thread each) than alone plus the all-reduce that ``link`` predicts for
+    it: the ranks share caches and memory bandwidth, and gloo reduces on the cores that
+    compute, none of which a step timed alone sees."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from litscale.layout import MeshSizes
+    from litscale.planner.cost import Plan, collectives
+    from litscale.planner.model_facts import model_facts
 
     alone = _step_seconds()
-    with ProcessPoolExecutor(ranks, mp_context=get_context("spawn")) as pool:
-        list(pool.map(_started, [1.0] * ranks))  # every worker up (torch imported) before timing
-        together = list(pool.map(_step_seconds, [60] * ranks))  # longer: the ranks' runs overlap
-    return max(1.0, statistics.median(together) / alone)
-
-
-def _started(seconds: float) -> None:
-    time.sleep(seconds)  # held, so that the pool starts its next worker for the next call
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "seconds.json")
+        mp.spawn(_time_ddp_step, args=(ranks, _free_port(), out), nprocs=ranks)
+        together = json.loads(Path(out).read_text())
+    with torch.device("meta"):
+        facts = model_facts(_nano(), seq_len=PROBE_SEQ, vocab_size=256)
+    probe = Cluster(name="probe", nodes=1, devices_per_node=ranks, device_memory_bytes=1.0,
+                    peak_flops={"float32": 1.0}, intra_node=link, inter_node=link)
+    plan = Plan("ddp", MeshSizes(data_replicate=ranks), micro_batch=PROBE_MICRO, accumulation=1)
+    all_reduce = sum(c.seconds for c in collectives(plan, facts, probe))
+    return max(1.0, together / (alone + all_reduce))
 
 
 def calibrate() -> dict:
@@ -128,7 +162,7 @@ def calibrate() -> dict:
     link, times = measure_link()
     figures = {"cores": cores, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                "peak_flops": peak, "bandwidth_bytes_s": link.bandwidth_bytes_s, "latency_s": link.latency_s,
-               "contention": measure_contention(min(cores, 2)),
+               "contention": measure_contention(min(cores, 2), link),
                "all_reduce_s_by_bytes": times,  # what latency and bandwidth were fitted to
                "measured": time.strftime("%Y-%m-%d %H:%M")}
     path = calibration_path()
