@@ -106,8 +106,9 @@ def test_fsdp_gathers_each_unit_twice_per_micro_batch_and_the_root_once():
 
 
 def test_a_plan_is_timed_as_its_rank_runs_the_network():
-    """Profiles by how a rank runs the network: FSDP's own, else the plain one (split by the
-    tensor-parallel size); the optimizer step timed on the shard, or the plain one shared."""
+    """Profiles by how a rank runs the network: FSDP's, DeepSpeed's or a compression hook's own,
+    else the plain one (split by the tensor-parallel size); the optimizer step timed on the
+    shard, or the plain one shared."""
     with torch.device("meta"):
         facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
     facts = dataclasses.replace(facts, profiles={"plain": Profile({8: 0.1}, 0.02), "fsdp2": Profile({8: 0.15}, 0.012)})
@@ -129,6 +130,10 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
     single = Plan("ddp", MeshSizes(), micro_batch=8, accumulation=2)
     assert predict(single, facts, busy).compute_s == pytest.approx(predict(single, facts, CLUSTER).compute_s)
     assert topk.collectives[0].bytes_per_rank == pytest.approx(ddp.collectives[0].bytes_per_rank / 40)
+    # DeepSpeed: its engine's forward-backward and step, the step timed on all of it at one rank
+    facts = dataclasses.replace(facts, profiles={**facts.profiles, "zero3": Profile({8: 0.14}, 0.03)})
+    zero3 = predict(Plan("deepspeed_zero3", MeshSizes(data_shard=2), micro_batch=8, accumulation=2), facts, CLUSTER)
+    assert (zero3.compute_s, zero3.optimizer_s) == pytest.approx((0.28, 0.015))
 
 
 @pytest.mark.slow
@@ -145,6 +150,10 @@ def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
     topk = {"_target_": "litscale.compression.topk", "ratio": 0.01}
     found = profiles_in_child(net, keys={"ddp2-topk": {2}}, seq_len=32, vocab_size=256, compression=topk)
     assert found["ddp2-topk"].bytes_ratio == pytest.approx(50, rel=0.05)
+    # inside DeepSpeed's engine, each ZeRO stage (one gloo group for all: DeepSpeed keeps the first)
+    found = profiles_in_child(net, keys={"zero1": {2}, "zero3": {2}, "plain": {2}}, seq_len=32, vocab_size=256)
+    assert sorted(found) == ["plain", "zero1", "zero3"]
+    assert all(p.forward_backward_s[2] > 0 and p.optimizer_step_s > 0 for p in found.values())
 
 
 def test_pipeline_time_is_stretched_by_the_bubble():

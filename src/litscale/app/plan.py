@@ -149,12 +149,15 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
 def _dry_run(cfg: DictConfig, layout: RunLayout) -> float | None:
     """Build the configured strategy at the configured world on a fake process group (no rank
     starts); say what rank 0 holds and return its parameters' bytes (None: not built)."""
-    from litscale.app.plan_dry_run import built_on_fake_world
+    from litscale.app.plan_dry_run import REPLICATED_MESH, built_on_fake_world
 
     built = built_on_fake_world(OmegaConf.to_container(cfg, resolve=True), layout.world_size)
     if built["params_bytes"] is None:
         _say(f"as configured: not built ({built['skipped']})")
         return None
+    if built["mesh"] == REPLICATED_MESH:
+        _say(f"as configured: every rank holds the whole model, {_size(built['params_bytes'])} of parameters")
+        return float(built["params_bytes"])
     _say(f"as configured: built on a fake process group of {built['ranks']} ranks (mesh {built['mesh']}): rank 0 "
          f"holds {_size(built['params_bytes'])} of parameters")
     return float(built["params_bytes"])

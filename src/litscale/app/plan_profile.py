@@ -1,7 +1,8 @@
 """The composed network timed here as each plan's rank runs it: plain, sharded by FSDP2, or
 split by tensor parallel, built for real on torch's fake process group (its collectives
 return at once, so what is timed is compute and the framework's own work; communication is
-the cost model's).
+the cost model's); under DDP with a compression hook, or inside DeepSpeed's ZeRO engine, on
+one real gloo rank (neither runs on the fake group).
 
 NOTE: in a child process, because a process holds one default process group: the planner
 also runs at the end of a real run (``plan/predicted_*`` in its summary), whose group is
@@ -44,8 +45,11 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
     from litscale.strategies.fsdp import shard_units
     from litscale.strategies.tensor_parallel import apply_declared_plan
 
-    found = {}
+    found = _deepspeed_profiles(net_config, {k: v for k, v in keys.items() if k.startswith("zero")}, seq_len,
+                                vocab_size)
     for key, micro_batches in sorted(keys.items()):
+        if key in found:
+            continue
         torch.manual_seed(0)
         net = instantiate(net_config, _convert_="all")
         kind, world = _parse(key)
@@ -75,12 +79,89 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
     return found
 
 
+def _deepspeed_profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int,
+                        vocab_size: int) -> dict[str, Profile]:
+    """Each ``zero<s>`` key's network timed inside DeepSpeed's engine, on one real gloo rank
+    (the engine asks its group for real buffers). NOTE: one group for every stage: DeepSpeed
+    keeps the group it first saw, and refuses a new one after it is destroyed."""
+    import torch
+    import torch.distributed as dist
+    from hydra.utils import instantiate
+
+    if not keys:
+        return {}
+    found = {}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for key, micro_batches in sorted(keys.items()):
+            torch.manual_seed(0)
+            net = instantiate(net_config, _convert_="all")
+            found[key] = _deepspeed_profile(net, _parse(key)[1], seq_len=seq_len, micro_batches=micro_batches,
+                                            vocab_size=vocab_size)
+    finally:
+        dist.destroy_process_group()
+    return found
+
+
 def _parse(key: str) -> tuple[str, int]:
-    """``plain`` -> (plain, 1); ``fsdp2`` -> (fsdp, 2); ``tp2`` -> (tp, 2); ``ddp2-topk`` -> (ddp, 2)."""
-    for kind in ("fsdp", "tp", "ddp"):
+    """``plain`` -> (plain, 1); ``fsdp2`` -> (fsdp, 2); ``tp2`` -> (tp, 2); ``ddp2-topk`` -> (ddp, 2);
+    ``zero3`` -> (zero, 3): DeepSpeed's stage, timed at one rank."""
+    for kind in ("fsdp", "tp", "ddp", "zero"):
         if key.startswith(kind):
             return kind, int(key.removeprefix(kind).split("-")[0])
     return "plain", 1
+
+
+def _deepspeed_profile(net, stage: int, *, seq_len: int, micro_batches: set[int], vocab_size: int,
+                       repeats: int = 3):
+    """``net`` inside DeepSpeed's ZeRO engine of ``stage`` (the strategy's own config), on this
+    one rank: the median forward-backward (``engine.backward``: its hooks, buckets and
+    partition copies) by micro batch, and the median ``engine.step``.
+
+    NOTE: not ``model_facts.profile``: DeepSpeed's backward and step are the engine's own calls."""
+    import argparse
+    import logging
+    import os
+    import statistics
+    import time
+
+    import torch
+    from torch.nn import functional as F
+
+    from litscale.planner.model_facts import Profile
+    from litscale.strategies.deepspeed_zero import DeepSpeedZeroStrategy
+
+    os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
+    os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")  # the engine asks a launcher's variables
+    import deepspeed
+
+    deepspeed.utils.logging.logger.setLevel(logging.WARNING)
+    config = {**DeepSpeedZeroStrategy(stage=stage).config, "train_micro_batch_size_per_gpu": max(micro_batches),
+              "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
+    engine, *_ = deepspeed.initialize(args=argparse.Namespace(device_rank=0), config=config, model=net,
+                                      model_parameters=list(net.parameters()), optimizer=optimizer,
+                                      dist_init_required=False)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    generator, timed, steps = torch.Generator().manual_seed(0), {}, []
+    try:
+        for micro in sorted(micro_batches):
+            tokens = torch.randint(vocab_size, (micro, seq_len + 1), generator=generator)
+            samples = []
+            for repeat in range(repeats + 1):  # the first allocates
+                start = time.perf_counter()
+                logits = engine(tokens[:, :-1])
+                engine.backward(F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+                middle = time.perf_counter()
+                engine.step()
+                if repeat:
+                    samples.append(middle - start)
+                    steps.append(time.perf_counter() - middle)
+            timed[micro] = statistics.median(samples)
+    finally:
+        torch.set_num_threads(previous)
+    return Profile(timed, statistics.median(steps))
 
 
 def _steady_ratio(ddp, state, seq_len: int, vocab_size: int, micro_batch: int) -> float:

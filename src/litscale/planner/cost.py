@@ -222,9 +222,12 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
 def profile_key(plan: Plan) -> str:
     """How one rank of ``plan`` runs the network, as ``ModelFacts.profiles`` names it: under
     FSDP2 sharded over its data ranks (``fsdp<n>``), under tensor parallel (``tp<n>``), under
-    DDP with a compression hook (``ddp<n>-<compression>``: the codec's time and ratio), or plain."""
+    DDP with a compression hook (``ddp<n>-<compression>``: the codec's time and ratio), inside
+    DeepSpeed's engine of ZeRO stage ``s`` (``zero<s>``, timed at one rank), or plain."""
     if plan.strategy == "tensor_parallel":
         return f"tp{plan.mesh.tensor}"
+    if plan.strategy.startswith("deepspeed_zero") and plan.mesh.data_shard > 1:
+        return f"zero{plan.strategy[-1]}"
     if plan.strategy == "ddp" and plan.compression != "none" and plan.mesh.data > 1:
         return f"ddp{plan.mesh.data}-{plan.compression}"
     if plan.strategy == "fsdp" and plan.mesh.data_shard > 1:
@@ -251,6 +254,8 @@ def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
 def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> float:
     """The optimizer step over the parameters this rank updates (its shard of them)."""
     plan, key = prediction.plan, profile_key(prediction.plan)
+    if key.startswith("zero") and key in facts.profiles:  # DeepSpeed's step, timed on all of it at one rank
+        return facts.profiles[key].optimizer_step_s / plan.mesh.data_shard
     if key != "plain" and key in facts.profiles:  # timed on the shard this rank holds
         return facts.profiles[key].optimizer_step_s / plan.mesh.pipeline
     mesh = plan.mesh
