@@ -146,6 +146,15 @@ def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
     assert sorted(found) == ["fsdp2", "plain", "tp2"]
     assert sorted(found["plain"].forward_backward_s) == [1, 2] and list(found["tp2"].forward_backward_s) == [2]
     assert all(t > 0 for p in found.values() for t in [*p.forward_backward_s.values(), p.optimizer_step_s])
+
+
+@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_compression_hook_and_deepspeed_are_timed_as_they_run_in_a_child_process():
+    from litscale.app.plan_profile import profiles_in_child
+
+    net = {"_target_": "litscale.models.gpt.build_gpt", "vocab_size": 256, "block_size": 32}
     # DDP with litscale's top-k hook past its warm-up: 1% of values + int32 indices, 50x fewer bytes
     topk = {"_target_": "litscale.compression.topk", "ratio": 0.01}
     found = profiles_in_child(net, keys={"ddp2-topk": {2}}, seq_len=32, vocab_size=256, compression=topk)
@@ -185,6 +194,7 @@ def test_an_8b_llama_does_not_fit_replicated_and_the_reasons_are_given():
     assert all(a.step_s <= b.step_s * 1.01 for a, b in itertools.pairwise(ranked))  # fastest first
 
 
+@pytest.mark.full  # make test-full: the fake group's FSDP bytes at 2-64 ranks stay in make test
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_predicted_memory_per_rank_matches_a_real_fsdp_run(tmp_path):

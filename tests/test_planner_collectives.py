@@ -269,6 +269,7 @@ def real_world2():
     return run_distributed(_count_on_real_ranks, 2, timeout=280)
 
 
+@pytest.mark.full  # make test-full (about 15 s): the fake group's counts stay in make test
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_step_issues_the_predicted_gathers_and_scatters_on_two_ranks(real_world2):
@@ -276,6 +277,7 @@ def test_fsdp_step_issues_the_predicted_gathers_and_scatters_on_two_ranks(real_w
         _assert_fsdp_predicted(2, *ranks["fsdp"])
 
 
+@pytest.mark.full  # make test-full (about 15 s): the fake group's counts stay in make test
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ddp_step_reduces_the_predicted_buckets_on_two_ranks(real_world2):
@@ -287,6 +289,7 @@ def test_ddp_step_reduces_the_predicted_buckets_on_two_ranks(real_world2):
         assert sent == pytest.approx({"gradient all-reduce": predicted.bytes_per_rank})
 
 
+@pytest.mark.full  # make test-full (about 15 s): the fake group's counts stay in make test
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tensor_parallel_step_issues_the_predicted_collectives_on_two_ranks(real_world2):
@@ -294,6 +297,7 @@ def test_tensor_parallel_step_issues_the_predicted_collectives_on_two_ranks(real
         _assert_tensor_parallel_predicted(2, *ranks["tensor_parallel"])
 
 
+@pytest.mark.full  # make test-full (about 15 s): the fake group's counts stay in make test
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", list(PIPELINE_SCHEDULES))
