@@ -176,6 +176,68 @@ def test_pipeline_time_is_stretched_by_the_bubble():
     assert split.compute_s == pytest.approx(flat.compute_s * (1 - 3 / 4) / (1 - 3 / 11))
 
 
+def _strategy_accepts(name: str, mesh: MeshSizes, micro: int, microbatches: int, schedule: str, virtual: int,
+                      net) -> bool:
+    """Whether litscale's own strategy takes this layout (its constructor and pre-flight checks,
+    as a run's validation calls them): the reference for which plans can run."""
+    from litscale.app.validation import check_microbatches
+    from litscale.errors import ConfigError
+    from litscale.strategies import PipelineParallelStrategy, TensorParallelStrategy
+
+    world = mesh.world_size
+    try:
+        if name == "tensor_parallel":
+            strategy = TensorParallelStrategy(tensor_parallel_size=mesh.tensor, data_parallel_size=mesh.data)
+        elif name == "pipeline":
+            strategy = PipelineParallelStrategy(pipeline_parallel_size=mesh.pipeline, data_parallel_size=mesh.data,
+                                                tensor_parallel_size=mesh.tensor, schedule=schedule,
+                                                microbatches=microbatches, virtual_stages=virtual)
+            check_microbatches(strategy, micro)
+        else:
+            return True  # data parallel: every layout of the world
+        strategy.validate_setup(world_size=world, net=net)
+        return strategy.resolve_mesh(world) == mesh
+    except (ValueError, ConfigError):
+        return False
+
+
+def test_the_planners_choice_is_the_fastest_of_every_plan_enumerated_by_brute_force():
+    """Every (strategy, pipeline x data x tensor split of 4 ranks, micro batch, activation
+    checkpointing, pipeline micro-batches, schedule) for GPT-nano and a global batch of 8:
+    the ones litscale's strategies accept and that fit are the ones the planner ranks, and its
+    pick is the fastest of them."""
+    world, global_batch = 4, 8
+    cluster = dataclasses.replace(CLUSTER, nodes=1, devices_per_node=world)
+    with torch.device("meta"):
+        net = build_gpt(vocab_size=256, block_size=64)
+    facts = model_facts(net, seq_len=64, vocab_size=256)
+    ranked, _ = search(cluster, facts, global_batch)
+    splits = [(p, d, world // (p * d)) for p in (1, 2, 4) for d in (1, 2, 4) if world % (p * d) == 0]
+    brute = []
+    for strategy, (p, d, t), micro, checkpointing, microbatches, (schedule, virtual) in itertools.product(
+            ("ddp", "fsdp", "deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "tensor_parallel", "pipeline"),
+            splits, (1, 2, 4, 8), (False, True), (1, 2, 4, 8), (("1f1b", 1), ("interleaved_1f1b", 2))):
+        pipelined, tensor = strategy == "pipeline", strategy in ("tensor_parallel", "pipeline")
+        if (p > 1) != pipelined or (t > 1 and not tensor) or (strategy == "tensor_parallel" and t == 1):
+            continue  # a split this strategy does not make
+        if (not pipelined and (microbatches, schedule) != (1, "1f1b")) or (checkpointing and strategy != "fsdp"):
+            continue  # options of other strategies
+        if global_batch % d or (global_batch // d) % micro:
+            continue
+        mesh = MeshSizes(pipeline=p, data_replicate=d, tensor=t) if strategy == "ddp" else \
+            MeshSizes(pipeline=p, data_shard=d, tensor=t)
+        if not _strategy_accepts(strategy, mesh, micro, microbatches, schedule, virtual, net):
+            continue
+        plan = Plan(strategy, mesh, micro, global_batch // d // micro, checkpointing, microbatches=microbatches,
+                    schedule=schedule, virtual_stages=virtual)
+        prediction = predict(plan, facts, cluster)
+        if prediction.peak_bytes <= cluster.device_memory_bytes:
+            brute.append(prediction)
+    assert sorted(p.plan.describe() for p in ranked) == sorted(p.plan.describe() for p in brute)
+    fastest = min(p.step_s for p in brute)
+    assert ranked[0].step_s <= fastest * 1.01  # the planner's tie rule: within 1%, the simpler plan
+
+
 def test_an_8b_llama_does_not_fit_replicated_and_the_reasons_are_given():
     with torch.device("meta"):
         net = build_llama(preset="llama3_8b", vocab_size=128256, block_size=2048)
