@@ -108,7 +108,7 @@ def _assert_plain_model_loads(path: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["single", "ddp"])
+@pytest.mark.parametrize("strategy", [pytest.param("single", marks=pytest.mark.full), "ddp"])  # full: time budget
 def test_unsharded_strategies_export_the_same_file(tmp_path, strategy):
     devices = "trainer.devices=1" if strategy == "single" else "trainer.devices=2"
     process = run_train(*SHORT, devices, f"strategy={strategy}", "trainer.max_steps=2",

@@ -38,7 +38,8 @@ def run_dirs(outputs: Path, name: str) -> list[Path]:
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize(("strategy", "stop_signal"), [
-    ("single", "sigterm"), ("ddp", "sigterm"),
+    pytest.param("single", "sigterm", marks=pytest.mark.full),  # full: ddp's case takes the same path
+    ("ddp", "sigterm"),
     pytest.param("ddp", "sigusr1", marks=pytest.mark.full)])  # full: the same path as sigterm
 def test_stop_signal_saves_checkpoint_and_auto_resume_reproduces_losses(tmp_path, strategy,
                                                                         stop_signal):

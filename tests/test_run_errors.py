@@ -51,6 +51,7 @@ def test_a_lightning_checkpoint_file_resolves_to_itself(tmp_path):
     assert resolve_ckpt_path(str(path), search_dir=str(tmp_path)) == str(path)
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_summary_says_what_compression_and_lr_scaling_did(tmp_path):

@@ -182,6 +182,7 @@ def test_notebook_reads_the_sweep_and_runs(sweep, tmp_path):
 # --- a single run: a named baseline, and a resumed run continuing its W&B run --------------------
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resumed_run_continues_its_wandb_run_and_compares_with_a_named_baseline(tmp_path):

@@ -104,7 +104,7 @@ class PipelineParallelStrategy(ModelParallelStrategy):
 
     # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
     phase_collectives = {"forward": "pipeline send/recv", "optimizer": "gradient reduction"}
-    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, the dims > 1
+    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
 
     @checked_arguments("strategy")
     def __init__(

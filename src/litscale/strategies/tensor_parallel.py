@@ -197,7 +197,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
     phase_collectives = {"forward": "tensor-parallel collectives", "backward": "tensor-parallel collectives / gradient reduce-scatter"}
-    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, the dims > 1
+    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
 
     @checked_arguments("strategy")
     def __init__(
