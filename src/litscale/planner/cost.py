@@ -200,8 +200,9 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         ring("tensor-parallel reduce-scatter", runs * (4 * layers + head) * activation, runs * (4 * layers + head),
              mesh.tensor, cluster.intra_node, 1)
         norms = facts.norm_tensors // mesh.pipeline
-        ring("tensor-parallel all-reduce", runs * activation + facts.norm_params / mesh.pipeline * 4, runs + norms,
-             mesh.tensor, cluster.intra_node, 2)
+        norm_grads = facts.norm_params / mesh.pipeline * DTYPE_BYTES[plan.param_dtype]
+        ring("tensor-parallel all-reduce", runs * activation + norm_grads, runs + norms, mesh.tensor,
+             cluster.intra_node, 2)
     if mesh.pipeline > 1:
         # The busiest rank's sends, as counted: each of its stages sends activations forward
         # and gradients back, but not past an end of the pipeline (at 2 ranks each rank holds
