@@ -75,6 +75,7 @@ class PlanSchema:
     top: PositiveInt
     verify: NonNegativeInt  # run the top k as short jobs here; print predicted vs measured
     verify_steps: PositiveInt
+    predict_run: bool  # an ordinary run's summary: the planner's prediction from what plan=show timed
 
 
 @dataclass
