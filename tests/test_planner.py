@@ -326,6 +326,57 @@ def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_
                         r"per device; the plans above fit", str(error.value)), str(error.value)
 
 
+CALIBRATION = {"cores": 2, "memory_bytes": 8 * 2**30, "peak_flops": {"float32": 1e11, "bfloat16": 2e11},
+               "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "measured": "test"}
+
+
+def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_show_timed(tmp_path, monkeypatch):
+    """An ordinary run's prediction starts no child: compute from FLOPs until ``plan=show``
+    has timed this model on this cluster file; then from that cache, which a second plan
+    reads instead of timing again (only a new micro batch is timed)."""
+    from helpers.configs import compose_job
+
+    from litscale.app import plan as plan_module
+    from litscale.app import plan_profile
+    from litscale.app.build import build
+    from litscale.app.validation import validate
+    from litscale.planner import profile_cache
+
+    monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
+    (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(CALIBRATION))
+    timed_in_child: list[dict] = []
+
+    def child(net_config, *, keys, seq_len, vocab_size, compression=None):
+        timed_in_child.append(keys)
+        return {key: Profile({m: 0.5 * m for m in micros}, 0.25) for key, micros in keys.items()}
+
+    monkeypatch.setattr(plan_profile, "profiles_in_child", child)
+    cfg, choices = compose_job(["data.seq_len=32"], tmp_path / "run")
+    layout = validate(cfg, choices=choices)
+    before = plan_module.predicted_for_run(cfg, choices, layout)
+    assert before["plan/compute_source"] == "flops" and before["plan/predicted_step_s"] > 0
+    assert not timed_in_child  # nothing timed for a run
+
+    cluster = build(cfg.cluster)
+    plan = plan_module.configured_plan(cfg, choices, layout)
+    facts = plan_module.timed_here(cfg, cluster, plan_module.facts_of(cfg), [plan])  # as plan=show does
+    assert timed_in_child == [{"plain": {16}}] and facts.profiles["plain"].forward_backward_s == {16: 8.0}
+    after = plan_module.predicted_for_run(cfg, choices, layout)
+    assert after["plan/compute_source"] == "timed" and len(timed_in_child) == 1
+    assert after["plan/predicted_step_s"] == pytest.approx(8.0 + 0.25)  # one rank: compute + optimizer
+
+    smaller = dataclasses.replace(plan, micro_batch=8)
+    plan_module.timed_here(cfg, cluster, plan_module.facts_of(cfg), [plan, smaller])
+    assert timed_in_child[1:] == [{"plain": {8}}]  # micro batch 16 read back, 8 timed
+    cached = profile_cache.load(plan_module.profile_identity(cfg, cluster))
+    assert cached["plain"].forward_backward_s == {16: 8.0, 8: 4.0}
+    other, _ = compose_job(["data.seq_len=32", "+model.net.n_layer=2"], tmp_path / "other")
+    assert profile_cache.load(plan_module.profile_identity(other, cluster)) == {}  # another model: not this cache
+
+    cfg.plan.predict_run = False  # the opt-out: no prediction at all
+    assert plan_module.predicted_for_run(cfg, choices, layout) == {}
+
+
 def test_a_plan_keeps_the_users_run_and_replaces_its_layout():
     from litscale.app.experiment_file import carried_overrides
 

@@ -89,21 +89,29 @@ def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout)
 
 def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> dict:
     """The planner's prediction for the run as configured, for its summary beside what it
-    measured; {} where the strategy is not modelled or the cluster is this machine and has
-    not been calibrated (a run never spends time calibrating at its end)."""
+    measured; {} where ``plan.predict_run`` is off, the strategy is not modelled, or the cluster
+    is this machine and has not been calibrated. Nothing is timed here (a run pays nothing after ``fit`` for it): the
+    forward-backward is the one ``plan=show|auto`` timed for this model and cluster file where
+    it did (``plan/compute_source``: ``timed``), else FLOPs at the cluster's throughput."""
     from litscale.app.build import build, trusted_targets
+    from litscale.planner import profile_cache
     from litscale.planner.calibrate import calibration_path
-    from litscale.planner.cost import predict
+    from litscale.planner.cost import predict, profile_key
 
     plan = configured_plan(cfg, choices, layout)
     cluster_node = cfg.get("cluster")
-    if plan is None or cluster_node is None or "_target_" not in cluster_node or (
+    if not cfg.plan.get("predict_run", True) or plan is None or cluster_node is None or "_target_" not in cluster_node or (
             cluster_node._target_.endswith(".local_cpu") and not calibration_path().exists()):
         return {}
     cluster = build(cluster_node, trusted=trusted_targets(cfg))
-    facts = timed_here(cfg, cluster, facts_of(cfg), [plan])
+    facts = facts_of(cfg)
+    if cluster.is_this_machine:
+        facts = dataclasses.replace(facts, profiles=profile_cache.load(profile_identity(cfg, cluster)))
+    timed = facts.profiles.get(profile_key(plan))
     prediction = predict(plan, facts, cluster)
     return {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
+            "plan/compute_source": "timed" if timed and plan.micro_batch // plan.microbatches in
+            timed.forward_backward_s else "flops",
             "plan/predicted_peak_bytes": prediction.peak_bytes,
             "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
 
@@ -170,10 +178,23 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     return model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
 
 
+def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
+    """What a profile of ``cfg``'s network on ``cluster`` depends on: the cache's key."""
+    import torch
+
+    compression = cfg.get("compression") or {}
+    return {"net": OmegaConf.to_container(cfg.model.net, resolve=True), "seq_len": int(cfg.data.seq_len),
+            "vocab_size": int(cfg.data.vocab_size), "torch": torch.__version__, "cluster": cluster.source,
+            "compression": OmegaConf.to_container(compression, resolve=True) if "_target_" in compression else None}
+
+
 def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: list[Plan]) -> ModelFacts:
     """On this machine, ``facts`` with the network timed as each of ``plans_`` runs it, at
-    the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are."""
+    the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are.
+    What an earlier plan timed for this model and cluster file is read back, not timed again;
+    what is new is timed in a child process and cached."""
     from litscale.app.plan_profile import profiles_in_child
+    from litscale.planner import profile_cache
     from litscale.planner.cost import profile_key
 
     peak = cluster.peak_flops["float32"]
@@ -184,12 +205,15 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
             keys.setdefault(profile_key(plan), set()).add(micro)
     if not cluster.is_this_machine or not keys:
         return facts
-    net_config = OmegaConf.to_container(cfg.model.net, resolve=True)
-    compression = OmegaConf.to_container(cfg.compression, resolve=True) if "_target_" in (
-        cfg.get("compression") or {}) else None
-    profiles = profiles_in_child(net_config, keys=keys, seq_len=facts.seq_len, vocab_size=int(cfg.data.vocab_size),
-                                 compression=compression)
-    return dataclasses.replace(facts, profiles=profiles)
+    identity = profile_identity(cfg, cluster)
+    profiles = profile_cache.load(identity)
+    todo = profile_cache.missing(profiles, keys)
+    if todo:
+        timed = profiles_in_child(identity["net"], keys=todo, seq_len=facts.seq_len, vocab_size=identity["vocab_size"],
+                                  compression=identity["compression"])
+        profiles = profile_cache.merged(profiles, timed)
+        profile_cache.store(identity, profiles)
+    return dataclasses.replace(facts, profiles={key: profiles[key] for key in keys})
 
 
 def _experiment(cfg: DictConfig, choices: dict[str, str], plan_overrides: list[str], plan_dir: str, name: str,

@@ -4,9 +4,11 @@ return at once, so what is timed is compute and the framework's own work; commun
 the cost model's); under DDP with a compression hook, or inside DeepSpeed's ZeRO engine, on
 one real gloo rank (neither runs on the fake group).
 
-NOTE: in a child process, because a process holds one default process group: the planner
-also runs at the end of a real run (``plan/predicted_*`` in its summary), whose group is
-taken, and an FSDP or tensor-parallel plan needs a group of its own world size.
+NOTE: in a child process, because a process holds one default process group and an FSDP or
+tensor-parallel plan needs a group of its own world size, and because what the profiles
+import and leave behind (DeepSpeed, fake groups, threads) should not outlive them. Only
+``plan=show|auto`` times: what it timed is cached (``litscale.planner.profile_cache``), and
+an ordinary run's summary reads that cache.
 """
 
 from __future__ import annotations

@@ -197,8 +197,10 @@ def _print_end(summary: dict) -> None:
         _say(f"slowest rank: {summary['health/slowest_rank']} at {summary['health/straggler_ratio']:.2f}x "
              "the median of its peers' forward times (median over the run)")
     if "plan/predicted_step_s" in summary and "perf/step_time_s" in summary:
+        source = "" if summary.get("plan/compute_source") != "flops" else (
+            " (compute from FLOPs: plan=show times this model here once, and runs read that)")
         _say(f"planner: predicted {summary['plan/predicted_step_s']:.4g} s/step on cluster "
-             f"{summary['plan/cluster']}, measured {summary['perf/step_time_s']:.4g} s/step")
+             f"{summary['plan/cluster']}{source}, measured {summary['perf/step_time_s']:.4g} s/step")
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
              f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")
