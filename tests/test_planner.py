@@ -320,10 +320,39 @@ def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_
     cfg, choices = compose_job(["plan=show", "strategy=ddp", "trainer.devices=8", "trainer.num_nodes=32",
                                 "cluster=h100_8x", "cluster.nodes=32", "model=llama", "model.net.preset=llama3_8b",
                                 "precision=bf16_mixed", "data.seq_len=2048"], tmp_path / "too_big")
+    capsys.readouterr()
     with pytest.raises(ConfigError) as error:
         train(cfg, choices=choices)
     assert re.fullmatch(r"the run as configured needs \d+\.\d GiB per rank, more than cluster=h100_8x's 80 GiB "
                         r"per device; the plans above fit", str(error.value)), str(error.value)
+    assert "litscale: fastest: " in capsys.readouterr().out  # the plan it found, before the refusal
+
+
+def test_more_devices_per_node_than_the_cluster_has_is_one_line(tmp_path, outputs_root):
+    """64 devices of h100_8x are 8 nodes of 8, not one node of 64."""
+    from helpers.configs import compose_job
+
+    from litscale.app.run import train
+    from litscale.errors import ConfigError
+
+    cfg, choices = compose_job(["plan=show", "cluster=h100_8x", "trainer.devices=64"], tmp_path)
+    with pytest.raises(ConfigError) as error:
+        train(cfg, choices=choices)
+    assert str(error.value) == ("trainer.devices=64: a node of cluster=h100_8x has 8 devices; for 64 devices set "
+                                "trainer.devices=8 trainer.num_nodes=8")
+
+
+def test_the_ranking_is_in_the_order_of_the_printed_step_times():
+    """Plans whose step times print alike are ordered by the simpler strategy, then the larger
+    micro batch; the printed column never goes down."""
+    with torch.device("meta"):
+        net = build_gpt(vocab_size=256, block_size=64)
+    ranked, _ = search(CLUSTER, model_facts(net, seq_len=64, vocab_size=256), 64)
+    printed = [float(f"{p.step_s:.4g}") for p in ranked]
+    assert len(ranked) > 10 and printed == sorted(printed)
+    for a, b in itertools.pairwise(ranked):
+        if float(f"{a.step_s:.4g}") == float(f"{b.step_s:.4g}") and a.plan.strategy == b.plan.strategy:
+            assert a.plan.micro_batch >= b.plan.micro_batch
 
 
 CALIBRATION = {"cores": 2, "memory_bytes": 8 * 2**30, "peak_flops": {"float32": 1e11, "bfloat16": 2e11},

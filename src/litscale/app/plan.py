@@ -10,6 +10,7 @@ from collections import Counter
 from omegaconf import DictConfig, OmegaConf
 
 from litscale.app.plan_verify import aligned
+from litscale.errors import ConfigError
 from litscale.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
@@ -30,6 +31,7 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     from litscale.app.build import build, trusted_targets
 
     cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
+    check_devices_per_node(layout, cluster, choices)
     if layout.world_size > cluster.world_size:  # a what-if: the configured world, of this cluster's devices
         cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
     dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
@@ -50,10 +52,13 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
         _say(f"  {count} x {reason}")
     if not ranked:
         _say("no plan fits: see the reasons above")
-    _as_configured(cfg, choices, layout, cluster, facts, configured, fitting=bool(ranked))
+    too_big = _as_configured(cfg, choices, layout, cluster, facts, configured, fitting=bool(ranked))
+    if ranked:
+        _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(overrides(ranked[0].plan, cluster))}")
+    if too_big:  # plan=show is a dry run: refused as the launch would be, after the plans that fit
+        raise ConfigError(too_big)
     if not ranked:
         return {}
-    _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(overrides(ranked[0].plan, cluster))}")
     plan_dir = os.path.join(cfg.paths.output_dir, "plan")
     top = ranked[: int(cfg.plan.verify)]
     best = (_verify(cfg, cluster, choices, top, plan_dir) if top else None) or ranked[0]
@@ -116,12 +121,23 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
             "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
 
 
+def check_devices_per_node(layout: RunLayout, cluster: Cluster, choices: dict[str, str]) -> None:
+    """A node of ``cluster`` has so many devices: more processes per node is a mistake (64
+    devices of ``h100_8x`` are 8 nodes of 8), said in one line before anything is planned."""
+    if layout.processes_per_node > cluster.devices_per_node and not cluster.is_this_machine:
+        nodes = -(-layout.world_size // cluster.devices_per_node)
+        raise ConfigError(
+            f"trainer.devices={layout.processes_per_node}: a node of cluster={choices.get('cluster', cluster.name)} "
+            f"has {cluster.devices_per_node} devices; for {layout.world_size} devices set "
+            f"trainer.devices={cluster.devices_per_node} trainer.num_nodes={nodes}")
+
+
 def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, cluster: Cluster,
-                   facts: ModelFacts, plan: Plan | None, *, fitting: bool) -> None:
+                   facts: ModelFacts, plan: Plan | None, *, fitting: bool) -> str | None:
     """Print the run as configured: its layout, LR, the strategy built on a fake process group
-    at the configured world, and the predicted memory per rank; refuse it (before any process
-    starts) when that memory, with the parameters as built, exceeds the device's."""
-    from litscale.errors import ConfigError
+    at the configured world, and the predicted memory per rank; return why ``plan=show`` refuses
+    it (before any process starts) when that memory, with the parameters as built, exceeds the
+    device's (None: it fits, or ``plan=auto``, which writes a plan that fits instead)."""
     from litscale.lr_scaling import scaled_lr
     from litscale.planner.cost import predict
 
@@ -135,7 +151,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     built = _dry_run(cfg, layout)
     if plan is None:
         _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
-        return
+        return None
     prediction = predict(plan, facts, cluster)
     parts = ", ".join(f"{k} {prediction.memory[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations"))
     _say(f"as configured: {plan.describe()}: {prediction.peak_bytes / GiB:.2f} GiB per rank predicted ({parts}), "
@@ -149,9 +165,10 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     if peak > cluster.device_memory_bytes:
         too_big = (f"the run as configured needs {peak / GiB:.1f} GiB per rank, more than "
                    f"cluster={cluster.name}'s {cluster.device_memory_bytes / GiB:.0f} GiB per device")
-        if cfg.plan.mode == "show":  # a dry run: refused, as the launch would be
-            raise ConfigError(too_big + ("; the plans above fit" if fitting else ""))
+        if cfg.plan.mode == "show":
+            return too_big + ("; the plans above fit" if fitting else "")
         _say(f"{too_big}; plan=auto writes the fastest plan that fits instead")
+    return None
 
 
 def _dry_run(cfg: DictConfig, layout: RunLayout) -> float | None:

@@ -4,9 +4,9 @@ device (no storage, so 256 ranks of a large model cost nothing) over torch's fak
 group (its collectives return at once), and what rank 0 then holds is read off its
 parameters, for ``plan=show`` to print beside the planner's prediction.
 
-In a child process, because a process holds one default process group: ``plan=show`` may run
-where one is taken (the planner also runs at the end of a real run), and the fake group must
-have the configured world size.
+Built in this process when it holds no process group (``plan=show``'s own process: a child
+would cost a second torch import), else in a child, because a process holds one default
+process group and the fake one must have the configured world size.
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ def built_on_fake_world(run_config: dict, world_size: int) -> dict[str, Any]:
     ``world_size`` ranks. ``run_config``: the job's config, resolved (``OmegaConf.to_container``),
     already validated. Returns ``{"params_bytes": bytes of the parameters rank 0 holds (its local
     shards), "mesh": the device mesh built (e.g. "replicate 2 x shard 128"), "ranks": world_size}``;
-    for DeepSpeed ``params_bytes`` is None and ``skipped`` says why. Built in a spawned child."""
+    for DeepSpeed ``params_bytes`` is None and ``skipped`` says why."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return built_in_this_process(run_config, world_size)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(built_in_this_process, run_config, world_size).result()
 
@@ -66,7 +70,7 @@ def _split_on_fake_group(holder: nn.Module, strategy: Any, world_size: int) -> d
 
     if dist.is_initialized():
         raise RuntimeError("this process holds a process group already; call built_on_fake_world, "
-                           "which builds in a child process")
+                           "which then builds in a child process")
     shape, names = strategy.mesh_layout(strategy.resolve_mesh(world_size))
     # init_process_group wraps sys.excepthook (a "[rank0]:" prefix) and nothing unwraps it;
     # restored so that building here many times does not stack the prefixes.

@@ -34,6 +34,7 @@ def profiles_in_child(net_config: dict, *, keys: dict[str, set[int]], seq_len: i
 def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_size: int,
               compression: dict | None) -> dict[str, Profile]:
     import dataclasses
+    import warnings
 
     import torch
     import torch.distributed as dist
@@ -47,6 +48,9 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
     from litscale.strategies.fsdp import shard_units
     from litscale.strategies.tensor_parallel import apply_declared_plan
 
+    # DeepSpeed's engine calls c10d functions torch deprecates (a FutureWarning per call, about
+    # forty per plan): the user's own DeepSpeed run shows them, a plan need not.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     found = _deepspeed_profiles(net_config, {k: v for k, v in keys.items() if k.startswith("zero")}, seq_len,
                                 vocab_size)
     for key, micro_batches in sorted(keys.items()):
