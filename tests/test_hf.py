@@ -362,6 +362,8 @@ def test_a_llama_run_with_export_hf_writes_a_directory_transformers_loads(tmp_pa
                         "data.max_bytes=200000", "trainer.enable_progress_bar=false", outputs=tmp_path)
     assert process.returncode == 0, explain(process)
     (summary,) = summaries(tmp_path)
+    assert summary["export_hf"] == f"{summary['output_dir']}/hf"  # in the summary and the closing line
+    assert f"outputs: {summary['output_dir']} (summary.json, checkpoints/, model.pt, hf/, logs)" in process.stdout
     weights = torch.load(summary["export"], weights_only=True)
     net = build_llama(preset="tiny", vocab_size=weights["embed_tokens.weight"].shape[0], block_size=32)
     net.load_state_dict(weights)

@@ -90,6 +90,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         "output_dir": os.path.abspath(built.config.paths.output_dir),
         "checkpoint": _best_checkpoint(trainer),
         "export": export,  # the consolidated weights of the net (litscale.export)
+        "export_hf": _hf_export_dir(export, built.config),
         "wall_time_s": time.time() - started_at,
     }
     summary = {k: v for k, v in summary.items() if v is not None}
@@ -131,6 +132,15 @@ def _lr_scaling(trainer: Trainer) -> dict:
     return {"lr_scaling/rule": rule.rule, "lr_scaling/base_lr": rule.base_lr,
             "lr_scaling/peak_lr": rule.lr, "lr_scaling/base_batch_size": rule.base_batch_size,
             "lr_scaling/global_batch": rule.global_batch}
+
+
+def _hf_export_dir(export: str | None, config) -> str | None:
+    """``<run dir>/hf/`` where ``export_hf=true`` wrote a transformers directory beside ``model.pt``."""
+    from litscale.export import HF_DIRNAME
+
+    if export is None or not config.get("export_hf", False):
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(export)), HF_DIRNAME)
 
 
 def _best_checkpoint(trainer: Trainer) -> str | None:
@@ -204,7 +214,9 @@ def _print_end(summary: dict) -> None:
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
              f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")
-    _say(f"outputs: {summary['output_dir']} (summary.json, checkpoints/, logs)")
+    exports = "".join(f", {os.path.basename(summary[k].rstrip(os.sep))}{'/' if k == 'export_hf' else ''}"
+                      for k in ("export", "export_hf") if k in summary)
+    _say(f"outputs: {summary['output_dir']} (summary.json, checkpoints/{exports}, logs)")
 
 
 def finish_loggers(trainer: Trainer, status: str) -> None:
