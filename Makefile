@@ -2,11 +2,12 @@
 #   make train   create .venv, install litscale, train GPT-nano on the default config
 #   make test    install the dev extras and run the test suite (all but the `full` set)
 #   make test-full  the `full` set: parity at 4 and 8 ranks (long on 2 cores; CI runs it too)
+#   make durations  the slowest tests and the seconds per file of the last make test / test-full
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test test-full install install-dev lint clean
+.PHONY: train test test-full durations install install-dev lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,11 +32,17 @@ install-dev: $(VENV)/.installed-dev
 train: install
 	$(BIN)/python train.py $(ARGS)
 
+# Each writes its JUnit XML (every test's seconds) under outputs/tests/ for `make durations`.
+TIMES := outputs/tests
+
 test: install-dev
-	$(BIN)/python -m pytest -m "not full" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not full" --junitxml=$(TIMES)/make-test.xml $(PYTEST_ARGS)
 
 test-full: install-dev
-	$(BIN)/python -m pytest -m full $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m full --junitxml=$(TIMES)/make-test-full.xml $(PYTEST_ARGS)
+
+durations:
+	$(BIN)/python tests/durations.py $(wildcard $(TIMES)/*.xml) $(ARGS)
 
 lint: install-dev
 	$(BIN)/ruff check src tests train.py
