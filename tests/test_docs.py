@@ -1,0 +1,262 @@
+"""The README and the docs site (``docs/``, ``mkdocs.yml``): the site builds with
+``mkdocs build --strict``, the README stays short and links every page, and every command the
+pages mark runnable runs as shown.
+
+A fenced block is runnable when the last non-blank line before it is an HTML comment,
+``<!-- runnable -->`` or ``<!-- runnable: FLAGS -->`` (invisible on GitHub and in the site).
+FLAGS, separated by spaces:
+
+- ``full``: a long one: ``make test-full`` runs it, ``make test`` leaves it out;
+- ``error``: each command must fail before anything starts, with exit code 2 and one line of
+  output, the ``# error: ...`` comment written under it;
+- ``after-run``: a Python block that reads a run's outputs; it runs after a short default run,
+  with ``outputs/default/runs/<run>`` standing for that run's directory.
+
+A ``bash`` block holds one command per line (a trailing ``\\`` continues it, ``#`` starts a
+comment, ``NAME=value`` words before the program set its environment); each command is its
+own test, and a command shown on several pages is run once. Commands that run ``train.py``
+run short: ``trainer.max_steps=2 trainer.limit_val_batches=2`` are added unless the command
+sets them. A ``python`` block is run as a script.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers.cli import REPO, explain, run_in_own_group, run_train, summaries
+
+README = REPO / "README.md"
+DOCS = REPO / "docs"
+MAX_README_LINES = 250
+SHORT_RUN = {"trainer.max_steps": "2", "trainer.limit_val_batches": "2"}
+RUN_PLACEHOLDER = "outputs/default/runs/<run>"
+MARKER = re.compile(r"^<!--\s*runnable(?::\s*(?P<flags>[^>]*?))?\s*-->$")
+FLAGS = {"full", "error", "after-run"}
+
+
+@dataclass
+class Runnable:
+    """One command of a runnable ``bash`` block, or one runnable ``python`` block."""
+
+    page: str
+    line: int
+    language: str
+    flags: set[str]
+    text: str  # the command (bash) or the script (python)
+    expected_error: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def markdown_pages() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def fenced_blocks(path: Path) -> list[tuple[int, str, str, str | None]]:
+    """``(line of the first body line, language, body, marker flags or None)`` for each fenced
+    block of a Markdown file."""
+    lines = path.read_text().splitlines()
+    blocks, index = [], 0
+    while index < len(lines):
+        opening = re.match(r"^```(\S*)", lines[index])
+        if not opening:
+            index += 1
+            continue
+        before = next((lines[k].strip() for k in range(index - 1, -1, -1) if lines[k].strip()), "")
+        marker = MARKER.match(before)
+        end = next(k for k in range(index + 1, len(lines)) if lines[k].startswith("```"))
+        body = "\n".join(lines[index + 1:end])
+        blocks.append((index + 2, opening.group(1), body, (marker.group("flags") or "") if marker else None))
+        index = end + 1
+    return blocks
+
+
+def bash_commands(body: str, first_line: int) -> list[tuple[int, str, str | None]]:
+    """``(line, command, the '# error: ...' comment under it or None)`` for each command."""
+    commands: list[list] = []
+    pending, start = "", first_line
+    for number, raw in enumerate(body.splitlines(), first_line):
+        line = raw.rstrip()
+        if not pending:
+            start = number
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        stripped = line.strip()
+        if stripped.startswith("# error:") and commands:
+            commands[-1][2] = stripped[2:]
+        elif stripped and not stripped.startswith("#"):
+            commands.append([start, stripped, None])
+    return [tuple(command) for command in commands]
+
+
+def collect_runnables() -> list[Runnable]:
+    """Every runnable command and script of the README and the docs, each command once."""
+    found, seen = [], set()
+    for path in markdown_pages():
+        page = str(path.relative_to(REPO))
+        for first_line, language, body, flags in fenced_blocks(path):
+            if flags is None:
+                continue
+            flag_set = set(flags.split())
+            if language == "python":
+                found.append(Runnable(page, first_line, language, flag_set, body))
+                continue
+            for line, command, expected in bash_commands(body, first_line):
+                words = shlex.split(command, comments=True)
+                env = {}
+                while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+                    name, value = words.pop(0).split("=", 1)
+                    env[name] = value
+                key = " ".join(words)
+                if key in seen:
+                    continue
+                seen.add(key)
+                found.append(Runnable(page, line, language, flag_set, command, expected, env, words))
+    return found
+
+
+RUNNABLES = collect_runnables()
+
+
+def _param(runnable: Runnable):
+    marks = [pytest.mark.full] if "full" in runnable.flags else []
+    return pytest.param(runnable, id=runnable.id, marks=marks)
+
+
+def short_run(argv: list[str]) -> list[str]:
+    """``argv`` with the overrides of a short run added where it runs ``train.py`` and does not
+    set them itself."""
+    if "train.py" not in argv:
+        return argv
+    given = {word.split("=", 1)[0] for word in argv if "=" in word}
+    return argv + [f"{key}={value}" for key, value in SHORT_RUN.items() if key not in given]
+
+
+def run_command(runnable: Runnable, outputs: Path, *, timeout: float = 500) -> subprocess.CompletedProcess:
+    """Run a ``bash`` command from the repo root as a user would, outputs under ``outputs``."""
+    argv = runnable.argv if "error" in runnable.flags else short_run(runnable.argv)
+    if argv[:2] == ["python", "train.py"]:
+        return run_train(*argv[2:], outputs=outputs, timeout=timeout, env=runnable.env)
+    program = sys.executable if argv[0] == "python" else str(Path(sys.executable).parent / argv[0])
+    process, _, _ = run_in_own_group([program, *argv[1:]], outputs=outputs, env=runnable.env,
+                                     timeout=timeout)
+    return process
+
+
+def run_script(code: str, directory: Path, outputs: Path, *, timeout: float = 500) -> subprocess.CompletedProcess:
+    script = directory / "snippet.py"
+    script.write_text(code)
+    process, _, _ = run_in_own_group([sys.executable, str(script)], outputs=outputs, timeout=timeout)
+    return process
+
+
+# --- the site and the README ------------------------------------------------------------------
+
+
+def nav_pages() -> list[str]:
+    """The pages ``mkdocs.yml``'s nav lists, in order."""
+    def walk(node) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        if isinstance(node, list):
+            return [page for item in node for page in walk(item)]
+        return [page for value in node.values() for page in walk(value)]
+
+    return walk(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])
+
+
+def readme_links() -> list[str]:
+    """Relative link targets of the README, anchors dropped."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
+    return [target.split("#")[0] for target in targets if not re.match(r"^[a-z]+:", target)]
+
+
+def test_readme_is_short():
+    lines = len(README.read_text().splitlines())
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines; keep it to {MAX_README_LINES}"
+
+
+def test_every_docs_page_is_in_the_nav_and_linked_from_the_readme():
+    pages = sorted(path.name for path in DOCS.glob("*.md"))
+    assert sorted(nav_pages()) == pages
+    linked = {target.removeprefix("docs/") for target in readme_links() if target.startswith("docs/")}
+    assert sorted(linked) == pages
+
+
+def test_readme_links_resolve():
+    missing = [target for target in readme_links() if target and not (REPO / target).exists()]
+    assert missing == []
+
+
+def test_runnable_blocks_are_well_formed():
+    assert RUNNABLES, "no runnable block found"
+    for runnable in RUNNABLES:
+        assert runnable.flags <= FLAGS, f"{runnable.id}: unknown flags {runnable.flags - FLAGS}"
+        assert runnable.language in ("bash", "python"), f"{runnable.id}: a {runnable.language} block"
+        if "error" in runnable.flags:
+            assert runnable.expected_error, f"{runnable.id}: an error command needs '# error: ...' under it"
+        if "after-run" in runnable.flags:
+            assert RUN_PLACEHOLDER in runnable.text, f"{runnable.id}: after-run without {RUN_PLACEHOLDER}"
+
+
+def test_the_collector_reads_commands_comments_and_continuations():
+    body = "A=1 python train.py x=1 \\\n  y=2   # a comment\n# error: bad\n\npython train.py z=3"
+    assert bash_commands(body, 10) == [(10, "A=1 python train.py x=1    y=2   # a comment", "error: bad"),
+                                       (14, "python train.py z=3", None)]
+    assert short_run(["python", "train.py", "trainer.max_steps=5"]) == [
+        "python", "train.py", "trainer.max_steps=5", "trainer.limit_val_batches=2"]
+
+
+@pytest.mark.slow
+def test_mkdocs_build_strict(tmp_path):
+    """A broken link or anchor, or a page missing from the nav, fails the build."""
+    process = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert process.returncode == 0, explain(process)
+    assert (tmp_path / "site" / "add-your-own-model" / "index.html").exists()
+
+
+# --- the runnable commands ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("runnable", [_param(r) for r in RUNNABLES if r.language == "bash"])
+def test_runnable_command(runnable, outputs_root):
+    process = run_command(runnable, outputs_root)
+    if "error" in runnable.flags:
+        shown = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()]
+        assert (process.returncode, shown) == (2, [runnable.expected_error]), explain(process)
+        return
+    assert process.returncode == 0, explain(process)
+    if "train.py" in runnable.argv and not any(word.startswith("plan=") for word in runnable.argv):
+        assert summaries(outputs_root), f"no summary.json under {outputs_root}\n{explain(process)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("runnable", [_param(r) for r in RUNNABLES if r.language == "python"])
+def test_runnable_script(runnable, outputs_root, tmp_path):
+    code = runnable.text
+    if "after-run" in runnable.flags:
+        run = run_train(*(f"{key}={value}" for key, value in SHORT_RUN.items()), outputs=outputs_root)
+        assert run.returncode == 0, explain(run)
+        code = code.replace(RUN_PLACEHOLDER, summaries(outputs_root)[-1]["output_dir"])
+    process = run_script(code, tmp_path, outputs_root)
+    assert process.returncode == 0, explain(process)
