@@ -11,6 +11,9 @@ figures are medians over repetitions, and ratios litscale / plain.
   is ``perf/step_time_s`` from summary.json vs the same interval timed in the plain loop.
 - startup: launch of ``python train.py`` to the end of its first optimizer step, vs
   ``python -c "import torch, lightning"`` (and the plain loop's own time to its first step).
+- one_step: a whole ``python train.py trainer.max_steps=1`` with every default, on a machine
+  whose ``cluster=local_cpu`` calibration exists (so the run's summary carries the planner's
+  prediction), launch to exit, vs ``python -c "import torch, lightning"``; minimum and median.
 - scaling: DDP and FSDP, 1 rank (pinned to one core) and 2 ranks (one thread each), litscale vs
   plain torch DDP / FSDP2; efficiency = throughput(2) / (2 x throughput(1)).
 - health: the cost of the hang watchdog's heartbeats and the straggler report: GPT-nano DDP on
@@ -169,6 +172,31 @@ def study_startup(args, tmp: Path) -> dict:
     return result
 
 
+def timed_one_step_run(tmp: Path) -> float:
+    outputs = Path(tempfile.mkdtemp(dir=tmp))
+    started = time.perf_counter()
+    run([PYTHON, "train.py", "trainer.max_steps=1"], env={"LITSCALE_OUTPUTS": str(outputs), **SOURCE})
+    elapsed = time.perf_counter() - started
+    (summary,) = outputs.glob("**/summary.json")
+    if "plan/predicted_step_s" not in json.loads(summary.read_text()):
+        sys.exit("one_step: the run's summary has no prediction: is this machine calibrated?")
+    return elapsed
+
+
+def study_one_step(args, tmp: Path) -> dict:
+    """A whole 1-step run with every default on a calibrated machine, against the imports."""
+    print("one_step", flush=True)
+    check = "from litscale.planner.calibrate import calibration_path as c; print(c().exists())"
+    if run([PYTHON, "-c", check], env=SOURCE).stdout.strip() != "True":
+        run([PYTHON, "-m", "litscale.planner.calibrate"], env=SOURCE)
+    timed_one_step_run(tmp)  # untimed: builds the byte corpus's cache and the bytecode once
+    runs, imports = paired(args, lambda: timed_one_step_run(tmp),
+                           lambda: timed([PYTHON, "-c", "import torch, lightning"]))
+    result = summarize(runs, imports)
+    result.update(litscale_min_s=min(runs), plain_min_s=min(imports), extra_min_s=min(runs) - min(imports))
+    return result
+
+
 def study_scaling(args, tmp: Path) -> dict:
     results = {}
     for strategy in ("ddp", "fsdp"):
@@ -264,6 +292,15 @@ def startup_table(title: str, r: dict) -> list[str]:
             f"| {r['litscale_median_s']:.2f} | {r['plain_median_s']:.2f} | {r['extra_s']:+.2f} |", ""]
 
 
+def one_step_table(title: str, r: dict) -> list[str]:
+    return [f"### {title}: s, launch to exit (goal: within 3 s of the imports, minimum of the repetitions)", "",
+            "| | `python train.py trainer.max_steps=1` (calibrated) | `python -c \"import torch, lightning\"` "
+            "| difference |", "| --- | --- | --- | --- |",
+            f"| minimum | {r['litscale_min_s']:.2f} | {r['plain_min_s']:.2f} | {r['extra_min_s']:+.2f} |",
+            f"| median | {r['litscale_median_s']:.2f} | {r['plain_median_s']:.2f} | "
+            f"{r['litscale_median_s'] - r['plain_median_s']:+.2f} |", ""]
+
+
 def scaling_table(title: str, s: dict) -> list[str]:
     lines = [f"### {title}: 1 vs 2 ranks, one thread per rank (goal: within 2 points)", "",
              "| strategy | litscale s/step, 1 / 2 ranks | plain s/step, 1 / 2 ranks | "
@@ -290,6 +327,7 @@ def health_table(title: str, r: dict) -> list[str]:
 
 TABLES = {"overhead": ("Step-time overhead", overhead_table),
           "startup": ("Start-up", startup_table),
+          "one_step": ("A 1-step run", one_step_table),
           "scaling": ("CPU scaling", scaling_table),
           "health": ("Health monitoring cost", health_table)}
 
@@ -337,8 +375,8 @@ def write_readme(results: dict) -> None:
     readme.write_text(head + block + tail)
 
 
-STUDIES = {"overhead": study_overhead, "startup": study_startup, "scaling": study_scaling,
-           "health": study_health}
+STUDIES = {"overhead": study_overhead, "startup": study_startup, "one_step": study_one_step,
+           "scaling": study_scaling, "health": study_health}
 
 
 def main(argv: list[str] | None = None) -> None:
