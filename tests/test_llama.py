@@ -387,7 +387,7 @@ def test_config_with_kv_heads_that_do_not_split_is_rejected_by_validation(tmp_pa
     from litscale.app.validation import ConfigError, validate
 
     cfg, choices = compose_job(["model=llama", "strategy=tensor_parallel", "trainer.accelerator=cpu",
-                                "trainer.devices=2", "+model.net.n_kv_heads=1"], tmp_path / "run")
+                                "trainer.devices=2", "model.net.n_kv_heads=1"], tmp_path / "run")
     with pytest.raises(ConfigError) as error:
         validate(cfg, choices=choices)
     assert str(error.value) == ("strategy.tensor_parallel_size=2 does not divide model.net.n_kv_heads=1; "
