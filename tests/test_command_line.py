@@ -17,7 +17,7 @@ import os
 
 import pytest
 import torch
-from helpers.configs import CONF_DIR, compose_job
+from helpers.configs import CONF_DIR, compose_full, compose_job, group_options
 from hydra.utils import instantiate
 
 from litscale.app.preflight import check_command_line
@@ -35,6 +35,90 @@ def check(overrides: list[str], capsys) -> tuple[int, str, str]:
         code = exit_info.code
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def _options(group: str) -> str:
+    return ", ".join(group_options(group))
+
+
+def _trainer_keys() -> str:
+    return ", ".join(sorted(str(k) for k in compose_full().trainer if not str(k).startswith("_")))
+
+
+GPT_ADDABLE = "bias, n_embd, n_head, n_layer, tie_embeddings"
+ERRORS = {
+    "cluster-null": (["cluster=null"],
+                     f"cluster=null: the cluster group needs an option; choose one of: {_options('cluster')}"),
+    "strategy-null": (["strategy=null"],
+                      f"strategy=null: the strategy group needs an option; choose one of: {_options('strategy')}"),
+    "model-null": (["model=null"],
+                   f"model=null: the model group needs an option; choose one of: {_options('model')}"),
+    "experiment-null": (["experiment=null"],
+                        "experiment=null: the experiment group needs an option; choose one of: "
+                        f"{_options('experiment')} (or leave experiment out: it has none by default)"),
+    "new-trainer-key": (["trainer.foo=1"],
+                        f"trainer.foo is not a known key; trainer has: {_trainer_keys()}; "
+                        "+trainer.<key>=<value> adds another argument of lightning.pytorch.Trainer"),
+    "gpt-unknown-key": (["model.net.nonsense=3"],
+                        "model.net.nonsense is not a known key; model.net has: block_size, dropout, "
+                        f"preset, vocab_size; +model.net.<key>=<value> adds one of: {GPT_ADDABLE}"),
+    "gpt-close-key": (["model.net.n_layers=3"],
+                      "model.net.n_layers is not a known key; did you mean +model.net.n_layer=3? model.net "
+                      f"has: block_size, dropout, preset, vocab_size; +model.net.<key>=<value> adds one of: "
+                      f"{GPT_ADDABLE}"),
+    "llama-unknown-key": (["model=llama", "model.net.nonsense=3"],  # Llama's keys, not GPT's
+                          "model.net.nonsense is not a known key; model.net has: block_size, n_kv_heads, "
+                          "preset, qk_norm, rope_scaling, vocab_size; +model.net.<key>=<value> adds one of: "
+                          "ffn_hidden_size, n_embd, n_head, n_layer, norm_eps, rope_theta, tie_embeddings"),
+    "llama-key-needs-plus": (["model=llama", "model.net.n_layer=4"],
+                             "model.net.n_layer is not in the config yet; add it with +model.net.n_layer=4"),
+    "plus-on-a-present-key": (["+model.net.preset=micro"],
+                              "+model.net.preset=micro: model.net.preset is already in the config; set it "
+                              "without +: model.net.preset=micro"),
+    "compression-not-selected": (["compression.rank=4"],
+                                 "compression.rank belongs to compression=powersgd, not the selected "
+                                 "compression=none; select one, e.g. compression=powersgd compression.rank=4"),
+    "strategy-not-selected": (["strategy=ddp", "strategy.tensor_parallel_size=2"],
+                              "strategy.tensor_parallel_size belongs to strategy=pipeline or "
+                              "strategy=tensor_parallel, not the selected strategy=ddp; select one, e.g. "
+                              "strategy=pipeline strategy.tensor_parallel_size=2"),
+    "llama-key-on-gpt": (["model.net.n_kv_heads=2"],
+                         "model.net.n_kv_heads belongs to model=llama, not the selected model=gpt; select "
+                         "one, e.g. model=llama model.net.n_kv_heads=2"),
+    "group-deleted": (["~model"], f"~model: the model group needs an option; choose one of: {_options('model')}"),
+    "plus-on-a-group": (["+strategy=ddp"],
+                        "+strategy=ddp: strategy has an option already; pick another without +: strategy=ddp"),
+    "list-without-brackets": (["trainer.devices=0,1"],
+                              "trainer.devices=0,1 is ambiguous: a list is trainer.devices=[0,1], a string "
+                              "trainer.devices='0,1', and a sweep over its values needs -m (python train.py -m "
+                              "trainer.devices=0,1)"),
+    "no-equals": (["trainer.devices"],
+                  "trainer.devices has no value: write trainer.devices=<value>; an override is key=value, "
+                  "+key=value adds a key, ~key deletes one"),
+    "no-value": (["trainer.devices="],
+                 "trainer.devices= has no value: write trainer.devices=<value> (trainer.devices='' for an "
+                 "empty string, trainer.devices=null for none)"),
+    "no-key": (["=3"],
+               "=3 names no key: an override is key=value, +key=value adds a key, ~key deletes one, "
+               "e.g. trainer.devices=3"),
+    "unbalanced-brackets": (["trainer.devices=[0,1"],
+                            "cannot parse trainer.devices=[0,1: its brackets do not balance; a list is "
+                            "key=[a,b], a dict key={a:1}, and a value holding brackets or commas is quoted: "
+                            "key='...'"),
+    "empty-sweep": (["-m", "trainer.devices="],
+                    "trainer.devices= sweeps no value: a sweep needs at least one value, e.g. -m "
+                    "trainer.devices=<a>,<b>"),
+    "empty-range-sweep": (["-m", "trainer.devices=range(1,1)"],
+                          "trainer.devices=range(1,1) sweeps no value: a sweep needs at least one value, "
+                          "e.g. -m trainer.devices=<a>,<b>"),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_what_hydra_rejects_is_one_line(case, capsys, outputs_root):
+    overrides, expected = ERRORS[case]
+    assert check(overrides, capsys) == (2, "", f"error: {expected}\n")
+    assert list(outputs_root.iterdir()) == []
 
 
 # --- model=llama's own keys -------------------------------------------------------------------

@@ -277,7 +277,7 @@ CASES = {
     "devices-typo": Case(
         ["trainer.devicez=2"],
         "trainer.devicez is not a known key; did you mean trainer.devices? trainer has: "
-        + _trainer_keys(),
+        + _trainer_keys() + "; +trainer.<key>=<value> adds another argument of lightning.pytorch.Trainer",
     ),
     "batch-size-0": Case(["data.batch_size=0"], "data.batch_size=0 is not valid: expected an int >= 1"),
     "too-many-devices": Case(
@@ -339,6 +339,14 @@ CASES = {
         "scaling.global_batch=5 does not split over 2 data-parallel rank(s) x 1 accumulation "
         "step(s); allowed: multiples of 2",
         skip="needs 2 CPU cores" if CORES < 2 else None,
+    ),
+    "group-null": Case(
+        ["cluster=null"],
+        f"cluster=null: the cluster group needs an option; choose one of: {', '.join(group_options('cluster'))}",
+    ),
+    "empty-sweep": Case(
+        ["-m", "trainer.devices="],
+        "trainer.devices= sweeps no value: a sweep needs at least one value, e.g. -m trainer.devices=<a>,<b>",
     ),
     "set-absent-trainer-arg": Case(
         ["trainer.enable_checkpointing=false"],
@@ -453,7 +461,7 @@ def processes_for(root: Path) -> list[int]:
     return found
 
 
-EXEC_CASES = ("unknown-strategy", "negative-lr", "multirun-second-job-bad")
+EXEC_CASES = ("unknown-strategy", "negative-lr", "multirun-second-job-bad", "group-null")
 RUNS = [(name, "fork") for name in CASES] + [(name, "exec") for name in EXEC_CASES]
 
 

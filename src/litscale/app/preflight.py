@@ -3,16 +3,14 @@
 Hydra reports composition problems (an unknown option, an unknown key) in several lines
 with hints, and only after it has created the run directory. This module composes every
 job the command line describes (each combination of a ``-m`` sweep), turns Hydra's errors
-into one line naming the key, the bad value and what is allowed, and runs the same
-validation as the job itself. On a problem it prints ``error: <line>`` and exits 2 with
-nothing written.
+into one line naming the key, the bad value and what is allowed (``litscale.app.overrides``),
+and runs the same validation as the job itself. On a problem it prints ``error: <line>`` and
+exits 2 with nothing written.
 """
 
 from __future__ import annotations
 
-import difflib
 import os
-import re
 import sys
 
 from omegaconf import OmegaConf
@@ -40,69 +38,18 @@ def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     return [job for batch in batches for job in batch][:MAX_JOBS_CHECKED]
 
 
-def _group_options(config_dir: str, group: str) -> list[str]:
-    folder = os.path.join(config_dir, group)
-    if not os.path.isdir(folder):
-        return []
-    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
-
-
-def _keys_near(cfg, key: str) -> tuple[str, list[str]]:
-    """Suggestion and sibling keys for an unknown dotted ``key`` in ``cfg``."""
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent) if parent else cfg
-    siblings = sorted(str(k) for k in node if not str(k).startswith("_")) if node is not None and hasattr(
-        node, "keys") else []
-    close = difflib.get_close_matches(leaf, siblings, n=1)
-    return (f"{parent}.{close[0]}" if parent else close[0]) if close else "", siblings
-
-
-def _target_accepts(cfg, key: str) -> bool:
-    """True when ``key``'s parent node builds a ``_target_`` that takes ``key`` as an argument,
-    e.g. any Lightning Trainer argument under ``trainer``."""
-    from litscale.app.safety import locate_target
-    from litscale.arguments import signature_annotations
-
-    parent, _, leaf = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent) if parent else None
-    if node is None or not hasattr(node, "keys") or "_target_" not in node:
-        return False
-    try:
-        return leaf in signature_annotations(locate_target(node["_target_"], parent))
-    except ConfigError:
-        return False
-
-
-def explain_compose_error(error: Exception, overrides: list[str], config_dir: str, base_cfg) -> str:
-    """Hydra's multi-line composition error as one line."""
-    text = str(error)
-    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
-    if missing:
-        group, option = missing.groups()
-        options = _group_options(config_dir, group)
-        return f"{group}={option} is not an option; choose one of: {', '.join(options)}"
-    unknown = re.search(r"Could not override '([^']+)'", text) or re.search(
-        r"Key '([^']+)' is not in struct[\s\S]*full_key: (\S+)", text)
-    if unknown:
-        key = unknown.groups()[-1]
-        accepted = _target_accepts(base_cfg, key)
-        if accepted:
-            value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), "...")
-            return f"{key} is not in the config yet; add it with +{key}={value}"
-        suggestion, siblings = _keys_near(base_cfg, key)
-        hint = f"did you mean {suggestion}? " if suggestion else ""
-        parent = key.rpartition(".")[0] or "the config"
-        return f"{key} is not a known key; {hint}{parent} has: {', '.join(siblings)}"
-    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
-    return f"{first} (in: {' '.join(overrides)})"
-
-
 def check_command_line(argv: list[str], *, config_dir: str, config_name: str) -> None:
     """Validate every job of a ``train.py`` command line; exit 2 with one line on a problem."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
     from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException, OverrideParseException
+    from hydra.errors import HydraException
+
+    from litscale.app.overrides import (
+        explain_compose_error,
+        null_group_problem,
+        override_form_problem,
+    )
 
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
@@ -112,34 +59,56 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
     config_name = args.config_name or config_name
     # --config-dir adds a folder of configs (plan=auto's experiments): searched first, as Hydra does
     searched = [f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]"] if args.config_dir else []
-    try:
-        jobs = [searched + job for job in job_overrides(args.overrides, args.multirun)]
-    except OverrideParseException as error:
-        fail(f"cannot parse the overrides: {str(error).splitlines()[0]}")
-    from litscale.app.launch import check_launchable
-    from litscale.app.validation import only_planned, validate
-
+    problem = override_form_problem(args.overrides, multirun=args.multirun)
+    if problem:
+        fail(problem)
+    jobs = job_overrides(args.overrides, args.multirun)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        base = compose(config_name)
+        loader = GlobalHydra.instance().config_loader()
+
+        def options(group: str) -> list[str]:
+            extra = _folder_options(args.config_dir, group) if args.config_dir else []
+            return sorted({*loader.get_group_options(group), *extra})
+
+        def compose_job(overrides: list[str]):
+            return compose(config_name, overrides=searched + overrides, return_hydra_config=True)
+
+        defaults = dict(compose_job([]).hydra.runtime.choices)
         for overrides in jobs:
+            problem = null_group_problem(overrides, options, defaults)
+            if problem:
+                fail(problem)
             try:
-                cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
-            except HydraException as error:
-                fail(explain_compose_error(error, overrides, config_dir, base))
-            choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
-            on_slurm = args.multirun and _launcher(cfg) in SLURM_LAUNCHERS
+                cfg = compose_job(overrides)
+            except (HydraException, ValueError) as error:  # Hydra raises ValueError for some
+                fail(explain_compose_error(error, overrides, compose=compose_job, options=options))
             try:
-                if on_slurm:
-                    check_slurm_resources(cfg)
-                job = _as_job_config(cfg)
-                here = not on_slurm and not only_planned(job)
-                layout = validate(job, choices=choices, this_machine=here)
-                if here:  # the ranks can start from this process
-                    check_launchable(layout.processes_per_node, layout.num_nodes)
+                validate_job(cfg, multirun=args.multirun)
             except ConfigError as error:
                 fail(str(error))
     GlobalHydra.instance().clear()
+
+
+def validate_job(cfg, *, multirun: bool) -> None:
+    """Validate one composed job (its ``hydra`` node included) as the job itself will."""
+    from litscale.app.launch import check_launchable
+    from litscale.app.validation import only_planned, validate
+
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
+    on_slurm = multirun and _launcher(cfg) in SLURM_LAUNCHERS
+    if on_slurm:
+        check_slurm_resources(cfg)
+    job = _as_job_config(cfg)
+    here = not on_slurm and not only_planned(job)
+    layout = validate(job, choices=choices, this_machine=here)
+    if here:  # the ranks can start from this process
+        check_launchable(layout.processes_per_node, layout.num_nodes)
+
+
+def _folder_options(config_dir: str, group: str) -> list[str]:
+    folder = os.path.join(config_dir, group)
+    return [f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")] if os.path.isdir(folder) else []
 
 
 # Launchers that run each job on other machines, whose devices are not this machine's.
