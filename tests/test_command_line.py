@@ -13,14 +13,17 @@ The checks run in this process (``check_command_line``); the tests marked ``slow
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 import torch
+from helpers.cli import run_train
 from helpers.configs import CONF_DIR, compose_full, compose_job, group_options
 from hydra.utils import instantiate
 
 from litscale.app.preflight import check_command_line
+from litscale.app.validation import ConfigError, validate
 
 CORES = len(os.sched_getaffinity(0))
 TWO_CORES = pytest.mark.skipif(CORES < 2, reason="needs 2 CPU cores")
@@ -121,6 +124,22 @@ def test_what_hydra_rejects_is_one_line(case, capsys, outputs_root):
     assert list(outputs_root.iterdir()) == []
 
 
+# --- more gloo ranks than cores, on request ---------------------------------------------------
+
+
+def test_more_gloo_ranks_than_cores_only_on_request(tmp_path, outputs_root):
+    ranks = CORES + 2
+    overrides = ["strategy=ddp", "trainer.accelerator=cpu", f"trainer.devices={ranks}"]
+    cfg, choices = compose_job(overrides, tmp_path / "run")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, choices=choices)
+    assert str(error.value) == (
+        f"trainer.devices={ranks} is more than this machine has: {CORES} CPU cores (allowed: 1..{CORES}, "
+        f"or add launcher.oversubscribe=true to run {ranks} gloo ranks on {CORES} cores, one thread each)")
+    cfg, choices = compose_job([*overrides, "launcher.oversubscribe=true"], tmp_path / "run")
+    assert validate(cfg, choices=choices).processes_per_node == ranks
+
+
 # --- model=llama's own keys -------------------------------------------------------------------
 
 
@@ -132,3 +151,21 @@ def test_llama_takes_n_kv_heads_as_the_readme_writes_it(capsys, tmp_path, output
     tokens = torch.randint(0, net.config.vocab_size, (2, 8))
     net(tokens).logsumexp(-1).mean().backward()  # a training step's forward and backward
     assert all(p.grad is not None for p in net.parameters())
+
+
+# --- as a user types it -----------------------------------------------------------------------
+
+QUICK = ("trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "data.max_bytes=200000",
+         "trainer.limit_val_batches=1")
+
+
+@pytest.mark.full  # make test-full: 4 ranks on 2 cores
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_more_ranks_than_cores_train_with_launcher_oversubscribe(tmp_path):
+    ranks = CORES + 2
+    run = run_train("strategy=ddp", f"trainer.devices={ranks}", "launcher.oversubscribe=true",
+                    "trainer.max_steps=2", *QUICK, outputs=tmp_path, timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (summary,) = tmp_path.rglob("summary.json")
+    assert json.loads(summary.read_text())["world_size"] == ranks

@@ -283,7 +283,8 @@ CASES = {
     "too-many-devices": Case(
         [f"trainer.devices={TOO_MANY}", "trainer.accelerator=cpu"],
         f"trainer.devices={TOO_MANY} is more than this machine has: {CORES} CPU cores "
-        f"(allowed: 1..{CORES})",
+        f"(allowed: 1..{CORES}, or add launcher.oversubscribe=true to run {TOO_MANY} gloo ranks on "
+        f"{CORES} cores, one thread each)",
         skip=f"this machine has {TOO_MANY} cores or more" if CORES >= TOO_MANY else None,
     ),
     "fp16-on-cpu": Case(

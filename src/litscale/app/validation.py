@@ -67,6 +67,13 @@ class ScalingSchema:
 
 
 @dataclass
+class LauncherSchema:
+    """``launcher.*``: how litscale starts a run's ranks on this machine."""
+
+    oversubscribe: bool  # cpu: more gloo ranks than cores, one thread each
+
+
+@dataclass
 class PlanSchema:
     """``plan/``: train as configured, or print (``show``) / also write (``auto``) the
     planner's ranking instead."""
@@ -113,6 +120,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("scaling", cfg.scaling, ScalingSchema)
     if cfg.get("plan") is not None:
         check_schema("plan", cfg.plan, PlanSchema)
+    if cfg.get("launcher") is not None:
+        check_schema("launcher", cfg.launcher, LauncherSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     check_data_tokenizer(cfg)
@@ -260,10 +269,15 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
             "'auto' or a list of device indices"
         )
     unit = "GPUs" if accelerator == "gpu" else "CPU cores"
-    if this_machine and count > available:
+    # NOTE: gloo ranks can outnumber the cores (each then gets one thread, see app.build): slow,
+    # but it tries a 4- or 8-rank layout on a 2-core machine. Only when asked for.
+    oversubscribe = accelerator == "cpu" and bool((cfg.get("launcher") or {}).get("oversubscribe"))
+    if this_machine and count > available and not oversubscribe:
+        opt_in = (f", or add launcher.oversubscribe=true to run {count} gloo ranks on {available} "
+                  "cores, one thread each") if accelerator == "cpu" else ""
         raise ConfigError(
             f"trainer.devices={_shown(devices)} is more than this machine has: {available} {unit} "
-            f"(allowed: 1..{available})"
+            f"(allowed: 1..{available}{opt_in})"
         )
     strategy = choices.get("strategy", "")
     if count * int(cfg.trainer.get("num_nodes", 1)) > 1 and strategy == "single" and not planning(cfg):
