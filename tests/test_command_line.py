@@ -14,7 +14,9 @@ The checks run in this process (``check_command_line``); the tests marked ``slow
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from helpers.configs import CONF_DIR, compose_full, compose_job, group_options
 from hydra.utils import instantiate
 
 from litscale.app.preflight import check_command_line
+from litscale.app.run_log import log_printed_lines
 from litscale.app.validation import ConfigError, validate
 
 CORES = len(os.sched_getaffinity(0))
@@ -151,6 +154,34 @@ def test_llama_takes_n_kv_heads_as_the_readme_writes_it(capsys, tmp_path, output
     tokens = torch.randint(0, net.config.vocab_size, (2, 8))
     net(tokens).logsumexp(-1).mean().backward()  # a training step's forward and backward
     assert all(p.grad is not None for p in net.parameters())
+
+
+# --- the run's lines in train.log -------------------------------------------------------------
+
+
+def test_printed_lines_reach_the_log_file_and_the_console_is_unchanged(tmp_path, capsys):
+    log, console = tmp_path / "train.log", sys.stdout
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        with log_printed_lines():
+            print("litscale: start")
+            print("a line of its own")
+            sys.stdout.write("\rEpoch 0:  50%|#####| 1/2")  # a progress bar, then a print beside it
+            print("litscale: memory per rank")
+            print("error: a rank failed", file=sys.stderr)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    captured = capsys.readouterr()
+    assert captured.out == ("litscale: start\na line of its own\n"
+                            "\rEpoch 0:  50%|#####| 1/2litscale: memory per rank\n")
+    assert captured.err == "error: a rank failed\n"
+    assert log.read_text().splitlines() == ["litscale INFO - litscale: start",
+                                            "litscale INFO - litscale: memory per rank",
+                                            "litscale ERROR - error: a rank failed"]
+    assert sys.stdout is console  # put back
 
 
 # --- as a user types it -----------------------------------------------------------------------

@@ -9,11 +9,17 @@ from omegaconf import DictConfig
 
 from litscale.app.launch import RankFailure, external_rank, is_knock_on_failure
 from litscale.app.preflight import EXIT_BAD_CONFIG
+from litscale.app.run_log import log_printed_lines
 from litscale.errors import ConfigError
 
 
 def run_job(cfg: DictConfig) -> float | None:
     """Train one job; return its final validation loss, or exit non-zero with one line."""
+    with log_printed_lines():  # the printed lines in Hydra's train.log too
+        return _run(cfg)
+
+
+def _run(cfg: DictConfig) -> float | None:
     from litscale.app.run import train
 
     try:

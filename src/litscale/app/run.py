@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
 from litscale.app.launch import launch, wait_for_the_cause
+from litscale.app.run_log import log_printed_lines
 from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
 from litscale.app.validation import only_planned, planning, validate
@@ -51,11 +53,13 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
 
 def run_rank(spec: RunSpec) -> dict:
     """Build everything from the resolved config and fit; runs once on every rank."""
-    try:
-        return _fit_on_this_rank(spec)
-    except Exception as error:
-        wait_for_the_cause(error)  # a peer's failure, not ours: let the peer's be reported
-        raise
+    # A rank the launcher started has no Hydra logging: it appends its lines to train.log itself.
+    with log_printed_lines(os.path.join(spec.config["paths"]["output_dir"], "train.log")):
+        try:
+            return _fit_on_this_rank(spec)
+        except Exception as error:
+            wait_for_the_cause(error)  # a peer's failure, not ours: let the peer's be reported
+            raise
 
 
 def _fit_on_this_rank(spec: RunSpec) -> dict:
