@@ -27,14 +27,15 @@ def main(cfg: DictConfig) -> float | None:
 
 if __name__ == "__main__":
     from litscale.app.launch import prepare_external_rank
-    from litscale.app.preflight import check_command_line
+    from litscale.app.preflight import check_command_line, skip_jobs
     from litscale.app.scaling_study import THREADS_ENV, baseline_first, threads_per_rank_of_sweep
 
     sys.argv[1:] = baseline_first(sys.argv[1:])  # a device sweep runs its 1-device baseline first
     threads = threads_per_rank_of_sweep(sys.argv[1:], cores=len(os.sched_getaffinity(0)))
     if threads and THREADS_ENV not in os.environ:  # like-for-like threads in every job
         os.environ[THREADS_ENV] = str(threads)
-    check_command_line(sys.argv[1:], config_dir=CONFIG_DIR, config_name="train")
+    # A device sweep's cells that cannot run (strategy=single at 2 devices) are named and left out.
+    skip_jobs(check_command_line(sys.argv[1:], config_dir=CONFIG_DIR, config_name="train"))
     # Under torchrun/srun every rank composes its own config: agree on one run dir first.
     sys.argv += prepare_external_rank()
     main()

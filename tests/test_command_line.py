@@ -23,8 +23,9 @@ import torch
 from helpers.cli import run_train
 from helpers.configs import CONF_DIR, compose_full, compose_job, group_options
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
-from litscale.app.preflight import check_command_line
+from litscale.app.preflight import SKIPPED_JOBS_ENV, cells_to_skip, check_command_line
 from litscale.app.run_log import log_printed_lines
 from litscale.app.validation import ConfigError, validate
 
@@ -127,6 +128,51 @@ def test_what_hydra_rejects_is_one_line(case, capsys, outputs_root):
     assert list(outputs_root.iterdir()) == []
 
 
+# --- a device sweep skips the cells that cannot run -------------------------------------------
+
+GRID = [["trainer.devices=1", "strategy=single"], ["trainer.devices=1", "strategy=ddp"],
+        ["trainer.devices=2", "strategy=single"], ["trainer.devices=2", "strategy=ddp"]]
+
+
+def test_only_a_combination_that_cannot_run_is_skipped():
+    assert cells_to_skip(GRID, {2: "single runs one process"}) == [2]
+    assert cells_to_skip(GRID, {2: "too many", 3: "too many"}) == []  # nothing runs at 2 devices
+    assert cells_to_skip(GRID, {0: "bad", 2: "bad"}) == []  # strategy=single runs at no count
+    assert cells_to_skip([["seed=1"], ["seed=2"]], {1: "bad"}) == []  # no device count swept
+
+
+@TWO_CORES
+def test_a_device_sweep_names_and_skips_strategy_single_at_two_devices(capsys, outputs_root):
+    skipped = check_command_line(["-m", "trainer.devices=1,2", "strategy=single,ddp", "seed=3"],
+                                 config_dir=str(CONF_DIR), config_name="train")
+    assert skipped == [["trainer.devices=2", "strategy=single", "seed=3"]]
+    captured = capsys.readouterr()
+    assert captured.out == ("litscale: skipping trainer.devices=2 strategy=single: strategy=single runs one "
+                            "process but trainer.devices=2; use strategy=ddp (or another multi-device "
+                            "strategy)\n")
+    assert captured.err == ""
+
+
+@TWO_CORES
+def test_a_device_sweep_of_strategy_single_alone_is_refused(capsys, outputs_root):
+    assert check(["-m", "trainer.devices=1,2"], capsys) == (
+        2, "", "error: strategy=single runs one process but trainer.devices=2; use strategy=ddp "
+               "(or another multi-device strategy)\n")
+
+
+def test_the_sweeper_leaves_out_what_train_py_skips(monkeypatch):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.litscale_launcher.sweeper import SkippingSweeper
+
+    assert compose_full().hydra.sweeper._target_ == "hydra_plugins.litscale_launcher.sweeper.SkippingSweeper"
+    monkeypatch.setenv(SKIPPED_JOBS_ENV, json.dumps([["strategy=single", "trainer.devices=2"]]))
+    sweeper = SkippingSweeper(max_batch_size=None)
+    assert SKIPPED_JOBS_ENV not in os.environ  # the jobs a sweep starts do not inherit it
+    overrides = OverridesParser.create().parse_overrides(["trainer.devices=1,2", "strategy=single,ddp"])
+    assert sweeper.split_arguments(overrides, None) == [[GRID[0], GRID[1], GRID[3]]]
+
+
 # --- more gloo ranks than cores, on request ---------------------------------------------------
 
 
@@ -188,6 +234,27 @@ def test_printed_lines_reach_the_log_file_and_the_console_is_unchanged(tmp_path,
 
 QUICK = ("trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "data.max_bytes=200000",
          "trainer.limit_val_batches=1")
+
+
+@pytest.mark.full  # make test-full: three jobs, one of them 2 ranks
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@TWO_CORES
+def test_a_scaling_sweep_runs_all_but_the_skipped_cell(tmp_path):
+    run = run_train("-m", "trainer.devices=1,2", "strategy=single,ddp", "trainer.max_steps=2", *QUICK,
+                    outputs=tmp_path, timeout=380)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [line for line in run.stdout.splitlines() if "skipping" in line] == [
+        "litscale: skipping trainer.devices=2 strategy=single: strategy=single runs one process but "
+        "trainer.devices=2; use strategy=ddp (or another multi-device strategy)"]
+    (sweep,) = tmp_path.glob("default/multiruns/*")
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1", "2"]
+    cells = [[o for o in OmegaConf.load(sweep / job / ".hydra" / "overrides.yaml")
+              if o.startswith(("trainer.devices=", "strategy="))] for job in jobs]
+    assert cells == [GRID[0], GRID[1], GRID[3]]
+    assert all((sweep / job / "summary.json").is_file() for job in jobs)
+    assert "litscale: done" in (sweep / "2" / "train.log").read_text()  # written by the ranks
 
 
 @pytest.mark.full  # make test-full: 4 ranks on 2 cores

@@ -1,1 +1,1 @@
-"""litscale's Hydra launchers (Hydra finds plugins only in the ``hydra_plugins`` package)."""
+"""litscale's Hydra launchers and sweeper (Hydra finds plugins only in the ``hydra_plugins`` package)."""

@@ -5,11 +5,13 @@ with hints, and only after it has created the run directory. This module compose
 job the command line describes (each combination of a ``-m`` sweep), turns Hydra's errors
 into one line naming the key, the bad value and what is allowed (``litscale.app.overrides``),
 and runs the same validation as the job itself. On a problem it prints ``error: <line>`` and
-exits 2 with nothing written.
+exits 2 with nothing written. A device sweep's cell that cannot run while the rest of its
+row and column can (``strategy=single`` at 2 devices) is skipped instead, with one line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -38,8 +40,11 @@ def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
     return [job for batch in batches for job in batch][:MAX_JOBS_CHECKED]
 
 
-def check_command_line(argv: list[str], *, config_dir: str, config_name: str) -> None:
-    """Validate every job of a ``train.py`` command line; exit 2 with one line on a problem."""
+def check_command_line(argv: list[str], *, config_dir: str, config_name: str) -> list[list[str]]:
+    """Validate every job of a ``train.py`` command line; exit 2 with one line on a problem.
+
+    Returns the jobs of a device sweep to leave out (``cells_to_skip``), each named in a
+    printed line; ``train.py`` hands them to the sweeper (``SKIPPED_JOBS_ENV``)."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser
     from hydra.core.global_hydra import GlobalHydra
@@ -53,9 +58,9 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
 
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
-        return  # Hydra's own informational modes: nothing runs
+        return []  # Hydra's own informational modes: nothing runs
     if args.config_path:
-        return  # another primary config: left to Hydra and the job's own validation
+        return []  # another primary config: left to Hydra and the job's own validation
     config_name = args.config_name or config_name
     # --config-dir adds a folder of configs (plan=auto's experiments): searched first, as Hydra does
     searched = [f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]"] if args.config_dir else []
@@ -75,7 +80,8 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
             return compose(config_name, overrides=searched + overrides, return_hydra_config=True)
 
         defaults = dict(compose_job([]).hydra.runtime.choices)
-        for overrides in jobs:
+        failed: dict[int, str] = {}
+        for index, overrides in enumerate(jobs):
             problem = null_group_problem(overrides, options, defaults)
             if problem:
                 fail(problem)
@@ -86,8 +92,17 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
             try:
                 validate_job(cfg, multirun=args.multirun)
             except ConfigError as error:
-                fail(str(error))
+                if not args.multirun:
+                    fail(str(error))
+                failed[index] = str(error)
     GlobalHydra.instance().clear()
+    skipped = cells_to_skip(jobs, failed)
+    refused = [index for index in failed if index not in skipped]
+    if refused:
+        fail(failed[refused[0]])
+    for index in skipped:
+        print(f"litscale: skipping {_cell(jobs, index)}: {failed[index]}", flush=True)
+    return [jobs[index] for index in skipped]
 
 
 def validate_job(cfg, *, multirun: bool) -> None:
@@ -106,9 +121,48 @@ def validate_job(cfg, *, multirun: bool) -> None:
         check_launchable(layout.processes_per_node, layout.num_nodes)
 
 
+def _cell(jobs: list[list[str]], index: int) -> str:
+    """A job of a sweep named by the overrides the sweep varies (its cell of the grid)."""
+    def values(key: str) -> set[str]:
+        return {o for job in jobs for o in job if o.partition("=")[0] == key}
+
+    return " ".join(o for o in jobs[index] if len(values(o.partition("=")[0])) > 1)
+
+
 def _folder_options(config_dir: str, group: str) -> list[str]:
     folder = os.path.join(config_dir, group)
     return [f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")] if os.path.isdir(folder) else []
+
+
+# Read by the sweeper (hydra_plugins.litscale_launcher.sweeper): the jobs train.py leaves out.
+SKIPPED_JOBS_ENV = "LITSCALE_SKIPPED_JOBS"
+
+
+def skip_jobs(jobs: list[list[str]]) -> None:
+    """Have this process's sweep leave ``jobs`` out (``check_command_line`` returned them)."""
+    if jobs:
+        os.environ[SKIPPED_JOBS_ENV] = json.dumps(jobs)
+
+
+def cells_to_skip(jobs: list[list[str]], failed: dict[int, str]) -> list[int]:
+    """The failed jobs of a sweep over device counts that are only a combination that cannot
+    run, as ``strategy=single`` at 2 devices in ``trainer.devices=1,2 strategy=single,ddp``:
+    some job runs at its device count, and some job runs its other overrides at another count.
+    A scaling study runs the rest. A job failing where neither holds (every job at that
+    device count, or every count of that strategy) is a mistake in the sweep, and not skipped."""
+    from litscale.app.scaling_study import DEVICE_KEYS
+
+    def cell(job: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        devices = tuple(sorted(o for o in job if o.partition("=")[0].lstrip("+") in DEVICE_KEYS))
+        return devices, tuple(sorted(o for o in job if o not in devices))
+
+    cells = [cell(job) for job in jobs]
+    if len({devices for devices, _ in cells}) < 2:
+        return []  # no device count swept
+    ran = [cells[index] for index in range(len(jobs)) if index not in failed]
+    return [index for index in sorted(failed)
+            if any(devices == cells[index][0] for devices, _ in ran)
+            and any(rest == cells[index][1] for _, rest in ran)]
 
 
 # Launchers that run each job on other machines, whose devices are not this machine's.
