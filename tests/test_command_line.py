@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,10 +231,70 @@ def test_printed_lines_reach_the_log_file_and_the_console_is_unchanged(tmp_path,
     assert sys.stdout is console  # put back
 
 
+# --- a checkpoint of another model ------------------------------------------------------------
+
+
+def _checkpoint_of(overrides: list[str], outputs_root: Path) -> Path:
+    """A run dir under ``outputs_root`` as a run of ``overrides`` leaves it: its network's
+    weights in ``checkpoints/last.ckpt``, its config in ``.hydra/``."""
+    full = compose_full(overrides)
+    run = outputs_root / "default" / "runs" / "earlier"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    OmegaConf.save({"hydra": {"runtime": {"choices": dict(full.hydra.runtime.choices)}}},
+                   run / ".hydra" / "hydra.yaml")
+    OmegaConf.save({"model": OmegaConf.to_container(full.model)}, run / ".hydra" / "config.yaml")
+    net = instantiate(full.model.net)
+    path = run / "checkpoints" / "last.ckpt"
+    torch.save({"state_dict": {f"net.{k}": v for k, v in net.state_dict().items()}, "global_step": 2}, path)
+    return path
+
+
+def test_resuming_another_models_checkpoint_is_refused_before_it_starts(tmp_path, outputs_root):
+    path = _checkpoint_of([], outputs_root)  # model=gpt
+    cfg, choices = compose_job(["model=llama", "ckpt_path=last"], tmp_path / "run")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, choices=choices)
+    assert str(error.value) == (
+        f"ckpt_path=last ({path}): the checkpoint holds model=gpt (preset nano), the run configures "
+        "model=llama (preset tiny): net.blocks.0.attn.k_proj.bias is not in the run's network; resume "
+        "with the model it was trained with, or start fresh with ckpt_path=null")
+    cfg, choices = compose_job(["model.net.preset=micro", f"ckpt_path={path}"], tmp_path / "run")
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, choices=choices)
+    assert str(error.value) == (
+        f"ckpt_path={str(path)!r}: the checkpoint holds model=gpt (preset nano), the run configures "
+        "model=gpt (preset micro): it lacks net.blocks.4.attn.k_proj.bias; resume with the model it was "
+        "trained with, or start fresh with ckpt_path=null")
+    cfg, choices = compose_job([f"ckpt_path={path}"], tmp_path / "run")
+    assert validate(cfg, choices=choices).ckpt_path == str(path)  # its own model resumes
+
+
 # --- as a user types it -----------------------------------------------------------------------
 
 QUICK = ("trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "data.max_bytes=200000",
          "trainer.limit_val_batches=1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_llama_trains_logs_its_lines_and_its_checkpoint_is_not_resumed_as_gpt(tmp_path):
+    run = run_train("model=llama", "model.net.n_kv_heads=1", "trainer.max_steps=2", *QUICK, outputs=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (log,) = tmp_path.rglob("train.log")
+    logged = [line.split(" - ", 1)[1] for line in log.read_text().splitlines()]
+    printed = [line for line in run.stdout.splitlines() if line.startswith("litscale: ")]
+    assert printed and set(printed) <= set(logged)
+    assert any(line.startswith("litscale: memory per rank") for line in logged)  # Lightning's logger's
+    (checkpoint,) = tmp_path.rglob("last.ckpt")
+    runs = sorted(tmp_path.rglob("runs/*"))
+    refused = run_train(f"ckpt_path={checkpoint}", *QUICK, outputs=tmp_path)
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr == (
+        f"error: ckpt_path={str(checkpoint)!r}: the checkpoint holds model=llama (preset tiny), the run "
+        "configures model=gpt (preset nano): net.embed_tokens.weight is not in the run's network; resume "
+        "with the model it was trained with, or start fresh with ckpt_path=null\n")
+    assert sorted(tmp_path.rglob("runs/*")) == runs  # no run dir for the refused run
 
 
 @pytest.mark.full  # make test-full: three jobs, one of them 2 ranks

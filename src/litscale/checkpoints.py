@@ -169,3 +169,16 @@ def is_readable_checkpoint(path: str) -> bool:
     except Exception:  # noqa: BLE001 - unpickling errors have many types; all mean unreadable
         return False
     return isinstance(checkpoint, dict) and "state_dict" in checkpoint
+
+
+def network_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The shape of each network tensor (``net.*`` in its ``state_dict``) of a checkpoint file,
+    read without reading the tensors (memory-mapped); empty for a sharded directory, whose
+    shards the strategy that wrote them reads."""
+    if not os.path.isfile(path):
+        return {}
+    import torch
+
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return {name: tuple(tensor.shape) for name, tensor in checkpoint["state_dict"].items()
+            if name.startswith("net.") and hasattr(tensor, "shape")}
