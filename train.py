@@ -26,7 +26,6 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    from litscale.app.launch import prepare_external_rank
     from litscale.app.preflight import check_command_line, skip_jobs
     from litscale.app.scaling_study import THREADS_ENV, baseline_first, threads_per_rank_of_sweep
 
@@ -37,5 +36,7 @@ if __name__ == "__main__":
     # A device sweep's cells that cannot run (strategy=single at 2 devices) are named and left out.
     skip_jobs(check_command_line(sys.argv[1:], config_dir=CONFIG_DIR, config_name="train"))
     # Under torchrun/srun every rank composes its own config: agree on one run dir first.
+    from litscale.app.launch import prepare_external_rank  # imports torch: after the cheap checks
+
     sys.argv += prepare_external_rank()
     main()
