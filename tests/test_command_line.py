@@ -100,6 +100,8 @@ ERRORS = {
                               "trainer.devices=0,1 is ambiguous: a list is trainer.devices=[0,1], a string "
                               "trainer.devices='0,1', and a sweep over its values needs -m (python train.py -m "
                               "trainer.devices=0,1)"),
+    "two-modes": (["-m", "trainer.devices=1,2", "--cfg", "job"],
+                  "-m and --cfg cannot be given together: use one of them at a time"),
     "no-equals": (["trainer.devices"],
                   "trainer.devices has no value: write trainer.devices=<value>; an override is key=value, "
                   "+key=value adds a key, ~key deletes one"),

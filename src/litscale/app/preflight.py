@@ -57,6 +57,11 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
     )
 
     args = get_args_parser().parse_args(argv)
+    modes = [flag for flag, given in (("-m", args.multirun), ("--run", args.run), ("--cfg", args.cfg),
+                                      ("--info", args.info), ("--shell-completion", args.shell_completion))
+             if given]
+    if len(modes) > 1:  # Hydra says so in a traceback
+        fail(f"{' and '.join(modes)} cannot be given together: use one of them at a time")
     if args.help or args.hydra_help or args.cfg or args.info or args.shell_completion:
         return []  # Hydra's own informational modes: nothing runs
     if args.config_path:
