@@ -76,3 +76,19 @@ def test_a_device_sweep_gives_every_job_the_largest_jobs_thread_share():
     assert threads_per_rank_of_sweep(["-m", "trainer.devices=1,2", "strategy=ddp"], cores=2) == 1
     assert threads_per_rank_of_sweep(["trainer.devices=1,2,4"], cores=16) == 4
     assert threads_per_rank_of_sweep(["trainer.devices=2"], cores=2) is None
+
+
+def test_context_ranks_split_the_world_and_expert_ranks_are_a_view_over_data_x_context():
+    mesh = MeshSizes(data_shard=2, context=2, tensor=2, expert=4)
+    assert mesh.world_size == 8 and mesh.data == 2  # context ranks share a sample: no more data ranks
+    assert mesh.shape_and_names() == ((1, 2, 2, 2), ("pipeline_parallel", "data_parallel", "context_parallel",
+                                                     "tensor_parallel"))
+    assert mesh.describe() == "pipeline 1 x data 2 x context 2 x tensor 2 (expert 4 over data x context)"
+    assert MeshSizes(data_shard=2, tensor=2).shape_and_names()[1] == ("pipeline_parallel", "data_parallel",
+                                                                      "tensor_parallel")  # as before
+    with pytest.raises(ValueError) as error:
+        MeshSizes(data_shard=4, expert=3)
+    assert str(error.value) == ("strategy.expert_parallel_size=3 does not divide the data x context ranks "
+                                "(4 x 1 = 4); allowed: a divisor of 4")
+    layout = RunLayout(processes_per_node=8, micro_batch=2, mesh=mesh)
+    assert layout.global_batch == 2 * 2  # micro batch x data ranks only

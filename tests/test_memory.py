@@ -7,10 +7,11 @@ import functools
 
 import pytest
 from helpers.distributed import run_distributed
-from helpers.parity import ParitySetup, fit_with
-from helpers.strategies import ddp, fsdp, zero
+from helpers.parity import ParitySetup, fit_on_mesh, fit_with
+from helpers.strategies import ddp, fsdp, pipeline, tensor_parallel, zero
 
 KINDS = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+MODEL_PARALLEL = ("tp2", "pp2")  # the model split over the 2 ranks, no data sharding
 
 
 def measure_all(rank: int, world_size: int) -> dict[str, dict[str, float]]:
@@ -22,6 +23,10 @@ def measure_all(rank: int, world_size: int) -> dict[str, dict[str, float]]:
         callback = MemoryCallback()
         fit_with(rank, world_size, factories[kind], ParitySetup(optimizer="adamw", steps=1),
                  callbacks=[callback])
+        results[kind] = callback.result
+    for kind, strategy in (("tp2", tensor_parallel()), ("pp2", pipeline(microbatches=2))):
+        callback = MemoryCallback()
+        fit_on_mesh(rank, world_size, strategy, ParitySetup(optimizer="adamw", steps=1), callbacks=[callback])
         results[kind] = callback.result
     return results
 
@@ -89,3 +94,52 @@ def test_estimate_bytes_matches_paper_constants_for_mixed_precision_adam():
         figures = estimate_bytes(num_params=p, world_size=n, zero_stage=stage, param_bytes=2,
                                  optimizer_bytes_per_param=12)
         assert sum(figures.values()) == expected, stage
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_model_parallel_estimates_are_the_share_each_rank_holds(memory):
+    """Tensor parallel and a pipeline split the model over the mesh before any data sharding:
+    each rank holds about half of it, as the estimate (the planner's formula) says, and the
+    pipeline's two stages together hold the whole model exactly."""
+    for rank in (0, 1):
+        for kind in MODEL_PARALLEL:
+            figures = memory[rank][kind]
+            for what in ("params", "grads", "optimizer"):
+                # TP replicates the norms (and sums their gradients), a pipeline's stages differ by
+                # a block's share: within 10% of the even split
+                assert figures[f"memory/{what}_bytes"] == pytest.approx(
+                    figures[f"memory/estimate_{what}_bytes"], rel=0.1), (rank, kind, what)
+    whole = memory[0]["ddp"]["memory/params_bytes"]
+    assert memory[0]["pp2"]["memory/params_bytes"] + memory[1]["pp2"]["memory/params_bytes"] == whole
+    assert memory[0]["pp2"]["memory/estimate_params_bytes"] == whole / 2
+
+
+def test_the_planner_and_the_memory_callback_read_one_statement_of_each_strategy():
+    """What a strategy states of itself (``sharding``) is what the planner costs: the planner's
+    states at rest for each strategy equal the estimate the memory callback makes for the
+    same strategy object on the same mesh."""
+    from litscale.layout import MeshSizes
+    from litscale.planner.cost import sharding_of_plan
+    from litscale.sharding import LaidOut, state_bytes_per_rank
+    from litscale.strategies import (
+        DDPStrategy,
+        FSDPStrategy,
+        PipelineParallelStrategy,
+        TensorParallelStrategy,
+    )
+    from litscale.strategies.deepspeed_zero import zero_sharding
+
+    built = {"ddp": DDPStrategy(), "fsdp": FSDPStrategy(), "tensor_parallel": TensorParallelStrategy(),
+             "pipeline": PipelineParallelStrategy()}
+    for name, strategy in built.items():
+        assert isinstance(strategy, LaidOut) and sharding_of_plan(name) == strategy.sharding, name
+    assert sharding_of_plan("deepspeed_zero2") == zero_sharding(2)
+    assert (built["tensor_parallel"].sharding.zero_stage, built["pipeline"].sharding.peak_stage) == (3, 2)
+    mesh = MeshSizes(pipeline=2, data_shard=2, tensor=2)
+    states = state_bytes_per_rank(num_params=8000, mesh=mesh, sharding=built["pipeline"].sharding,
+                                  param_bytes=4, optimizer_bytes_per_param=8)
+    assert states["memory/estimate_params_bytes"] == 4 * 8000 / 4 / 2  # its quarter, sharded over 2 between steps
+    peak = state_bytes_per_rank(num_params=8000, mesh=mesh, sharding=built["pipeline"].sharding, param_bytes=4,
+                                optimizer_bytes_per_param=8, at_peak=True)
+    assert peak["memory/estimate_params_bytes"] == 4 * 8000 / 4  # gathered through the step

@@ -577,3 +577,25 @@ def test_an_ordinary_run_records_its_prediction_beside_its_measurement(tmp_path)
     assert summary["plan/predicted_states_bytes"] == pytest.approx(states, rel=0.01)
     assert f"litscale: planner: predicted {summary['plan/predicted_step_s']:.4g} s/step on cluster local_cpu" \
         in process.stdout
+
+
+def test_the_planner_accepts_the_pipelines_the_strategy_accepts_and_costs_the_busiest_rank():
+    """The pipeline strategy cuts 5 layers into 2 stages (3 + 2), so the planner ranks that
+    plan too, its compute the busiest rank's 3/5 of the layers; past the model's blocks it
+    prunes with the strategy's own words."""
+    from litscale.planner.cost import busiest_pipeline_share
+    from litscale.planner.search import why_not
+
+    with torch.device("meta"):
+        facts = model_facts(build_gpt(vocab_size=256, block_size=64, n_layer=5), seq_len=64, vocab_size=256)
+    uneven = Plan("pipeline", MeshSizes(pipeline=2, data_shard=4), micro_batch=8, accumulation=1, microbatches=4)
+    assert why_not(uneven, CLUSTER, facts, 32) is None
+    assert busiest_pipeline_share(uneven, facts) == 3 / 5
+    even = dataclasses.replace(uneven, mesh=MeshSizes(pipeline=2, data_shard=4))
+    assert busiest_pipeline_share(dataclasses.replace(even, schedule="interleaved_1f1b", virtual_stages=2),
+                                  dataclasses.replace(facts, layers=4)) == 1 / 2
+    deep = Plan("pipeline", MeshSizes(pipeline=8), micro_batch=8, accumulation=1, microbatches=8)
+    assert why_not(dataclasses.replace(deep, schedule="interleaved_1f1b", virtual_stages=2), CLUSTER, facts, 8) == (
+        "strategy.pipeline_parallel_size=8 needs 16 pipeline stages but the model declares only "
+        f"{facts.pipeline_blocks} blocks to cut between; allowed: at most {facts.pipeline_blocks} stages "
+        "(pipeline_parallel_size x virtual_stages)")

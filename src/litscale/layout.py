@@ -7,22 +7,40 @@ line prints it and ``summary.json`` records it. torchtitan's ``ParallelDims`` is
 a frozen dataclass that checks its own arithmetic.
 
     world size   = nodes x processes per node
-                 = pipeline x data-replicate x data-shard x tensor
+                 = pipeline x data-replicate x data-shard x context x tensor
     global batch = micro batch x data-parallel size (replicate x shard) x accumulation
 
-Tensor- and pipeline-parallel ranks share one data shard, so they do not multiply the batch.
+Tensor-, context- and pipeline-parallel ranks share one data shard, so they do not multiply
+the batch. Expert parallel is a view, not a dimension of its own: its ranks are borrowed from
+the data x context ranks (as in torchtitan), so ``expert`` divides ``data x context``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from litscale.errors import ConfigError
 
-# Mesh dimension names, outermost first. "data_parallel" is the name Lightning's
-# ModelParallelStrategy reads for its sampler arguments.
-PIPELINE, DATA, TENSOR = "pipeline_parallel", "data_parallel", "tensor_parallel"
+
+class MeshAxis(StrEnum):
+    """The names of the device mesh's dimensions, outermost first, in one place: strategies
+    build their meshes with them, parity tests and the planner read them. ``DATA`` is the name
+    Lightning's ModelParallelStrategy reads for its sampler arguments; FSDP's own mesh names
+    its data dimension ``REPLICATE`` x ``SHARD`` (HSDP). ``EXPERT`` is a view over the data x
+    context ranks."""
+
+    PIPELINE = "pipeline_parallel"
+    DATA = "data_parallel"
+    REPLICATE = "replicate"
+    SHARD = "shard"
+    CONTEXT = "context_parallel"
+    TENSOR = "tensor_parallel"
+    EXPERT = "expert_parallel"
+
+
+PIPELINE, DATA, CONTEXT, TENSOR = MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR
 
 
 @dataclass(frozen=True)
@@ -31,13 +49,25 @@ class MeshSizes:
 
     ``data_replicate`` ranks hold whole copies (DDP, HSDP's outer dimension); ``data_shard``
     ranks each hold a shard (FSDP, ZeRO, the data dimension of a 2-D/3-D mesh). Both see
-    distinct samples. NOTE: ``data_replicate`` comes last so that ``MeshSizes(pipeline, data,
-    tensor)`` keeps its meaning from when the data dimension had one size."""
+    distinct samples. ``context`` ranks split one sample's sequence; ``expert`` ranks (a view
+    over data x context) split the experts. NOTE: the fields after ``tensor`` come last so that
+    ``MeshSizes(pipeline, data, tensor)`` keeps its meaning from when the mesh had three sizes."""
 
     pipeline: int = 1
     data_shard: int = 1
     tensor: int = 1
     data_replicate: int = 1
+    context: int = 1
+    expert: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline", "data_shard", "tensor", "data_replicate", "context", "expert"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MeshSizes.{name}={getattr(self, name)} is not valid: expected >= 1")
+        borrowed = self.data * self.context
+        if borrowed % self.expert:
+            raise ValueError(f"strategy.expert_parallel_size={self.expert} does not divide the data x context "
+                             f"ranks ({self.data} x {self.context} = {borrowed}); allowed: a divisor of {borrowed}")
 
     @property
     def data(self) -> int:
@@ -46,18 +76,23 @@ class MeshSizes:
 
     @property
     def world_size(self) -> int:
-        return self.pipeline * self.data * self.tensor
+        return self.pipeline * self.data * self.context * self.tensor
 
     def shape_and_names(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The ``pipeline x data x tensor`` mesh of the tensor-parallel and pipeline strategies
-        (the pipeline dimension is kept at size 1, so 2-D and 3-D meshes have the same names)."""
+        (the pipeline dimension is kept at size 1, so 2-D and 3-D meshes have the same names),
+        with a ``context`` dimension before ``tensor`` where the sequence is split."""
+        if self.context > 1:
+            return (self.pipeline, self.data, self.context, self.tensor), (PIPELINE, DATA, CONTEXT, TENSOR)
         return (self.pipeline, self.data, self.tensor), (PIPELINE, DATA, TENSOR)
 
     def describe(self) -> str:
         data = f"data {self.data}"
         if self.data_replicate > 1 and self.data_shard > 1:
             data += f" (replicate {self.data_replicate} x shard {self.data_shard})"
-        return f"pipeline {self.pipeline} x {data} x tensor {self.tensor}"
+        context = f" x context {self.context}" if self.context > 1 else ""
+        expert = f" (expert {self.expert} over data x context)" if self.expert > 1 else ""
+        return f"pipeline {self.pipeline} x {data}{context} x tensor {self.tensor}{expert}"
 
 
 @dataclass(frozen=True)

@@ -7,16 +7,9 @@ Gradients are read just before the first optimizer step (DeepSpeed frees its par
 gradients in the step), parameters and optimizer state just after it (Adam's state exists
 only then).
 
-The estimate is the ZeRO paper's (Rajbhandari et al. 2020, section 5), per rank, for P
-parameters, N data-parallel ranks and mixed-precision Adam (2 bytes of 16-bit parameter,
-2 of gradient, K=12 of fp32 master copy + momentum + variance):
-
-    DDP 16P;  ZeRO-1 4P + 12P/N;  ZeRO-2 2P + 14P/N;  ZeRO-3 / FSDP 16P/N.
-
-The constants here follow what is stored: parameter and gradient bytes are the parameter
-dtype's size (4 in fp32, so DDP in fp32 with Adam is 4 + 4 + 8 = 16P too, but with no
-master copy K=8); K is 8 for Adam-family optimizers, 4 for SGD with momentum, 0 without;
-DeepSpeed keeps an fp32 master partition even in fp32 training (+4 to K).
+The estimate is ``litscale.sharding.state_bytes_per_rank`` (the ZeRO paper's formulas on the
+rank's share of the mesh), from what the strategy states of itself (``sharding``,
+``resolve_mesh``): the planner predicts memory from the same function.
 """
 
 from __future__ import annotations
@@ -28,6 +21,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
+
+from litscale.layout import mesh_of
+from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
+
+__all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 
 METRICS = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
 
@@ -80,19 +78,6 @@ def optimizer_state_bytes_per_param(optimizer: Optimizer) -> int:
     return 8
 
 
-def estimate_bytes(*, num_params: int, world_size: int, zero_stage: int, param_bytes: int,
-                   optimizer_bytes_per_param: int) -> dict[str, float]:
-    """The ZeRO paper's per-rank bytes: stage 0 (DDP) replicates everything; stage 1 shards
-    optimizer state, 2 also gradients, 3 (and FSDP) also parameters."""
-    shard = 1 / world_size
-    return {
-        "memory/estimate_params_bytes": param_bytes * num_params * (shard if zero_stage >= 3 else 1),
-        "memory/estimate_grads_bytes": param_bytes * num_params * (shard if zero_stage >= 2 else 1),
-        "memory/estimate_optimizer_bytes":
-            optimizer_bytes_per_param * num_params * (shard if zero_stage >= 1 else 1),
-    }
-
-
 def _generic_bytes(module: torch.nn.Module, optimizers: list[Optimizer]) -> dict[str, int]:
     return {
         "memory/params_bytes": storage_bytes(module.parameters()),
@@ -103,13 +88,19 @@ def _generic_bytes(module: torch.nn.Module, optimizers: list[Optimizer]) -> dict
 
 class MemoryCallback(Callback):
     """Logs and prints (rank 0) this rank's bytes of parameters, gradients and optimizer state
-    after the first optimizer step, beside the ZeRO-paper estimate for the strategy. A
-    strategy may supply ``memory_bytes()`` when its buffers are not the module's tensors
-    (DeepSpeed), and ``zero_stage`` (0 = replicated, 3 = fully sharded) for the estimate."""
+    after the first optimizer step, beside the estimate for the strategy's ``sharding`` on its
+    mesh. A strategy may supply ``memory_bytes()`` when its buffers are not the module's
+    tensors (DeepSpeed)."""
 
     def __init__(self) -> None:
         self.result: dict[str, float] = {}
         self._grads: int | None = None
+        self._num_params: int | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Before the strategy splits the network: the formulas take the whole model's count
+        # (a pipeline rank keeps only its stages, tensor parallel its slices).
+        self._num_params = sum(p.numel() for p in {id(p): p for p in pl_module.parameters()}.values())
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int]:
         custom = getattr(trainer.strategy, "memory_bytes", None)
@@ -128,21 +119,18 @@ class MemoryCallback(Callback):
         strategy = trainer.strategy
         rank_zero_info(
             f"litscale: memory per rank ({type(strategy).__name__}, stage "
-            f"{getattr(strategy, 'zero_stage', 0)}, {trainer.world_size} ranks): "
+            f"{sharding_of(strategy).zero_stage}, {trainer.world_size} ranks): "
             + " | ".join(f"{name.split('/')[1][:-6]} {_mib(measured[name])} (estimate "
                          f"{_mib(self.result[name.replace('/', '/estimate_')])})" for name in METRICS))
 
     def _estimate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         strategy = trainer.strategy
-        params = {id(p): p for p in pl_module.parameters()}.values()
-        num_params = sum(getattr(p, "ds_numel", None) or p.numel() for p in params)
-        param_bytes = next(iter(params)).element_size() if params else 4
-        master_copy = 4 if getattr(strategy, "fp32_master_copy", False) else 0
-        return estimate_bytes(
-            num_params=num_params, world_size=trainer.world_size,
-            zero_stage=getattr(strategy, "zero_stage", 0), param_bytes=param_bytes,
-            optimizer_bytes_per_param=optimizer_state_bytes_per_param(trainer.optimizers[0]) + master_copy,
-        )
+        params = list({id(p): p for p in pl_module.parameters()}.values())
+        num_params = self._num_params or sum(getattr(p, "ds_numel", None) or p.numel() for p in params)
+        return state_bytes_per_rank(
+            num_params=num_params, mesh=mesh_of(strategy, trainer.world_size), sharding=sharding_of(strategy),
+            param_bytes=params[0].element_size() if params else 4,
+            optimizer_bytes_per_param=optimizer_state_bytes_per_param(trainer.optimizers[0]))
 
 
 def _mib(value: float) -> str:

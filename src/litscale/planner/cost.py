@@ -1,8 +1,8 @@
 """One plan's prediction: memory per rank, the collectives of a step, and the step time.
 
-Memory: parameters, gradients and optimizer state per strategy (the ZeRO paper's formulas,
-``litscale.callbacks.memory.estimate_bytes``, which the memory callback checks against
-measurement every run), plus activations traced on the meta device, scaled by activation
+Memory: parameters, gradients and optimizer state per strategy (the ZeRO paper's formulas on
+what each strategy states of itself, ``litscale.sharding``, from which the memory callback
+estimates every run beside its measurement), plus activations traced on the meta device, scaled by activation
 checkpointing, tensor parallel and the micro-batches a pipeline stage holds in flight.
 Communication: bytes of each collective of a step (ring algorithms), timed with the
 cluster's alpha-beta figures. Time: FLOPs over calibrated throughput, plus the communication
@@ -11,22 +11,36 @@ that backward cannot hide, stretched by the pipeline bubble.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
-from litscale.callbacks.memory import estimate_bytes
 from litscale.layout import MeshSizes
 from litscale.planner.cluster import Cluster
 from litscale.planner.model_facts import ModelFacts
+from litscale.sharding import Sharding, state_bytes_per_rank
 
 # Optimizer state per parameter (AdamW: two fp32 moments) and the fp32 master copy kept when
 # parameters are held in 16 bits.
 ADAM_STATE_BYTES = 8
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Strategies whose parameters, gradients and optimizer state are sharded over the data ranks,
-# by ZeRO stage (DDP: 0; a pipeline keeps its stage gathered through the step, as ZeRO-2).
-ZERO_STAGE = {"ddp": 0, "fsdp": 3, "deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3,
-              "tensor_parallel": 3, "pipeline": 2}
+
+
+@functools.cache
+def sharding_of_plan(strategy: str) -> Sharding:
+    """How a plan's strategy holds a rank's share, as the strategy itself states it with its
+    default options (a pipeline keeps its stage gathered through the step: ZeRO-2 at its peak)."""
+    from litscale.strategies.ddp import DDPStrategy
+    from litscale.strategies.deepspeed_zero import zero_sharding
+    from litscale.strategies.fsdp import FSDPStrategy
+    from litscale.strategies.pipeline import PipelineParallelStrategy
+    from litscale.strategies.tensor_parallel import TensorParallelStrategy
+
+    if strategy.startswith("deepspeed_zero"):
+        return zero_sharding(int(strategy[-1]))  # its class imports DeepSpeed when built
+    classes = {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "tensor_parallel": TensorParallelStrategy,
+               "pipeline": PipelineParallelStrategy}
+    return classes[strategy]().sharding
 
 
 @dataclass(frozen=True)
@@ -104,13 +118,11 @@ def predict(plan: Plan, facts: ModelFacts, cluster: Cluster) -> Prediction:
 
 
 def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str, float]:
-    mesh = plan.mesh
-    model_share = facts.num_params / (mesh.tensor * mesh.pipeline)
-    param_bytes = DTYPE_BYTES[plan.param_dtype]
-    state_bytes = ADAM_STATE_BYTES + (4 if param_bytes < 4 else 0)
-    states = estimate_bytes(num_params=int(model_share), world_size=mesh.data_shard,
-                            zero_stage=ZERO_STAGE[plan.strategy] if mesh.data_shard > 1 else 0,
-                            param_bytes=param_bytes, optimizer_bytes_per_param=state_bytes)
+    sharding, param_bytes = sharding_of_plan(plan.strategy), DTYPE_BYTES[plan.param_dtype]
+    master = 4 if param_bytes < 4 and not sharding.fp32_master_copy else 0  # 16-bit parameters' fp32 copy
+    states = state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=sharding,
+                                  param_bytes=param_bytes, optimizer_bytes_per_param=ADAM_STATE_BYTES + master,
+                                  at_peak=True)
     memory = {"params": states["memory/estimate_params_bytes"], "grads": states["memory/estimate_grads_bytes"],
               "optimizer": states["memory/estimate_optimizer_bytes"],
               "activations": activation_bytes(plan, facts)}
@@ -158,7 +170,7 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
             per_rank = factor * (group - 1) / group * nbytes
             found.append(Collective(name, per_rank, calls, link.seconds(per_rank, messages=calls * latency_steps(group, factor))))
 
-    stage = ZERO_STAGE[plan.strategy] if mesh.data_shard > 1 else 0
+    stage = sharding_of_plan(plan.strategy).peak_stage if mesh.data_shard > 1 else 0
     if stage == 0:  # accumulation runs under no_sync: one reduction per step
         buckets = 1 + math.ceil(max(0.0, grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
         # NOTE: a compressed bucket is costed as an all-reduce of what its hook sends; hooks
@@ -260,7 +272,7 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
     if key != "plain" and key in facts.profiles:  # timed on the shard this rank holds
         return facts.profiles[key].optimizer_step_s / plan.mesh.pipeline
     mesh = plan.mesh
-    sharded = ZERO_STAGE[plan.strategy] >= 1 and mesh.data_shard > 1
+    sharded = sharding_of_plan(plan.strategy).zero_stage >= 1 and mesh.data_shard > 1
     share = 1 / (mesh.tensor * mesh.pipeline * (mesh.data_shard if sharded else 1))
     plain = facts.profiles.get("plain")
     if plain is not None:
@@ -268,10 +280,28 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
     return cluster.optimizer_s_per_param * facts.num_params * share
 
 
+def busiest_pipeline_share(plan: Plan, facts: ModelFacts) -> float:
+    """The share of the layers the busiest pipeline rank runs, split as the pipeline strategy
+    splits them (``balanced_cuts`` over equal layers, stages placed by the schedule): 1/p where
+    the layers split evenly, more where they do not (5 layers on 2 ranks: 3/5)."""
+    if plan.mesh.pipeline == 1:
+        return 1.0
+    from litscale.strategies.pipeline import SCHEDULES
+    from litscale.strategies.stages import balanced_cuts, stage_ranks
+
+    stages, layers = plan.mesh.pipeline * plan.virtual_stages, max(facts.layers, 1)
+    cuts = balanced_cuts([1] * layers, stages) + [layers]
+    ranks = stage_ranks(stages, plan.mesh.pipeline, SCHEDULES[plan.schedule][1])
+    held = [0] * plan.mesh.pipeline
+    for stage, rank in enumerate(ranks):
+        held[rank] += cuts[stage + 1] - cuts[stage]
+    return max(held) / layers
+
+
 def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
     plan, mesh = prediction.plan, prediction.plan.mesh
     tokens_per_rank = plan.micro_batch * plan.accumulation * facts.seq_len
-    compute = _compute_s(plan, facts, cluster) / mesh.pipeline
+    compute = _compute_s(plan, facts, cluster) * busiest_pipeline_share(plan, facts)
     if mesh.world_size > 1:  # the node's other ranks compute at the same time
         compute *= cluster.contention
     if plan.activation_checkpointing:

@@ -48,6 +48,9 @@ class ModelFacts:
     # gradient is a partial sum, reduced once per step.
     norm_tensors: int = 0
     norm_params: int = 0
+    # The blocks a pipeline may cut between (``pipeline_blocks``: the layers, the embedding and
+    # the head); 0 where the model declares none.
+    pipeline_blocks: int = 0
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
 
     def activations(self, micro_batch: int) -> float:
@@ -106,7 +109,8 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int) -> ModelFacts:
     return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
                       layers=len(units), hidden=hidden, heads=heads, activation_bytes_per_sample=per_sample,
                       activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units,
-                      vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms))
+                      vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
+                      pipeline_blocks=len(net.pipeline_blocks()) if hasattr(net, "pipeline_blocks") else 0)
 
 
 def _first(config, names: tuple[str, ...], default: int) -> int:

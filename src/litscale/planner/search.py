@@ -73,8 +73,13 @@ def why_not(plan: Plan, cluster: Cluster, facts: ModelFacts, global_batch: int) 
     if mesh.tensor > 1 and facts.heads % mesh.tensor:
         return f"{facts.heads} attention heads do not split over tensor parallel {mesh.tensor}"
     stages = mesh.pipeline * plan.virtual_stages
-    if mesh.pipeline > 1 and facts.layers % stages:
-        return f"{facts.layers} layers do not split into {stages} pipeline stages"
+    if mesh.pipeline > 1:  # the pipeline strategy's own rule (an uneven split runs, costed by its busiest rank)
+        from litscale.strategies.stages import check_enough_blocks
+
+        try:
+            check_enough_blocks(facts.pipeline_blocks or facts.layers, stages, pipeline_parallel_size=mesh.pipeline)
+        except ValueError as error:
+            return str(error)
     if mesh.pipeline > 1 and plan.microbatches < mesh.pipeline:
         return f"{plan.schedule} needs at least {mesh.pipeline} pipeline micro-batches, not {plan.microbatches}"
     if plan.micro_batch % plan.microbatches:

@@ -11,6 +11,7 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
+from litscale.sharding import REPLICATED, Sharding
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 
@@ -47,6 +48,8 @@ class DDPStrategy(LightningDDPStrategy):
             static_graph=static_graph,
         )
         self.compression = compression
+
+    sharding: Sharding = REPLICATED  # litscale.sharding.LaidOut: what the memory figures read
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """Every rank holds a full replica and sees distinct samples."""

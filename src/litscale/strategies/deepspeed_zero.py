@@ -27,6 +27,7 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.precision import PrecisionDtypes
+from litscale.sharding import Sharding
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 
@@ -42,6 +43,12 @@ def check_offload(stage: int, offload_optimizer: bool, offload_parameters: bool)
             "ZeRO-3 partitions parameters; use strategy.offload_optimizer=true with stages 1-2")
     if stage not in (1, 2, 3):
         raise ValueError(f"strategy.stage={stage} is not valid: expected one of 1, 2, 3")
+
+
+def zero_sharding(stage: int) -> Sharding:
+    """ZeRO stage ``stage``; DeepSpeed's ZeRO optimizers keep an fp32 partition of the weights,
+    even in fp32."""
+    return Sharding(zero_stage=stage, fp32_master_copy=True)
 
 
 class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
@@ -153,13 +160,8 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
             self.config["communication_data_type"] = _DEEPSPEED_DTYPE[self.precision_dtypes.reduce]
 
     @property
-    def zero_stage(self) -> int:
-        return self.stage
-
-    @property
-    def fp32_master_copy(self) -> bool:
-        """DeepSpeed's ZeRO optimizers keep an fp32 partition of the weights, even in fp32."""
-        return True
+    def sharding(self) -> Sharding:
+        return zero_sharding(self.stage)
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients and optimizer state, read from DeepSpeed's

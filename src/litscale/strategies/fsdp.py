@@ -27,8 +27,10 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.layout import MeshAxis
 from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
+from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.declarations import declared, name_matches
 from litscale.strategies.mesh import (
     MeshSizes,
@@ -160,8 +162,8 @@ class _NoAutocast(MixedPrecision):
 def fsdp_mesh_layout(sizes: MeshSizes) -> ShapeAndNames:
     """FSDP's mesh: ``shard``, or ``replicate x shard`` (HSDP) with replicas."""
     if sizes.data_replicate > 1:
-        return (sizes.data_replicate, sizes.data_shard), ("replicate", "shard")
-    return (sizes.data_shard,), ("shard",)
+        return (sizes.data_replicate, sizes.data_shard), (MeshAxis.REPLICATE, MeshAxis.SHARD)
+    return (sizes.data_shard,), (MeshAxis.SHARD,)
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -215,9 +217,10 @@ class FSDPStrategy(ModelParallelStrategy):
             find_sharding_units(nn.ModuleDict({"net": net}), self.sharding_unit_patterns)
 
     @property
-    def zero_stage(self) -> int:
-        """Parameters, gradients and optimizer state are all sharded (ZeRO-3's memory)."""
-        return 3
+    def sharding(self) -> Sharding:
+        """Parameters, gradients and optimizer state are all sharded (ZeRO-3's memory); without
+        resharding after forward, the units stay gathered until backward."""
+        return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @override
     def setup_environment(self) -> None:

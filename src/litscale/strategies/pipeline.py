@@ -36,6 +36,7 @@ from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
+from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.fsdp import (
     find_sharding_units,
     fsdp_options,
@@ -147,6 +148,11 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         self.mesh_sizes: MeshSizes | None = None
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._stage_modules: dict[int, nn.Module] = {}
+
+    @property
+    def sharding(self) -> Sharding:
+        """FSDP2 over the data dimension (litscale.sharding.LaidOut), on each rank's share."""
+        return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         return resolve_mesh_sizes(world_size, pipeline=self.pipeline_parallel_size,

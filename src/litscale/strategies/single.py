@@ -9,6 +9,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt
+from litscale.sharding import REPLICATED, Sharding
 from litscale.strategies.mesh import MeshSizes
 
 
@@ -30,6 +31,8 @@ class SingleStrategy(SingleDeviceStrategy):
         if isinstance(self.accelerator, CUDAAccelerator):
             return torch.device("cuda", self.device_index)
         return self._root_device
+
+    sharding: Sharding = REPLICATED  # litscale.sharding.LaidOut: what the memory figures read
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """One process: every mesh dimension has size 1."""

@@ -24,6 +24,7 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.precision import PrecisionDtypes
+from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.declarations import declared, name_matches
 from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
 from litscale.strategies.mesh import (
@@ -225,6 +226,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.plan, self.precision_dtypes = plan, precision_dtypes
         self.reshard_after_forward = reshard_after_forward
         self.mesh_sizes: MeshSizes | None = None
+
+    @property
+    def sharding(self) -> Sharding:
+        """FSDP2 over the data dimension (litscale.sharding.LaidOut), on each rank's share."""
+        return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         return resolve_mesh_sizes(world_size, pipeline=1, data=self.data_parallel_size,

@@ -1,0 +1,102 @@
+"""What a strategy does to one rank's share of the model, stated once (``Sharding``) and read
+by everyone who needs it: the memory callback (its estimate beside what a rank measures), the
+planner (memory per rank and the collectives of a step) and the dry run.
+
+A strategy first splits the network over the axes that divide the model itself (tensor and
+pipeline: a rank holds ``1 / (tensor x pipeline)`` of it, evenly in the formulas), then shards
+that share over the data-shard ranks by ZeRO stage (Rajbhandari et al. 2020, section 5), per
+rank, for P parameters and N data-shard ranks, mixed-precision Adam (2 bytes of 16-bit
+parameter, 2 of gradient, K = 12 of fp32 master copy + momentum + variance):
+
+    DDP 16P;  ZeRO-1 4P + 12P/N;  ZeRO-2 2P + 14P/N;  ZeRO-3 / FSDP 16P/N.
+
+The constants follow what is stored: parameter and gradient bytes are the parameter dtype's
+size; K is 8 for Adam-family optimizers, 4 for SGD with momentum, 0 without, +4 where the
+strategy keeps an fp32 master copy (DeepSpeed, or 16-bit parameters under a mixed policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from litscale.layout import MeshSizes
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a rank holds its share of the model.
+
+    ``zero_stage``: what is sharded over the data-shard ranks between steps (0: nothing, DDP;
+    1: optimizer state; 2: and gradients; 3: and parameters, FSDP2 and the strategies built on
+    it, tensor parallel and pipeline included). ``whole_parameters_in_step``: parameters are
+    gathered once per step and held whole until backward ends (FSDP2's
+    ``reshard_after_forward=False``, which the pipeline strategy uses): at its peak such a rank
+    holds what ZeRO-2 does, and it gathers once per step instead of twice per micro-batch.
+    ``fp32_master_copy``: an fp32 copy of the parameters beside the optimizer state."""
+
+    zero_stage: int
+    whole_parameters_in_step: bool = False
+    fp32_master_copy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"Sharding.zero_stage={self.zero_stage} is not valid: expected 0, 1, 2 or 3")
+
+    @property
+    def peak_stage(self) -> int:
+        """The ZeRO stage of what a rank holds at its peak, inside a step."""
+        return 2 if self.zero_stage == 3 and self.whole_parameters_in_step else self.zero_stage
+
+
+@runtime_checkable
+class LaidOut(Protocol):
+    """What every litscale strategy answers, before any process starts: how it lays
+    ``world_size`` ranks out on the mesh, and how it holds a rank's share of the model."""
+
+    @property
+    def sharding(self) -> Sharding: ...
+
+    def resolve_mesh(self, world_size: int) -> MeshSizes: ...
+
+
+REPLICATED = Sharding(zero_stage=0)
+
+
+def fsdp2_sharding(*, reshard_after_forward: bool) -> Sharding:
+    """FSDP2 over the data-shard ranks (the FSDP strategy, and the data dimension of the
+    tensor-parallel and pipeline strategies)."""
+    return Sharding(zero_stage=3, whole_parameters_in_step=not reshard_after_forward)
+
+
+def sharding_of(strategy: object) -> Sharding:
+    """``strategy.sharding``; replicated for a strategy that does not say (a user's own, or
+    Lightning's)."""
+    return getattr(strategy, "sharding", REPLICATED)
+
+
+def estimate_bytes(*, num_params: float, world_size: int, zero_stage: int, param_bytes: int,
+                   optimizer_bytes_per_param: int) -> dict[str, float]:
+    """The ZeRO paper's per-rank bytes for ``num_params`` sharded over ``world_size`` ranks:
+    stage 0 (DDP) replicates everything; stage 1 shards optimizer state, 2 also gradients, 3
+    (and FSDP) also parameters."""
+    shard = 1 / world_size
+    return {
+        "memory/estimate_params_bytes": param_bytes * num_params * (shard if zero_stage >= 3 else 1),
+        "memory/estimate_grads_bytes": param_bytes * num_params * (shard if zero_stage >= 2 else 1),
+        "memory/estimate_optimizer_bytes":
+            optimizer_bytes_per_param * num_params * (shard if zero_stage >= 1 else 1),
+    }
+
+
+def state_bytes_per_rank(*, num_params: int, mesh: MeshSizes, sharding: Sharding, param_bytes: int,
+                         optimizer_bytes_per_param: int, at_peak: bool = False) -> dict[str, float]:
+    """Parameter, gradient and optimizer bytes one rank of ``mesh`` holds of a model of
+    ``num_params``: its ``1 / (tensor x pipeline)`` share, sharded over the data-shard ranks by
+    ``sharding`` (between steps, or ``at_peak`` inside one). The memory callback's estimate and
+    the planner's memory both come from here."""
+    stage = sharding.peak_stage if at_peak else sharding.zero_stage
+    master = 4 if sharding.fp32_master_copy else 0
+    return estimate_bytes(num_params=num_params / (mesh.tensor * mesh.pipeline), world_size=mesh.data_shard,
+                          zero_stage=stage if mesh.data_shard > 1 else 0, param_bytes=param_bytes,
+                          optimizer_bytes_per_param=optimizer_bytes_per_param + master)
