@@ -113,6 +113,19 @@ class CausalLMModule(TaskModule):
         tokens, targets = batch
         return self.loss_fn(self.net(tokens), targets)
 
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        """The next-token loss (``train/loss``, comparable with ``val/loss``) plus the net's
+        ``auxiliary_loss()`` of this forward when it has one: a mixture of experts' load-balancing
+        loss (``litscale.models.moe``), logged as ``train/moe_aux_loss``."""
+        loss = super().training_step(batch, batch_idx)
+        take_auxiliary = getattr(self.net, "auxiliary_loss", None)
+        auxiliary = take_auxiliary() if take_auxiliary is not None else None
+        if auxiliary is None:
+            return loss
+        if is_logging_step(self._trainer):
+            self.log("train/moe_aux_loss", auxiliary)
+        return loss + auxiliary
+
     def configure_model(self) -> None:
         compiled = getattr(self.net, "_compiled_call_impl", None) is not None
         super().configure_model()

@@ -20,11 +20,12 @@ from litscale.app.build import BuiltRun
 from litscale.app.scaling_study import ScalingContext, find_baseline, scaling_metrics
 from litscale.callbacks.communication import CommunicationCallback
 from litscale.callbacks.memory import MemoryCallback
+from litscale.callbacks.moe import MoEStatsCallback
 from litscale.callbacks.straggler import StragglerReport
 from litscale.callbacks.throughput import ThroughputCallback
 
 # Callbacks whose ``result`` (figures of the whole run) goes into summary.json.
-MEASURING_CALLBACKS = (ThroughputCallback, MemoryCallback, CommunicationCallback, StragglerReport)
+MEASURING_CALLBACKS = (ThroughputCallback, MemoryCallback, CommunicationCallback, StragglerReport, MoEStatsCallback)
 
 
 def _count_params(module) -> int:

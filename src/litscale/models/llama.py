@@ -159,25 +159,30 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))``."""
+    """``down(silu(gate(x)) * up(x))``, ``hidden_size`` units wide (the config's
+    ``ffn_hidden_size`` unless given: a mixture of experts sizes its shared experts apart)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, hidden_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(config.ffn_hidden_size, config.n_embd, bias=False)
+        hidden_size = hidden_size or config.ffn_hidden_size
+        self.gate_proj = nn.Linear(config.n_embd, hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, hidden_size, bias=False)
+        self.down_proj = nn.Linear(hidden_size, config.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Pre-norm attention, then pre-norm MLP (a SwiGLU unless ``mlp`` is given: a mixture of
+    experts, ``moe.py``), each added to the residual stream."""
+
+    def __init__(self, config: LlamaConfig, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = mlp if mlp is not None else SwiGLU(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x))

@@ -1,0 +1,271 @@
+"""A mixture-of-experts decoder (Qwen3-MoE, DeepSeek-V3, Mixtral style) as plain
+single-device PyTorch.
+
+Llama's decoder (``llama.py``: RMSNorm, RoPE, grouped-query attention with optional QK-norm)
+whose MLP is a mixture of experts (``moe_layer.py``: token-choice top-k routing, shared
+experts, experts computed grouped) in every ``moe_every``-th layer after the first
+``dense_layers`` dense ones, which keep a SwiGLU of ``ffn_hidden_size`` (DeepSeek-V3's first
+3). Module names follow Hugging Face's Qwen3-MoE and DeepSeek-V3 (``layers.<i>.mlp.gate``,
+``mlp.shared_experts``), the experts' weights stacked (``mlp.experts.gate_proj`` is
+``[n_experts, hidden, dim]``: their per-expert ``nn.Linear`` weights along dim 0).
+
+Training needs two things beside the forward, both wired by litscale's configs: the
+LightningModule adds ``auxiliary_loss()`` (the load-balancing loss of the last training
+forward) to the loss, and ``litscale.callbacks.moe.MoEStatsCallback`` reads the router's
+counts after each optimizer step, sums them over the ranks and applies
+``update_expert_bias`` (auxiliary-loss-free balancing); a loop of one's own calls the same.
+
+Parallelism is declared beside it (``moe_parallel.py``) as for Llama. Presets are data; the
+big ones are for planning on the meta device (their parameter and FLOP counts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from litscale.arguments import checked_arguments
+from litscale.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.models.llama import DecoderLayer, LlamaConfig
+from litscale.models.moe_layer import MoELayer, ScoreFunction
+from litscale.models.moe_parallel import expert_modules, pipeline_blocks, tensor_parallel_plan
+
+
+@dataclass(frozen=True)
+class MoEConfig(LlamaConfig):
+    """Llama's numbers (``ffn_hidden_size`` is the dense layers' MLP width) plus the experts'.
+    ``attention_head_dim`` sets the head width apart from ``n_embd / n_head`` (Qwen3-MoE's
+    128 with 2048 / 32); ``capacity_factor`` None is dropless (``moe_layer.py``)."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    moe_ffn_hidden_size: int = 64
+    n_shared_experts: int = 0
+    dense_layers: int = 0
+    moe_every: int = 1
+    score_func: ScoreFunction = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+    aux_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    capacity_factor: float | None = None
+    attention_head_dim: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention_head_dim or self.n_embd // self.n_head
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the MoE layers: after the dense ones, every ``moe_every``-th (the
+        ``moe_every``-th, ``2 moe_every``-th, ...: Qwen3-MoE's ``decoder_sparse_step``)."""
+        return tuple(i for i in range(self.dense_layers, self.n_layer)
+                     if (i - self.dense_layers + 1) % self.moe_every == 0)
+
+
+PresetName = Literal["tiny", "qwen3_30b_a3b", "deepseek_v3_like"]
+
+PRESETS: dict[str, MoEConfig] = {
+    # 2-core CPU tests: a dense first layer, then two MoE layers of 8 experts, top-2, one shared.
+    "tiny": MoEConfig(n_layer=3, n_head=4, n_kv_heads=2, n_embd=64, ffn_hidden_size=192, n_experts=8, top_k=2,
+                      moe_ffn_hidden_size=64, n_shared_experts=1, dense_layers=1, aux_loss_coef=0.01,
+                      bias_update_rate=0.001),
+    # Qwen3-30B-A3B as its config.json publishes it (30.5B parameters, 3.3B active).
+    "qwen3_30b_a3b": MoEConfig(n_layer=48, n_head=32, n_kv_heads=4, n_embd=2048, ffn_hidden_size=6144,
+                               attention_head_dim=128, vocab_size=151936, block_size=32768, norm_eps=1e-6,
+                               rope_theta=1_000_000.0, qk_norm=True, n_experts=128, top_k=8,
+                               moe_ffn_hidden_size=768, norm_topk_prob=True, aux_loss_coef=0.001),
+    # DeepSeek-V3's MoE shapes with grouped-query attention (128 query heads of 128, 8 key/value
+    # heads) instead of its multi-head latent attention; sigmoid scores, aux-loss-free bias
+    # (rate 0.001, its paper's), routed weights x 2.5. Left out: MLA, multi-token prediction,
+    # node-limited group routing, YaRN and the sequence-wise balance loss (alpha 1e-4).
+    "deepseek_v3_like": MoEConfig(n_layer=61, n_head=128, n_kv_heads=8, n_embd=7168, ffn_hidden_size=18432,
+                                  attention_head_dim=128, vocab_size=129280, block_size=4096, norm_eps=1e-6,
+                                  n_experts=256, top_k=8, moe_ffn_hidden_size=2048, n_shared_experts=1,
+                                  dense_layers=3, score_func="sigmoid", norm_topk_prob=True, routed_scaling=2.5,
+                                  bias_update_rate=0.001),
+}
+
+
+@dataclass
+class RouterStatistics:
+    """What the routers saw since the last take, one row per MoE layer of the config (rows of
+    layers this rank does not hold, on a pipeline stage, are zero): ``load`` ``[layers,
+    n_experts + 1]`` assignments per expert then dropped ones, ``balance`` ``[layers]`` mean
+    load-balancing loss (1 when balanced). On the device; ``load`` is summed over ranks as is."""
+
+    load: Tensor
+    balance: Tensor
+
+
+class MoEDecoder(nn.Module):
+    """Decoder-only MoE transformer: token ids ``[B, T]`` -> logits ``[B, T, vocab]``."""
+
+    # Model-parallel declarations (see moe_parallel.py); strategies read them.
+    tensor_parallel_plan = tensor_parallel_plan
+    pipeline_blocks = pipeline_blocks
+    expert_modules = expert_modules
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleDict({
+            str(i): DecoderLayer(config, mlp=MoELayer(config) if i in config.moe_layers else None)
+            for i in range(config.n_layer)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.reset_parameters()
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_parameters(self) -> None:
+        # Llama's init (GPT-2's): N(0, 0.02), what writes into the residual stream (attention
+        # output, every down projection, the experts' too) scaled by 1/sqrt(2 n_layer), gains 1.
+        for name, param in self.named_parameters():
+            if param.dim() < 2:
+                nn.init.ones_(param)
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states)."""
+        x = tokens
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(tokens)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is not None:
+            x = self.lm_head(x)
+        return x
+
+    def sharding_units(self) -> list[nn.Module]:
+        """FSDP's units: the decoder layers (each MoE layer's experts gathered with it)."""
+        return list(self.layers.values())
+
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """The MoE layers this module holds, by layer index."""
+        return {int(key): layer.mlp for key, layer in self.layers.items() if isinstance(layer.mlp, MoELayer)}
+
+    # --- training hooks: loss, statistics, bias -----------------------------------------------
+
+    def auxiliary_loss(self) -> Tensor | None:
+        """The load-balancing loss of the last training forward, summed over the MoE layers and
+        times ``aux_loss_coef`` (Switch Transformer adds it at every layer), to add to the
+        training loss; None when off. Taken: a second call returns None."""
+        losses = [layer.aux_loss for layer in self.moe_layers().values() if layer.aux_loss is not None]
+        for layer in self.moe_layers().values():
+            layer.aux_loss = None
+        return torch.stack(losses).sum() if losses else None
+
+    def take_router_statistics(self) -> RouterStatistics | None:
+        """The routers' counts since the last take (training forwards only), and reset them;
+        None if no held MoE layer ran."""
+        rows = {index: row for row, index in enumerate(self.config.moe_layers)}
+        taken = {index: layer.take_statistics() for index, layer in self.moe_layers().items()}
+        taken = {index: value for index, value in taken.items() if value is not None}
+        if not taken:
+            return None
+        some_load = next(iter(taken.values()))[0]
+        load = some_load.new_zeros(len(rows), self.config.n_experts + 1)
+        balance = torch.zeros(len(rows), device=some_load.device)
+        for index, (layer_load, layer_balance) in taken.items():
+            load[rows[index]], balance[rows[index]] = layer_load, layer_balance
+        return RouterStatistics(load=load, balance=balance)
+
+    def update_expert_bias(self, load: Tensor) -> None:
+        """Apply each held MoE layer's bias update from ``load`` ``[config MoE layers,
+        n_experts (+ 1)]`` (``RouterStatistics.load`` summed over the data-parallel ranks)."""
+        rows = {index: row for row, index in enumerate(self.config.moe_layers)}
+        for index, layer in self.moe_layers().items():
+            layer.update_bias(load[rows[index], : self.config.n_experts])
+
+    # --- sizes ----------------------------------------------------------------------------------
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() counts a tied one once
+
+    def num_active_params(self) -> int:
+        """Parameters a token uses: all but the routed experts it does not choose (embedding
+        and head included, as Qwen3-30B-A3B's 3.3B "activated" counts them)."""
+        c = self.config
+        unchosen = (c.n_experts - c.top_k) * 3 * c.n_embd * c.moe_ffn_hidden_size
+        return self.num_params() - len(self.moe_layers()) * unchosen
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token as torch's FLOP counter counts them (``llama.py``'s rule):
+        6 per weight a token multiplies (attention, dense MLPs, router, its ``top_k`` routed
+        experts, shared experts, head; the embedding is a lookup) plus attention's two
+        ``T x T`` matmuls, 12 x ``n_head x head_dim x T`` per layer. Exact when dropless,
+        whatever the routing; an upper bound with a capacity. Counts the layers held."""
+        c = self.config
+        linear_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        per_moe_layer = c.n_embd * c.n_experts + c.top_k * 3 * c.n_embd * c.moe_ffn_hidden_size
+        weights = linear_weights + len(self.moe_layers()) * per_moe_layer
+        return 6 * weights + 12 * len(self.layers) * c.n_head * c.head_dim * seq_len
+
+
+def check_shape(config: MoEConfig) -> None:
+    """Query heads group over key/value heads, RoPE rotates pairs, experts and layers fit."""
+    checks = [
+        (config.n_head % config.n_kv_heads == 0, f"model.net.n_kv_heads={config.n_kv_heads} must divide "
+                                                   f"n_head={config.n_head}"),
+        (config.attention_head_dim is not None or config.n_embd % config.n_head == 0,
+         f"model.net.n_embd={config.n_embd} must be divisible by n_head={config.n_head}"),
+        (config.head_dim % 2 == 0, f"model.net head_dim={config.head_dim} must be even: RoPE rotates pairs"),
+        (config.top_k <= config.n_experts, f"model.net.top_k={config.top_k} must be at most "
+                                           f"n_experts={config.n_experts}"),
+        (config.dense_layers <= config.n_layer, f"model.net.dense_layers={config.dense_layers} must be at "
+                                                f"most n_layer={config.n_layer}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+@checked_arguments("model.net")
+def build_moe(
+    *,
+    preset: PresetName = "tiny",
+    vocab_size: PositiveInt | None = None,
+    block_size: PositiveInt | None = None,
+    n_layer: PositiveInt | None = None,
+    n_head: PositiveInt | None = None,
+    n_kv_heads: PositiveInt | None = None,
+    n_embd: PositiveInt | None = None,
+    ffn_hidden_size: PositiveInt | None = None,
+    n_experts: PositiveInt | None = None,
+    top_k: PositiveInt | None = None,
+    moe_ffn_hidden_size: PositiveInt | None = None,
+    n_shared_experts: NonNegativeInt | None = None,
+    dense_layers: NonNegativeInt | None = None,
+    moe_every: PositiveInt | None = None,
+    score_func: ScoreFunction | None = None,
+    norm_topk_prob: bool | None = None,
+    routed_scaling: PositiveFloat | None = None,
+    aux_loss_coef: NonNegativeFloat | None = None,
+    bias_update_rate: NonNegativeFloat | None = None,
+    capacity_factor: PositiveFloat | None = None,
+    qk_norm: bool | None = None,
+    tie_embeddings: bool | None = None,
+) -> MoEDecoder:
+    """An MoE decoder from a named preset, with any number overridden (``None`` keeps the
+    preset's; the presets are dropless, so ``capacity_factor`` None is dropless)."""
+    overrides = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                     n_kv_heads=n_kv_heads, n_embd=n_embd, ffn_hidden_size=ffn_hidden_size, n_experts=n_experts,
+                     top_k=top_k, moe_ffn_hidden_size=moe_ffn_hidden_size, n_shared_experts=n_shared_experts,
+                     dense_layers=dense_layers, moe_every=moe_every, score_func=score_func,
+                     norm_topk_prob=norm_topk_prob, routed_scaling=routed_scaling, aux_loss_coef=aux_loss_coef,
+                     bias_update_rate=bias_update_rate, capacity_factor=capacity_factor, qk_norm=qk_norm,
+                     tie_embeddings=tie_embeddings)
+    config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+    check_shape(config)
+    return MoEDecoder(config)

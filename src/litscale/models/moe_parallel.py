@@ -1,0 +1,48 @@
+"""What the MoE decoder declares about itself for model-parallel strategies, as data.
+
+- ``tensor_parallel_plan(net)``: Llama's plan (``llama_parallel.py``) for the attention, the
+  norms, the embedding and head, and the dense layers' SwiGLU (matched only where a layer's
+  ``mlp`` has a ``gate_proj``: the dense ones). The MoE layers' router, routed and shared
+  experts are left whole by tensor parallel for now: each rank runs the layer on the whole
+  sequence (``MoELayer._forward_replicated``), computing the same expert gradients, at the
+  cost of repeating the layer on every tensor-parallel rank. Splitting experts belongs to
+  expert parallel.
+- ``pipeline_blocks(net)``: Llama's: the embedding, each decoder layer, the final norm + head.
+- ``expert_modules(net)``: the modules holding stacked expert weights, expert index first,
+  which expert parallel shards along dim 0; it wraps each one's forward (rows sorted by
+  expert, rows per expert) with an all-to-all of rows and counts before it and the reverse
+  after it, the seam ``MoELayer.forward`` leaves for it. No strategy reads this yet.
+
+The training loss under a pipeline: the schedule calls the LightningModule's ``loss_fn`` on
+the last stage only, so the load-balancing loss of MoE layers (``auxiliary_loss``) is not
+added there; the auxiliary-loss-free bias still balances the experts.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from litscale.models.llama_parallel import QK_NORM_PLAN, TENSOR_PARALLEL_PLAN
+from litscale.models.llama_parallel import pipeline_blocks as llama_pipeline_blocks
+
+DENSE_MLP_PLAN = {pattern: style for pattern, style in TENSOR_PARALLEL_PLAN.items()
+                  if pattern.startswith("layers.*.mlp.")}
+# Llama's plan but for the dense MLP's projections: attention, norms, embedding, head.
+NON_MLP_PLAN = {pattern: style for pattern, style in TENSOR_PARALLEL_PLAN.items() if pattern not in DENSE_MLP_PLAN}
+
+
+def tensor_parallel_plan(net: nn.Module) -> dict[str, str]:
+    """Attention and dense-layer entries; every pattern of a plan must match a module, so the
+    dense MLP's only where a dense layer exists, QK-norm's only with QK-norm."""
+    config = net.config
+    has_dense = len(config.moe_layers) < config.n_layer
+    return {**NON_MLP_PLAN, **(DENSE_MLP_PLAN if has_dense else {}), **(QK_NORM_PLAN if config.qk_norm else {})}
+
+
+def pipeline_blocks(net: nn.Module) -> list[list[str]]:
+    return llama_pipeline_blocks(net)
+
+
+def expert_modules(net: nn.Module) -> list[str]:
+    """Names (relative to ``net``) of the grouped-experts modules it holds."""
+    return [f"layers.{index}.mlp.experts" for index in net.moe_layers()]
