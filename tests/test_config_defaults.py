@@ -61,6 +61,8 @@ DELIBERATE: dict[tuple[str, str], str] = {
         "the presets' 0.0 (null keeps the preset's), given so model.net.dropout=0.1 needs no +",
     ("model/llama", "weight_decay"):
         "AdamW's decoupled decay of 0.1 on matrices, as Llama 1 and 2 were trained (Touvron et al. 2023)",
+    ("model/moe", "weight_decay"):
+        "AdamW's decoupled decay of 0.1 on matrices, as model=llama, whose decoder the experts extend",
     ("model/hf", "weight_decay"):
         "AdamW's decoupled decay of 0.1 on matrices, as model=llama: the decoders it builds train that way",
     ("optimizer/adamw", "betas"): TODO,
