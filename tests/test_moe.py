@@ -280,7 +280,7 @@ def test_causal_lm_module_adds_the_aux_loss_once():
 
 def run_callback_step(callback: MoEStatsCallback, net, step: int) -> None:
     trainer = SimpleNamespace(global_step=step, log_every_n_steps=50, is_last_batch=False, max_steps=100,
-                              loggers=[])
+                              loggers=[], strategy=None)
     callback.on_train_batch_end(trainer, SimpleNamespace(net=net), None, None, 0)
 
 

@@ -29,6 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
+from litscale.layout import TENSOR
 from litscale.loggers import is_logging_step, log_to_loggers
 
 
@@ -38,13 +39,20 @@ def summed_over_ranks(load: Tensor) -> Tensor:
     NOTE: over the world rather than the data-parallel group, which no callback can name for
     every strategy: a pipeline rank without a layer adds zeros to its row, and tensor-parallel
     peers, which compute the MoE layers whole, add the same counts once each. Neither changes
-    the sign of ``mean - load`` nor any ratio below; tokens per expert are then counted once
-    per tensor-parallel rank.
+    the sign of ``mean - load`` nor any ratio below (``tensor_parallel_copies`` undoes the
+    second for the token counts).
     """
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         load = load.clone()
         dist.all_reduce(load)
     return load
+
+
+def tensor_parallel_copies(trainer: Trainer) -> int:
+    """Ranks that count the same tokens: the tensor-parallel ones (their strategy's mesh)."""
+    mesh = getattr(trainer.strategy, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh[TENSOR].size() if TENSOR in names else 1
 
 
 def load_imbalance(load: Tensor) -> Tensor:
@@ -82,6 +90,7 @@ class MoEStatsCallback(Callback):
             return
         load = summed_over_ranks(statistics.load)
         net.update_expert_bias(load)
+        load = load // tensor_parallel_copies(trainer)
         self._layers = list(net.config.moe_layers)
         self._accumulate(load, statistics.balance)
         if is_logging_step(trainer, trainer.global_step):
@@ -91,15 +100,15 @@ class MoEStatsCallback(Callback):
         if self._run_load is None:
             self._run_load = torch.zeros_like(load)
         self._run_load = self._run_load.to(load.device) + load
-        self._imbalance_sum = self._imbalance_sum + load_imbalance(load[:, :-1]).mean()
+        self._imbalance_sum = self._imbalance_sum + _mean_over_layers(load_imbalance(load[:, :-1]), load)
         self._steps += 1
         self._last = (load, balance)
 
     def _step_figures(self) -> dict[str, float]:
         load, balance = self._last
-        return {"moe/load_imbalance": float(load_imbalance(load[:, :-1]).mean()),
+        return {"moe/load_imbalance": float(_mean_over_layers(load_imbalance(load[:, :-1]), load)),
                 "moe/dropped_fraction": _dropped_fraction(load),
-                "moe/aux_loss": float(balance.mean())}
+                "moe/aux_loss": float(_mean_over_layers(balance, balance[:, None]))}
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._last is None:
@@ -129,6 +138,13 @@ class MoEStatsCallback(Callback):
         if state_dict:
             self._run_load = state_dict["run_load"]
             self._imbalance_sum, self._steps = state_dict["imbalance_sum"], state_dict["steps"]
+
+
+def _mean_over_layers(values: Tensor, load: Tensor) -> Tensor:
+    """Mean of ``values`` over the layers whose ``load`` row is not all zero: a pipeline stage
+    has rows for the layers it does not hold (rank 0's balance loss, never summed)."""
+    seen = load.sum(dim=-1) > 0
+    return (values * seen).sum() / seen.sum().clamp(min=1)
 
 
 def _dropped_fraction(load: Tensor) -> float:

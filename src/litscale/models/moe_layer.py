@@ -265,15 +265,16 @@ class MoELayer(nn.Module):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _forward_replicated(self, x: Tensor) -> Tensor:
-        """Under tensor parallel, whose plan leaves the experts whole for now: every rank runs
-        the layer on the whole (gathered) sequence, so the experts' gradients are the same on
-        each rank and need no reduction; the output is a replicated DTensor, which the
-        residual add reshards."""
-        from torch.distributed.tensor import DTensor, Replicate
+        """Under sequence-parallel tensor parallel, whose plan leaves the experts whole for now
+        (the input then arrives as a DTensor): every rank runs the layer on the whole gathered
+        sequence, so the experts' gradients are the same on each rank and need no reduction,
+        and hands back its own slice of the sequence as a plain tensor, as the dense layers'
+        row-wise down projection does (``moe_parallel.py``)."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        mesh, replicated = x.device_mesh, [Replicate()] * x.device_mesh.ndim
+        mesh, replicated = x.device_mesh, [Replicate()]
         out = self.forward(x.redistribute(mesh, replicated).to_local())
-        return DTensor.from_local(out, mesh, replicated, run_check=False)
+        return DTensor.from_local(out, mesh, replicated, run_check=False).redistribute(mesh, [Shard(1)]).to_local()
 
     def _record(self, routing: Routing, dispatch: Dispatch) -> None:
         load = dispatch.routed_per_expert

@@ -1,12 +1,11 @@
 """What the MoE decoder declares about itself for model-parallel strategies, as data.
 
 - ``tensor_parallel_plan(net)``: Llama's plan (``llama_parallel.py``) for the attention, the
-  norms, the embedding and head, and the dense layers' SwiGLU (matched only where a layer's
-  ``mlp`` has a ``gate_proj``: the dense ones). The MoE layers' router, routed and shared
-  experts are left whole by tensor parallel for now: each rank runs the layer on the whole
-  sequence (``MoELayer._forward_replicated``), computing the same expert gradients, at the
-  cost of repeating the layer on every tensor-parallel rank. Splitting experts belongs to
-  expert parallel.
+  norms, the embedding and head, and the dense layers' SwiGLU (named layer by layer). The MoE
+  layers' router, routed and shared experts are left whole by tensor parallel for now: each
+  rank runs the layer on the whole sequence (``MoELayer._forward_replicated`` under sequence
+  parallel), computing the same expert gradients, at the cost of repeating the layer on every
+  tensor-parallel rank. Splitting the experts belongs to expert parallel.
 - ``pipeline_blocks(net)``: Llama's: the embedding, each decoder layer, the final norm + head.
 - ``expert_modules(net)``: the modules holding stacked expert weights, expert index first,
   which expert parallel shards along dim 0; it wraps each one's forward (rows sorted by
@@ -32,11 +31,14 @@ NON_MLP_PLAN = {pattern: style for pattern, style in TENSOR_PARALLEL_PLAN.items(
 
 
 def tensor_parallel_plan(net: nn.Module) -> dict[str, str]:
-    """Attention and dense-layer entries; every pattern of a plan must match a module, so the
-    dense MLP's only where a dense layer exists, QK-norm's only with QK-norm."""
+    """Attention entries, QK-norm's with QK-norm, and the dense MLP's named per dense layer:
+    every pattern of a plan must match a module, and torch warns for each layer a wildcard
+    misses (the MoE layers have no ``mlp.gate_proj``)."""
     config = net.config
-    has_dense = len(config.moe_layers) < config.n_layer
-    return {**NON_MLP_PLAN, **(DENSE_MLP_PLAN if has_dense else {}), **(QK_NORM_PLAN if config.qk_norm else {})}
+    dense = [i for i in range(config.n_layer) if i not in config.moe_layers]
+    dense_mlps = {pattern.replace("layers.*.", f"layers.{i}."): style
+                  for i in dense for pattern, style in DENSE_MLP_PLAN.items()}
+    return {**NON_MLP_PLAN, **dense_mlps, **(QK_NORM_PLAN if config.qk_norm else {})}
 
 
 def pipeline_blocks(net: nn.Module) -> list[list[str]]:
