@@ -15,80 +15,26 @@ forward) to the loss, and ``litscale.callbacks.moe.MoEStatsCallback`` reads the 
 counts after each optimizer step, sums them over the ranks and applies
 ``update_expert_bias`` (auxiliary-loss-free balancing); a loop of one's own calls the same.
 
-Parallelism is declared beside it (``moe_parallel.py``) as for Llama. Presets are data; the
-big ones are for planning on the meta device (their parameter and FLOP counts).
+Parallelism is declared beside it (``moe_parallel.py``) as for Llama; its numbers and presets
+are in ``moe_config.py``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-from litscale.models.llama import DecoderLayer, LlamaConfig
-from litscale.models.moe_layer import MoELayer, ScoreFunction
+from litscale.models.llama import DecoderLayer
+from litscale.models.moe_config import PRESETS, MoEConfig, PresetName, ScoreFunction
+from litscale.models.moe_layer import MoELayer
 from litscale.models.moe_parallel import expert_modules, pipeline_blocks, tensor_parallel_plan
 
-
-@dataclass(frozen=True)
-class MoEConfig(LlamaConfig):
-    """Llama's numbers (``ffn_hidden_size`` is the dense layers' MLP width) plus the experts'.
-    ``attention_head_dim`` sets the head width apart from ``n_embd / n_head`` (Qwen3-MoE's
-    128 with 2048 / 32); ``capacity_factor`` None is dropless (``moe_layer.py``)."""
-
-    n_experts: int = 8
-    top_k: int = 2
-    moe_ffn_hidden_size: int = 64
-    n_shared_experts: int = 0
-    dense_layers: int = 0
-    moe_every: int = 1
-    score_func: ScoreFunction = "softmax"
-    norm_topk_prob: bool = True
-    routed_scaling: float = 1.0
-    aux_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0
-    capacity_factor: float | None = None
-    attention_head_dim: int | None = None
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention_head_dim or self.n_embd // self.n_head
-
-    @property
-    def moe_layers(self) -> tuple[int, ...]:
-        """Indices of the MoE layers: after the dense ones, every ``moe_every``-th (the
-        ``moe_every``-th, ``2 moe_every``-th, ...: Qwen3-MoE's ``decoder_sparse_step``)."""
-        return tuple(i for i in range(self.dense_layers, self.n_layer)
-                     if (i - self.dense_layers + 1) % self.moe_every == 0)
-
-
-PresetName = Literal["tiny", "qwen3_30b_a3b", "deepseek_v3_like"]
-
-PRESETS: dict[str, MoEConfig] = {
-    # 2-core CPU tests: a dense first layer, then two MoE layers of 8 experts, top-2, one shared.
-    "tiny": MoEConfig(n_layer=3, n_head=4, n_kv_heads=2, n_embd=64, ffn_hidden_size=192, n_experts=8, top_k=2,
-                      moe_ffn_hidden_size=64, n_shared_experts=1, dense_layers=1, aux_loss_coef=0.01,
-                      bias_update_rate=0.001),
-    # Qwen3-30B-A3B as its config.json publishes it (30.5B parameters, 3.3B active).
-    "qwen3_30b_a3b": MoEConfig(n_layer=48, n_head=32, n_kv_heads=4, n_embd=2048, ffn_hidden_size=6144,
-                               attention_head_dim=128, vocab_size=151936, block_size=32768, norm_eps=1e-6,
-                               rope_theta=1_000_000.0, qk_norm=True, n_experts=128, top_k=8,
-                               moe_ffn_hidden_size=768, norm_topk_prob=True, aux_loss_coef=0.001),
-    # DeepSeek-V3's MoE shapes with grouped-query attention (128 query heads of 128, 8 key/value
-    # heads) instead of its multi-head latent attention; sigmoid scores, aux-loss-free bias
-    # (rate 0.001, its paper's), routed weights x 2.5. Left out: MLA, multi-token prediction,
-    # node-limited group routing, YaRN and the sequence-wise balance loss (alpha 1e-4).
-    "deepseek_v3_like": MoEConfig(n_layer=61, n_head=128, n_kv_heads=8, n_embd=7168, ffn_hidden_size=18432,
-                                  attention_head_dim=128, vocab_size=129280, block_size=4096, norm_eps=1e-6,
-                                  n_experts=256, top_k=8, moe_ffn_hidden_size=2048, n_shared_experts=1,
-                                  dense_layers=3, score_func="sigmoid", norm_topk_prob=True, routed_scaling=2.5,
-                                  bias_update_rate=0.001),
-}
+__all__ = ["PRESETS", "MoEConfig", "MoEDecoder", "PresetName", "RouterStatistics", "build_moe"]
 
 
 @dataclass

@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -49,12 +48,7 @@ from torch import Tensor, nn
 from torch.utils import flop_counter
 
 from litscale.models.llama import SwiGLU
-
-if TYPE_CHECKING:
-    from litscale.models.moe import MoEConfig
-
-ScoreFunction = Literal["softmax", "sigmoid"]
-
+from litscale.models.moe_config import MoEConfig
 
 # --- grouped matmul --------------------------------------------------------------------------
 
