@@ -70,12 +70,25 @@ def test_grouped_equals_reference_loop(score_func, n_shared_experts, capacity_fa
     assert (load[-1] > 0) == (capacity_factor is not None)  # 0.75 drops some
 
 
+@pytest.mark.parametrize("hidden", [16, 12], ids=["grouped_mm", "per_group"])  # 24-byte rows: not aligned
+def test_bf16_autocast_runs_the_experts_in_bf16(hidden):
+    """Autocast does not cast ``_grouped_mm``'s operands; the layer does, as for a matmul."""
+    layer = random_layer(dataclasses.replace(SMALL, moe_ffn_hidden_size=hidden))
+    x = torch.randn(2, 24, 16)
+    reference = moe_reference_forward(layer, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    # DESIGN.md's bf16 tolerance, absolute near zero relative to the outputs' scale
+    torch.testing.assert_close(out.float(), reference, rtol=1.6e-2, atol=1.6e-2 * reference.abs().max().item())
+
+
 def test_per_group_matmul_path_equals_grouped_mm(monkeypatch):
     """The path for CUDA float32 (a matmul per expert over its slice) gives the same numbers."""
     layer = random_layer(SMALL)
     x, grad_out = torch.randn(2, 24, 16), torch.randn(2, 24, 16)
     fused = forward_and_gradients(layer, layer, x, grad_out)
-    monkeypatch.setattr(moe_layer, "_fused_grouped_mm_runs", lambda x: False)
+    monkeypatch.setattr(moe_layer, "_fused_grouped_mm_runs", lambda x, weight: False)
     looped = forward_and_gradients(layer, layer, x, grad_out)
     torch.testing.assert_close(looped, fused, **TOLERANCE)
 

@@ -188,6 +188,9 @@ def build_moe(
     n_kv_heads: PositiveInt | None = None,
     n_embd: PositiveInt | None = None,
     ffn_hidden_size: PositiveInt | None = None,
+    attention_head_dim: PositiveInt | None = None,
+    norm_eps: PositiveFloat | None = None,
+    rope_theta: PositiveFloat | None = None,
     n_experts: PositiveInt | None = None,
     top_k: PositiveInt | None = None,
     moe_ffn_hidden_size: PositiveInt | None = None,
@@ -206,7 +209,8 @@ def build_moe(
     """An MoE decoder from a named preset, with any number overridden (``None`` keeps the
     preset's; the presets are dropless, so ``capacity_factor`` None is dropless)."""
     overrides = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                     n_kv_heads=n_kv_heads, n_embd=n_embd, ffn_hidden_size=ffn_hidden_size, n_experts=n_experts,
+                     n_kv_heads=n_kv_heads, n_embd=n_embd, ffn_hidden_size=ffn_hidden_size,
+                     attention_head_dim=attention_head_dim, norm_eps=norm_eps, rope_theta=rope_theta, n_experts=n_experts,
                      top_k=top_k, moe_ffn_hidden_size=moe_ffn_hidden_size, n_shared_experts=n_shared_experts,
                      dense_layers=dense_layers, moe_every=moe_every, score_func=score_func,
                      norm_topk_prob=norm_topk_prob, routed_scaling=routed_scaling, aux_loss_coef=aux_loss_coef,

@@ -53,10 +53,13 @@ from litscale.models.moe_config import MoEConfig
 # --- grouped matmul --------------------------------------------------------------------------
 
 
-def _fused_grouped_mm_runs(x: Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes ``x``: on CUDA only bf16 (torch 2.13), on the CPU
-    any float dtype in eager mode (forward and backward checked in float32 and bf16); its meta
-    kernel, and so ``torch.compile``'s tracing and fake tensors, accepts only bf16."""
+def _fused_grouped_mm_runs(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes these operands: rows of a multiple of 16 bytes (the
+    kernels' alignment, CPU's too: a bf16 width of 12 is refused), and on CUDA only bf16 (torch
+    2.13), on the CPU any float dtype in eager mode (forward and backward checked in float32 and
+    bf16); its meta kernel, and so ``torch.compile``'s tracing and fake tensors, takes only bf16."""
+    if any(size * x.element_size() % 16 for size in weight.shape[1:]):
+        return False
     if x.dtype == torch.bfloat16:
         return True
     return x.device.type == "cpu" and not torch.compiler.is_compiling() and not _shapes_only(x)
@@ -75,15 +78,16 @@ def grouped_matmul(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     transpose.
 
     ``torch._grouped_mm`` (one kernel for every group, torchtitan's path) where it runs;
-    elsewhere (CUDA float32 or float16, ``torch.compile`` outside bf16) a matmul per group over
-    its contiguous slice of rows, which reads the group sizes on the host. Both are counted by torch's FLOP counter (see
+    elsewhere (CUDA float32 or float16, ``torch.compile`` outside bf16, widths not aligned to
+    16 bytes) a matmul per group over its contiguous slice of rows, which reads the group sizes
+    on the host. Both are counted by torch's FLOP counter (see
     ``_grouped_mm_flops``). Under autocast the operands are cast as autocast casts a matmul's,
     which it does not do for this op.
     """
     if _autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
         x, weight = x.to(dtype), weight.to(dtype)
-    if _fused_grouped_mm_runs(x):
+    if _fused_grouped_mm_runs(x, weight):
         out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
         if out.requires_grad:
             # NOTE: the CPU backward rejects a gradient with zero strides (an expanded one, as
