@@ -18,7 +18,9 @@ the experts computed grouped (torchtitan's and Megatron-Core's layout).
   first (``gate_proj``/``up_proj`` ``[n_experts, hidden, dim]``, ``down_proj`` ``[n_experts,
   dim, hidden]``: Hugging Face's per-expert ``nn.Linear`` weights stacked), so expert parallel
   shards dim 0. They take the routed rows sorted by expert with the count per expert, and one
-  grouped matmul per projection computes every expert (``grouped_matmul``).
+  grouped matmul per projection computes every expert (``grouped_matmul``): ``torch._grouped_mm``,
+  which in torch 2.13 runs on the CPU in float32 too (forward and backward, checked against the
+  loop), so CPU tests exercise the kernel GPUs run; a matmul per expert where it does not.
 - **The dispatch / combine seam**: ``MoELayer.forward`` routes, sorts the (token, expert)
   assignments by expert (``plan_dispatch``), calls ``self.experts(rows, tokens_per_expert)``
   and scatters the weighted outputs back. Expert parallel wraps that one call with an
