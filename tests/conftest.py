@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,3 +16,11 @@ def outputs_root(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("LITSCALE_OUTPUTS", str(root))
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path / "cache"))
     return root
+
+
+def pytest_sessionfinish(session) -> None:
+    """Kill the rank pools ``helpers.distributed`` kept for the session (if a test used one):
+    at once, rather than at interpreter exit."""
+    distributed = sys.modules.get("helpers.distributed")
+    if distributed is not None:
+        distributed.shutdown_pools()
