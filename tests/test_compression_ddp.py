@@ -196,7 +196,7 @@ def test_powersgd_after_warm_up_is_the_rank_r_approximation_of_the_mean_gradient
 
 
 POWERSGD_ON_MANY_BUCKETS = """
-import torch, torch.distributed as dist
+import time, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from litscale.compression import powersgd
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -206,6 +206,11 @@ model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(64, 64) fo
 powersgd(rank=2, start_iteration=2).register(model)
 for _ in range(50):
     model(torch.randn(8, 64)).square().mean().backward()
+# As helpers.distributed.destroy_process_groups: gloo's threads get the GIL to free the hook's
+# callbacks before the group goes, or the process may abort; the model (its reducer holds the
+# group) goes first.
+del model
+time.sleep(0.05)
 dist.destroy_process_group()
 print("done")
 """

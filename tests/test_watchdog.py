@@ -97,21 +97,24 @@ def test_the_default_limit_is_twenty_median_steps_at_least_a_minute():
 def test_the_watchdog_has_every_heartbeat_write_its_stacks_then_stops_with_one_line(tmp_path, capsys):
     """Two heartbeats and the watchdog on one in-memory store: the stuck 'rank' is named, each
     writes its stacks (this test's own frames among them), and the watchdog ends with code 1."""
-    store = dist.HashStore()
+    store = dist.HashStore()  # its own: nothing another test wrote is in it
     hearts = [Heartbeat(store, rank, interval_s=0.05, exit_on_stop=False).start() for rank in (0, 1)]
     exits: list[int] = []
     watchdog = Watchdog(store, 2, limits=lambda median: Limits(0.3, 0.3, 0.3, 0.3, 5.0),
                         stacks_root=str(tmp_path), poll_s=0.05, exit=exits.append)
-    hearts[0].mark(4, "backward", ALL_REDUCE)
-    hearts[1].mark(4, "forward")
-    for heart in hearts:
-        heart.first_step_done()
-    watchdog.start()
-    deadline = time.monotonic() + 10
-    while not exits and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for part in (watchdog, *hearts):
-        part.close()
+    try:
+        hearts[0].mark(4, "backward", ALL_REDUCE)
+        hearts[1].mark(4, "forward")
+        for heart in hearts:
+            heart.first_step_done()
+        watchdog.start()
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:  # no thread of this test outlives it, however it ends
+        for part in (watchdog, *hearts):
+            part.close()
+            part._thread.join(timeout=10)  # close() waits 5 polls; a loaded machine may need more
     assert exits == [1]
     line = capsys.readouterr().err.strip()
     assert re.fullmatch(r"error: hang at step 4: rank 1 stuck in forward for \d+ s; rank 0 waiting in "
