@@ -413,3 +413,24 @@ def test_strategy_gets_precision_dtypes(option, tmp_path, outputs_root):
     assert isinstance(dtypes, PrecisionDtypes)
     assert (dtypes.param, dtypes.compute, dtypes.reduce) == (
         torch.float32, torch.bfloat16, torch.float32)
+
+
+def test_a_run_that_never_validates_skips_the_starting_validation():
+    """The sanity pass gives val/loss_initial, a baseline for the run's own validation: a fresh
+    run ending before its first validation skips it; one that validates, resumes, or counts
+    its interval in epochs keeps it."""
+    from omegaconf import OmegaConf
+
+    from litscale.app.build import never_validates
+
+    def trainer(**values):
+        return OmegaConf.create({"max_steps": 300, "val_check_interval": 100, "check_val_every_n_epoch": None,
+                                 **values})
+
+    assert never_validates(trainer(max_steps=1), None)
+    assert never_validates(trainer(max_steps=99), None)
+    assert not never_validates(trainer(max_steps=100), None)
+    assert not never_validates(trainer(max_steps=1), "last")  # a resumed run may cross step 100
+    assert not never_validates(trainer(max_steps=1, val_check_interval=0.5), None)  # a share of an epoch
+    assert not never_validates(trainer(max_steps=1, check_val_every_n_epoch=1), None)
+    assert not never_validates(trainer(max_steps=-1), None)

@@ -152,6 +152,16 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before")
 
 
+def never_validates(trainer: DictConfig, ckpt_path: str | None) -> bool:
+    """Whether a run ends before its first validation: a fresh run whose ``max_steps`` is below
+    a ``val_check_interval`` counted in steps (validation then runs at no epoch end). Its
+    starting validation loss (the sanity pass over the whole limited val set) would be compared
+    with nothing, so it is skipped: ``trainer.max_steps=1`` does not pay for 16 batches of it."""
+    interval, steps = trainer.get("val_check_interval"), int(trainer.get("max_steps", -1))
+    return (ckpt_path is None and trainer.get("check_val_every_n_epoch") is None and 0 < steps
+            and isinstance(interval, int) and not isinstance(interval, bool) and steps < interval)
+
+
 def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
               loggable_config: dict | None = None, sweep_dir: str | None = None) -> BuiltRun:
     cfg = OmegaConf.create(config)
@@ -178,6 +188,7 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
     trainer = build(
         cfg.trainer,
         trusted=trusted,
+        **({"num_sanity_val_steps": 0} if never_validates(cfg.trainer, layout.ckpt_path) else {}),
         devices=trainer_devices(cfg.trainer.get("devices", 1), layout),
         strategy=strategy,
         precision=cfg.precision.lightning,
