@@ -196,11 +196,15 @@ class Llama(nn.Module):
     tensor_parallel_plan = tensor_parallel_plan
     pipeline_blocks = pipeline_blocks
 
+    # Parameters that write into the residual stream (their init is scaled by 1/sqrt(2 n_layer)).
+    residual_writers: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.n_layer)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, mlp=self.mlp_for_layer(i))
+                                     for i in range(config.n_layer)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.reset_parameters()
@@ -213,10 +217,14 @@ class Llama(nn.Module):
         for name, param in self.named_parameters():
             if param.dim() < 2:
                 nn.init.ones_(param)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            elif name.endswith(self.residual_writers):
                 nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.n_layer))
             else:
                 nn.init.normal_(param, std=0.02)
+
+    def mlp_for_layer(self, index: int) -> nn.Module | None:
+        """Layer ``index``'s MLP; None is the SwiGLU (the MoE decoder puts experts in some)."""
+        return None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states)."""

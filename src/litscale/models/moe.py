@@ -21,7 +21,6 @@ are in ``moe_config.py``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,7 +28,7 @@ from torch import Tensor, nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
-from litscale.models.llama import DecoderLayer
+from litscale.models.llama import Llama
 from litscale.models.moe_config import PRESETS, MoEConfig, PresetName, ScoreFunction
 from litscale.models.moe_layer import MoELayer
 from litscale.models.moe_parallel import expert_modules, pipeline_blocks, tensor_parallel_plan
@@ -48,54 +47,20 @@ class RouterStatistics:
     balance: Tensor
 
 
-class MoEDecoder(nn.Module):
-    """Decoder-only MoE transformer: token ids ``[B, T]`` -> logits ``[B, T, vocab]``."""
+class MoEDecoder(Llama):
+    """Decoder-only MoE transformer: token ids ``[B, T]`` -> logits ``[B, T, vocab]``. Llama's
+    decoder (its embedding, layers, norm, head, init and forward) with experts as the MLP of
+    the layers ``config.moe_layers`` names."""
 
     # Model-parallel declarations (see moe_parallel.py); strategies read them.
     tensor_parallel_plan = tensor_parallel_plan
     pipeline_blocks = pipeline_blocks
     expert_modules = expert_modules
+    # Llama's init (GPT-2's): the experts' down projections write into the residual stream too.
+    residual_writers = (*Llama.residual_writers, "experts.down_proj")
 
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleDict({
-            str(i): DecoderLayer(config, mlp=MoELayer(config) if i in config.moe_layers else None)
-            for i in range(config.n_layer)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.lm_head: nn.Linear | None = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.reset_parameters()
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def reset_parameters(self) -> None:
-        # Llama's init (GPT-2's): N(0, 0.02), what writes into the residual stream (attention
-        # output, every down projection, the experts' too) scaled by 1/sqrt(2 n_layer), gains 1.
-        for name, param in self.named_parameters():
-            if param.dim() < 2:
-                nn.init.ones_(param)
-            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.n_layer))
-            else:
-                nn.init.normal_(param, std=0.02)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states)."""
-        x = tokens
-        if self.embed_tokens is not None:
-            x = self.embed_tokens(tokens)
-        for layer in self.layers.values():
-            x = layer(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        if self.lm_head is not None:
-            x = self.lm_head(x)
-        return x
-
-    def sharding_units(self) -> list[nn.Module]:
-        """FSDP's units: the decoder layers (each MoE layer's experts gathered with it)."""
-        return list(self.layers.values())
+    def mlp_for_layer(self, index: int) -> nn.Module | None:
+        return MoELayer(self.config) if index in self.config.moe_layers else None
 
     def moe_layers(self) -> dict[int, MoELayer]:
         """The MoE layers this module holds, by layer index."""
@@ -135,9 +100,6 @@ class MoEDecoder(nn.Module):
             layer.update_bias(load[rows[index], : self.config.n_experts])
 
     # --- sizes ----------------------------------------------------------------------------------
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # parameters() counts a tied one once
 
     def num_active_params(self) -> int:
         """Parameters a token uses: all but the routed experts it does not choose (embedding
