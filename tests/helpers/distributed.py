@@ -157,7 +157,7 @@ class _RankPool:
             connection.send_bytes(task)
         replies = self._collect(deadline)
         del store
-        failures = {rank: value for rank, (status, value, _) in replies.items() if status != "ok"}
+        failures = {rank: value for rank, (status, value, _) in sorted(replies.items()) if status != "ok"}
         if failures or len(replies) < self.world_size:
             shutdown_pools(self.world_size)
             if failures:
@@ -168,7 +168,7 @@ class _RankPool:
         if any(left for _, _, left in replies.values()):
             # A task left threads running: results stand, but no later task should share a
             # process with them.
-            left = {rank: left for rank, (_, _, left) in replies.items() if left}
+            left = {rank: left for rank, (_, _, left) in sorted(replies.items()) if left}
             warnings.warn(f"rank pool of {self.world_size} restarted: the task left threads running "
                           f"{left}", stacklevel=3)
             shutdown_pools(self.world_size)
