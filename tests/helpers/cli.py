@@ -33,6 +33,11 @@ def cli_env(outputs: Path, env: dict | None = None) -> dict:
     return {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1", **(env or {})}
 
 
+# A process the job's end has already stopped may take a moment to finish exiting on a loaded
+# machine (its arguments gone, not yet a zombie): only what still runs after this is a stray.
+EXIT_GRACE_S = 2.0
+
+
 def run_in_own_group(command: list[str], *, outputs: Path, env: dict | None = None,
                      timeout: float) -> tuple[subprocess.CompletedProcess, float, list[str]]:
     """Run ``command`` from the repo in a process group of its own, so that nothing it started
@@ -47,6 +52,10 @@ def run_in_own_group(command: list[str], *, outputs: Path, env: dict | None = No
         stdout, stderr = "", f"hang: killed after {timeout} s"
     seconds = time.monotonic() - started
     stray = live_processes(process.pid)
+    deadline = time.monotonic() + EXIT_GRACE_S
+    while stray and time.monotonic() < deadline:  # a rank still exiting (ps shows "[python]")
+        time.sleep(0.1)
+        stray = live_processes(process.pid)
     try:
         os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks, whatever happened
     except ProcessLookupError:
