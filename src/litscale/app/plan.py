@@ -101,7 +101,7 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
     from litscale.app.build import build, trusted_targets
     from litscale.planner import profile_cache
     from litscale.planner.calibrate import calibration_path
-    from litscale.planner.cost import predict, profile_key
+    from litscale.planner.cost import predict, timed_forward_backward_s
 
     plan = configured_plan(cfg, choices, layout)
     cluster_node = cfg.get("cluster")
@@ -112,11 +112,9 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
     facts = facts_of(cfg)
     if cluster.is_this_machine:
         facts = dataclasses.replace(facts, profiles=profile_cache.load(profile_identity(cfg, cluster)))
-    timed = facts.profiles.get(profile_key(plan))
     prediction = predict(plan, facts, cluster)
     return {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
-            "plan/compute_source": "timed" if timed and plan.micro_batch // plan.microbatches in
-            timed.forward_backward_s else "flops",
+            "plan/compute_source": "flops" if timed_forward_backward_s(plan, facts) is None else "timed",
             "plan/predicted_peak_bytes": prediction.peak_bytes,
             "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
 

@@ -254,14 +254,24 @@ def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
     the plain network, divided by the tensor-parallel size), else FLOPs over the cluster's
     achieved throughput."""
     micro, count = plan.micro_batch // plan.microbatches, plan.accumulation * plan.microbatches
-    timed = facts.profiles.get(profile_key(plan))
-    if timed is not None and micro in timed.forward_backward_s:
-        return count * timed.forward_backward_s[micro]
-    plain = facts.profiles.get("plain")
-    if plain is not None and micro in plain.forward_backward_s:
-        return count * plain.forward_backward_s[micro] / plan.mesh.tensor
+    timed = timed_forward_backward_s(plan, facts)
+    if timed is not None:
+        return count * timed
     flops = facts.flops_per_token * count * micro * facts.seq_len / plan.mesh.tensor
     return flops / cluster.flops(plan.compute_dtype)
+
+
+def timed_forward_backward_s(plan: Plan, facts: ModelFacts) -> float | None:
+    """One micro-batch's forward-backward as timed here for ``plan`` (its own profile, else the
+    plain network's over the tensor-parallel size); None where nothing was timed."""
+    micro = plan.micro_batch // plan.microbatches
+    timed = facts.profiles.get(profile_key(plan))
+    if timed is not None and micro in timed.forward_backward_s:
+        return timed.forward_backward_s[micro]
+    plain = facts.profiles.get("plain")
+    if plain is not None and micro in plain.forward_backward_s:
+        return plain.forward_backward_s[micro] / plan.mesh.tensor
+    return None
 
 
 def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> float:
