@@ -181,6 +181,10 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
         from litscale.callbacks.communication import CommunicationCallback
 
         callbacks.append(CommunicationCallback(compression=strategy.compression))
+    if cfg.precision.get("float8"):
+        from litscale.callbacks.float8 import Float8Training
+
+        callbacks.append(Float8Training(recipe=cfg.precision.float8))
     if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
         from litscale.loggers import WandbRunId
 

@@ -56,6 +56,7 @@ class PrecisionSchema:
     param_dtype: Literal["float32", "bfloat16", "float16"]
     compute_dtype: Literal["float32", "bfloat16", "float16"]
     reduce_dtype: Literal["float32", "bfloat16", "float16"]
+    float8: Literal["tensorwise", "rowwise"] | None = None
 
 
 @dataclass
@@ -290,6 +291,8 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
         raise ConfigError(
             f"precision={precision} is not supported on cpu; choose one of: {', '.join(CPU_PRECISIONS)}"
         )
+    if this_machine and cfg.precision.get("float8"):
+        check_float8_machine(precision, accelerator)
     if this_machine and accelerator == "gpu" and "bf16" in cfg.precision.lightning:
         import torch
 
@@ -298,6 +301,23 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
                 f"precision={precision} needs a GPU with bfloat16 (Ampere or newer); use fp16_mixed or fp32"
             )
     return count
+
+
+def check_float8_machine(precision: str | None, accelerator: str) -> None:
+    """Float8 matmuls (torchao's float8 training) need a CUDA GPU of compute capability 8.9+
+    (Ada, Hopper, Blackwell) and the ``torchao`` package."""
+    import importlib.util
+
+    import torch
+
+    if accelerator != "gpu" or torch.cuda.get_device_capability() < (8, 9):
+        found = torch.cuda.get_device_name() if accelerator == "gpu" else "no GPU chosen"
+        raise ConfigError(
+            f"precision={precision} needs a CUDA GPU of compute capability 8.9 or newer "
+            f"(H100, H200, L4, RTX 4090; found: {found}); use precision=bf16_mixed"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"precision={precision} needs torchao: pip install 'litscale[fp8]'")
 
 
 def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> None:

@@ -123,6 +123,12 @@ class MemoryCallback(Callback):
             + " | ".join(f"{name.split('/')[1][:-6]} {_mib(measured[name])} (estimate "
                          f"{_mib(self.result[name.replace('/', '/estimate_')])})" for name in METRICS))
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # On CUDA the allocator's high-water mark (states, activations and workspaces) is the
+        # figure the planner's predicted peak is checked against.
+        if pl_module.device.type == "cuda" and self.result:
+            self.result["memory/peak_bytes"] = float(torch.cuda.max_memory_allocated(pl_module.device))
+
     def _estimate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         strategy = trainer.strategy
         params = list({id(p): p for p in pl_module.parameters()}.values())

@@ -75,13 +75,16 @@ class LlamaConfig:
         return self.n_embd // self.n_head
 
 
-PresetName = Literal["tiny", "small", "llama3_8b", "qwen3_8b"]
+PresetName = Literal["tiny", "small", "llama3_1b", "llama3_8b", "qwen3_8b"]
 
 PRESETS: dict[str, LlamaConfig] = {
     # A few hundred thousand parameters, for 2-core CPU tests.
     "tiny": LlamaConfig(n_layer=2, n_head=4, n_kv_heads=2, n_embd=128, ffn_hidden_size=384),
     "small": LlamaConfig(n_layer=12, n_head=12, n_kv_heads=4, n_embd=768, ffn_hidden_size=2048,
                          vocab_size=32000, block_size=1024, tie_embeddings=True),
+    # Meta's Llama-3.2-1B (1.24 B parameters, tied embeddings): the size of one-GPU throughput runs.
+    "llama3_1b": LlamaConfig(n_layer=16, n_head=32, n_kv_heads=8, n_embd=2048, ffn_hidden_size=8192,
+                             vocab_size=128256, block_size=8192, rope_theta=500_000.0, tie_embeddings=True),
     # Meta's Llama-3-8B (Llama-3.1-8B is this with rope_scaling="llama3.1").
     "llama3_8b": LlamaConfig(n_layer=32, n_head=32, n_kv_heads=8, n_embd=4096, ffn_hidden_size=14336,
                              vocab_size=128256, block_size=8192, rope_theta=500_000.0),
