@@ -291,6 +291,11 @@ CASES = {
         ["precision=fp16_mixed", "trainer.accelerator=cpu"],
         "precision=fp16_mixed is not supported on cpu; choose one of: fp32, bf16_mixed, bf16_true",
     ),
+    "fp16-with-fsdp": Case(
+        ["precision=fp16_mixed", "strategy=fsdp", "trainer.accelerator=cpu"],
+        "precision=fp16_mixed is not supported with strategy=fsdp (FSDP2 and DTensor strategies have no "
+        "sharded loss scaler); use precision=bf16_mixed or bf16_true",
+    ),
     "paths-match-nothing": Case(
         ["data=text_files", "data.paths=/nonexistent/*.txt"],
         "data.paths='/nonexistent/*.txt' matches no files; give a glob of text files, "

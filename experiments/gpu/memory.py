@@ -25,8 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 EXPERIMENTS = {"gpt2_small": "gpt2_small_h100", "llama_1b": "llama_1b_h100"}
 STRATEGIES = {"single": ["strategy=single"], "fsdp": ["strategy=fsdp"],
-              "zero2": ["strategy=deepspeed_zero", "strategy.stage=2"],
-              "zero3": ["strategy=deepspeed_zero", "strategy.stage=3"]}
+              "zero2": ["strategy=deepspeed_zero", "strategy.stage=2"]}
 DEVICE_BYTES = 80 * 2**30  # conf/cluster/h100_8x.yaml
 KEYS = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes", "memory/peak_bytes",
         "plan/predicted_states_bytes", "plan/predicted_peak_bytes")
@@ -62,6 +61,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("memory.json"))
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/litscale-gpu-memory"))
     parser.add_argument("--max-doublings", type=int, default=5)
+    parser.add_argument("--parts", nargs="+", choices=["strategies", "largest"], default=["strategies", "largest"])
     args = parser.parse_args()
     result: dict = {"strategies": [], "largest_micro_batch": []}
 
@@ -70,11 +70,13 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         args.out.write_text(json.dumps(result, indent=1))
 
+    if args.out.exists():  # parts measured by an earlier call are kept
+        result = json.loads(args.out.read_text())
     for model in args.models:
-        for name, overrides in STRATEGIES.items():
+        for name, overrides in STRATEGIES.items() if "strategies" in args.parts else ():
             save({"strategy": name, **run(model, args.scratch / f"{model}-{name}", *overrides)}, "strategies")
         rows, batch = [], None
-        for doubling in range(args.max_doublings):
+        for doubling in range(args.max_doublings if "largest" in args.parts else 0):
             batch = (rows[-1]["micro_batch"] * 2) if rows else None
             row = run(model, args.scratch / f"{model}-batch-{doubling}",
                       *([f"data.batch_size={batch}"] if batch else []))

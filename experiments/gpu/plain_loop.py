@@ -1,7 +1,7 @@
 """The baseline litscale's GPU throughput is compared with: a plain PyTorch training loop over
 the same network litscale builds, with the same batch, sequence length and tricks (bf16
 autocast, ``torch.compile``, flash SDPA through ``F.scaled_dot_product_attention``, fused AdamW,
-the fp32 loss fused by compile) and no framework: random tokens made on the GPU, no data
+gradient clipping at norm 1.0, the fp32 loss fused by compile) and no framework: random tokens made on the GPU, no data
 loader, no callbacks, no logging.
 
     python experiments/gpu/plain_loop.py --model gpt2_small --steps 200 --warmup 30
@@ -75,6 +75,7 @@ def main() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = loss_fn(net(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)  # as the trainer's gradient_clip_val
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % 20 == 0:

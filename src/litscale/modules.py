@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics.aggregation import MeanMetric
@@ -91,6 +93,18 @@ class TaskModule(LightningModule):
         # The value is already the same on every rank; sync_dist only keeps Lightning from
         # warning that an epoch-level metric was not reduced.
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # NOTE: Lightning's mixed-precision plugin refuses to clip for a fused optimizer, which
+        # would unscale the gradients itself; under bf16 autocast there is no loss scale and so
+        # nothing to unscale: clip as every other precision does (fused AdamW on GPU needs this).
+        plugin = self.trainer.precision_plugin
+        if gradient_clip_val and getattr(plugin, "scaler", False) is None and \
+                getattr(optimizer, "_step_supports_amp_scaling", False):
+            Precision.clip_gradients(plugin, optimizer, gradient_clip_val,
+                                     gradient_clip_algorithm or GradClipAlgorithmType.NORM)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(weight_decay_groups(self.net, self.weight_decay))

@@ -133,6 +133,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         for name, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig) and "_target_" in node:
                 check_target_node(f"{group}.{name}", node)
+    check_precision_for_strategy(cfg, choices)
     processes = check_devices(cfg, choices, this_machine=this_machine)
     check_data_paths(cfg)
     check_compression_supported(cfg, choices)
@@ -318,6 +319,22 @@ def check_float8_machine(precision: str | None, accelerator: str) -> None:
         )
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError(f"precision={precision} needs torchao: pip install 'litscale[fp8]'")
+
+
+def check_precision_for_strategy(cfg: DictConfig, choices: dict[str, str]) -> None:
+    """fp16 needs a loss scaler that knows the gradients are sharded; Lightning's
+    ModelParallelStrategy, which the mesh strategies build on, has none and refuses fp16 only
+    after the ranks have started."""
+    if cfg.precision.lightning != "16-mixed" or "_target_" not in (cfg.get("strategy") or {}):
+        return
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if issubclass(locate_target(cfg.strategy._target_, "strategy"), ModelParallelStrategy):
+        raise ConfigError(
+            f"precision={choices.get('precision', 'fp16_mixed')} is not supported with "
+            f"strategy={choices.get('strategy', cfg.strategy._target_)} (FSDP2 and DTensor strategies have no "
+            "sharded loss scaler); use precision=bf16_mixed or bf16_true"
+        )
 
 
 def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> None:

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
@@ -236,7 +237,8 @@ class FSDPStrategy(ModelParallelStrategy):
         if type(self.precision_plugin) is MixedPrecision:
             plugin = self.precision_plugin
             self.precision_plugin = _NoAutocast(plugin.precision, plugin.device, plugin.scaler)
-        setup_parallel_module(self, trainer, self._shard, parallelized=is_parallelized(self.model))
+        setup_parallel_module(self, trainer, self._shard, parallelized=is_parallelized(self.model),
+                              offloads=self.offloads)
 
     def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
         """Shard ``module`` (the LightningModule) on ``mesh`` (laid out by ``mesh_layout``) as
@@ -252,6 +254,12 @@ class FSDPStrategy(ModelParallelStrategy):
         )
         return []
 
+    @property
+    def offloads(self) -> bool:
+        """Parameters and optimizer state on the CPU (``cpu_offload``, CUDA runs only)."""
+        return self.cpu_offload and self.root_device.type == "cuda"
+
     def _shard(self, module: nn.Module) -> None:
         self.split(module, self.device_mesh)
-        materialize_distributed_module(module, self.root_device)  # after meta-device init
+        # after meta-device init; an offloaded shard lives on the CPU
+        materialize_distributed_module(module, torch.device("cpu") if self.offloads else self.root_device)

@@ -112,24 +112,40 @@ def is_parallelized(module: nn.Module) -> bool:
 
 
 def setup_parallel_module(strategy: ModelParallelStrategy, trainer: pl.Trainer,
-                          parallelize: Callable[[nn.Module], None], *, parallelized: bool) -> None:
+                          parallelize: Callable[[nn.Module], None], *, parallelized: bool,
+                          offloads: bool = False) -> None:
     """``ModelParallelStrategy.setup`` with the strategy's ``parallelize`` in place of the user's
     ``configure_model``. ``parallelized``: ``setup`` runs again for each trainer call (fit, then
-    validate or test), and the model is converted and split only the first time."""
+    validate or test), and the model is converted and split only the first time. ``offloads``:
+    the parameters (and optimizer state) live on the CPU, as FSDP2's CPU offload requires;
+    buffers and metrics still go to the device."""
     strategy.accelerator.setup(trainer)
     if not parallelized:
         # bf16-true converts parameters before sharding, so shards are stored in bf16.
         strategy.model = strategy.precision_plugin.convert_module(strategy.model)
-        strategy.model.to(strategy.root_device)
+        strategy.model.to("cpu" if offloads else strategy.root_device)
         parallelize(strategy.model)
-    strategy.model.to(strategy.root_device)  # buffers and metrics that parallelizing did not move
+    if offloads:
+        move_all_but_parameters(strategy.model, strategy.root_device)
+    else:
+        strategy.model.to(strategy.root_device)  # buffers and metrics that parallelizing did not move
     strategy.barrier()
     fitting = trainer.state.fn == TrainerFn.FITTING
     if fitting:
         strategy.setup_optimizers(trainer)
     strategy.setup_precision_plugin()
-    if fitting:
+    if fitting and not offloads:
         optimizers_to_device(strategy.optimizers, strategy.root_device)
+
+
+def move_all_but_parameters(module: nn.Module, device: torch.device) -> None:
+    """Buffers and torchmetrics states of ``module`` to ``device``, parameters left in place."""
+    from torchmetrics import Metric
+
+    for sub in module.modules():
+        if isinstance(sub, Metric):
+            sub.to(device)
+        sub._buffers.update({k: b.to(device) for k, b in sub._buffers.items() if b is not None})
 
 
 # --- gradient clipping across the mesh ---------------------------------------------------------
