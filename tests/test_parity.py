@@ -56,8 +56,8 @@ def setups(config=TINY_WITH_BIASES, optimizers=("sgd", "adamw"), **options):
 
 def llama_setups(**changes):
     """A small Llama (no biases, as Llama has none): two query heads per key/value head."""
-    config = LlamaConfig(n_layer=4, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64,
-                         vocab_size=64, block_size=16, **changes)
+    config = LlamaConfig(**{"n_layer": 4, "n_head": 4, "n_kv_heads": 2, "n_embd": 32, "ffn_hidden_size": 64,
+                            "vocab_size": 64, "block_size": 16, **changes})
     return setups(config, net_class=Llama, global_batch=16, accumulation=2)
 
 
@@ -75,6 +75,7 @@ _NANO = build_gpt(preset="nano", block_size=32).config
 NANO = setups(wider(_NANO, bias=True), global_batch=8)
 LLAMA = llama_setups()
 LLAMA_QK_NORM_TIED = llama_setups(qk_norm=True, tie_embeddings=True)
+LLAMA_LONG = llama_setups(block_size=64)
 TP_FULL = {"sequence_parallel": True, "loss_parallel": True}
 
 
@@ -91,6 +92,7 @@ class Case:
     tolerance: dict = dataclasses.field(default_factory=dict)
     local_sgd: dict | None = None  # compared with local SGD re-derived: sync_every, outer_lr
     full_only: bool = False  # in `make test-full` at every rank count (kept out of `make test`)
+    sequence_share: int | None = None  # each rank's module sees 1 / this of every sequence (context parallel)
 
     def expected(self, optimizer: str, world_size: int) -> list:
         setup = self.setups[optimizer]
@@ -155,6 +157,16 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "llama_pp2_tp2": Case(P(pipeline, pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4),
                               LLAMA, world_sizes=(4,)),
     },
+    # Context parallel: each sequence (4x the Llama cells' length) split over the ranks in
+    # load-balanced chunks, keys and values gathered; FSDP shards over data x context.
+    "context_parallel": {
+        "llama_cp2": Case(P(fsdp, context_parallel_size=2), LLAMA_LONG, world_sizes=(2,), sequence_share=2),
+        "llama_cp4": Case(P(fsdp, context_parallel_size=4), LLAMA_LONG, world_sizes=(4,), sequence_share=4),
+        "llama_cp2_fsdp2": Case(P(fsdp, context_parallel_size=2), LLAMA_LONG, world_sizes=(4,),
+                                sequence_share=2),
+        "llama_cp2_tp2": Case(P(tensor_parallel, tensor_parallel_size=2, context_parallel_size=2, **TP_FULL),
+                              LLAMA_LONG, world_sizes=(4,), sequence_share=2),
+    },
     "local_sgd": {
         "local_sgd_1": Case(P(local_sgd, sync_every=1), LOCAL, local_sgd={"sync_every": 1}),
         "local_sgd_4": Case(P(local_sgd, sync_every=4), LOCAL, local_sgd={"sync_every": 4}),
@@ -206,6 +218,9 @@ def test_strategy_matches_one_process_step_by_step(family, name, world_size, opt
     fits = family_fits(family, world_size)
     assert not isinstance(fits, str), fits
     case = FAMILIES[family][name]
+    if case.sequence_share:
+        length = case.setups[optimizer].config.block_size // case.sequence_share
+        assert {shape[1] for trace in fits[name, optimizer] for shape in trace.input_shapes} == {length}
     assert_ranks_match(fits[name, optimizer], case.expected(optimizer, world_size),
                        gradients=case.gradients, weights_on_every_rank=case.weights_on_every_rank,
                        **case.tolerance)

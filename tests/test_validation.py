@@ -354,6 +354,20 @@ CASES = {
         ["-m", "trainer.devices="],
         "trainer.devices= sweeps no value: a sweep needs at least one value, e.g. -m trainer.devices=<a>,<b>",
     ),
+    "context-parallel-does-not-divide": Case(
+        ["model=llama", "strategy=fsdp", "strategy.context_parallel_size=3", "trainer.devices=2"],
+        "strategy.context_parallel_size=3 must divide the world size (2); allowed: a divisor of 2",
+    ),
+    "context-parallel-seq-len": Case(
+        ["model=llama", "strategy=fsdp", "strategy.context_parallel_size=2", "data.seq_len=130", "trainer.devices=2"],
+        "data.seq_len=130 does not split into 2 x strategy.context_parallel_size=2 equal chunks; "
+        "allowed: a multiple of 4",
+    ),
+    "context-parallel-no-attention": Case(
+        ["model=mlp", "data=digits", "strategy=fsdp", "strategy.context_parallel_size=2", "trainer.devices=2"],
+        "strategy.context_parallel_size=2 needs a model with attention that declares "
+        "context_parallel_attention; MLP does not; allowed: 1 (or model=llama, model=moe)",
+    ),
     "set-absent-trainer-arg": Case(
         ["trainer.enable_checkpointing=false"],
         "trainer.enable_checkpointing is not in the config yet; add it with "

@@ -71,11 +71,13 @@ class ParitySetup:
 @dataclasses.dataclass
 class Trace:
     """What a run did: the global batch's loss at each step, every parameter's full gradient
-    at each step (before clipping; empty unless recorded), and the full weights at the end."""
+    at each step (before clipping; empty unless recorded), the full weights at the end, and the
+    shapes of the token batches this rank's module was given (a context-parallel rank's share)."""
 
     losses: list[float]
     gradients: list[dict[str, torch.Tensor]]
     weights: dict[str, torch.Tensor]
+    input_shapes: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
 
 
 # --- the data ---------------------------------------------------------------------------------
@@ -102,8 +104,8 @@ def rank_loader(setup: ParitySetup, data_parallel_size: int = 1, data_parallel_r
 
 def data_parallel_rank(rank: int, sizes) -> int:
     """The data-parallel index of ``rank`` on a mesh laid out row-major over (pipeline, data,
-    tensor), as litscale's strategies lay it (``sizes``: their ``MeshSizes``)."""
-    return (rank // sizes.tensor) % sizes.data
+    context, tensor), as litscale's strategies lay it (``sizes``: their ``MeshSizes``)."""
+    return (rank // (sizes.context * sizes.tensor)) % sizes.data
 
 
 # --- the model and the reference --------------------------------------------------------------
@@ -219,6 +221,7 @@ class StepRecorder(Callback):
         self.losses: dict[int, float] = {}
         self.gradients: list[dict[str, torch.Tensor]] = []
         self._step = 0
+        self.input_shapes: set[tuple[int, ...]] = set()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.record_gradients:
@@ -228,6 +231,7 @@ class StepRecorder(Callback):
         # The optimizer step this micro batch accumulates into, counted from 1 (the number of
         # steps done once it is taken), as ``trainer.global_step`` reads after it.
         self._step = trainer.global_step + 1
+        self.input_shapes.add(tuple(batch[0].shape))  # as the strategy hands it to the module
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Each rank's loss is over its own micro batch, already divided by the accumulation
@@ -269,7 +273,8 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
         trainer.save_checkpoint(checkpoint_path)
     weights = ({name: full(value) for name, value in module.net.state_dict().items()} if local_weights
                else consolidated_state_dict(trainer, module))
-    return Trace([recorder.losses[step] for step in sorted(recorder.losses)], recorder.gradients, weights)
+    return Trace([recorder.losses[step] for step in sorted(recorder.losses)], recorder.gradients, weights,
+                 recorder.input_shapes)
 
 
 def fit_on_mesh(rank: int, world_size: int, strategy, setup: ParitySetup, **options) -> Trace:

@@ -360,6 +360,7 @@ def run_layout(cfg: DictConfig, processes: int, *, choices: dict[str, str] | Non
     ``resolve_mesh(world_size)`` (``litscale.layout.mesh_of``).
     """
     from litscale.app.build import build_strategy
+    from litscale.strategies.context_parallel import check_sequence_splits
 
     num_nodes = int(cfg.trainer.get("num_nodes", 1))
     world_size = processes * num_nodes
@@ -372,6 +373,7 @@ def run_layout(cfg: DictConfig, processes: int, *, choices: dict[str, str] | Non
         validate_setup = getattr(strategy, "validate_setup", None)
         if validate_setup is not None:
             validate_setup(world_size=world_size, net=net)
+        check_sequence_splits(cfg.data.get("seq_len"), getattr(strategy, "context_parallel_size", 1))
         mesh = mesh_of(strategy, world_size)
         if mesh.world_size < world_size and planning(cfg):  # strategy=single, the default: the
             mesh = MeshSizes(data_replicate=world_size)  # planner compares data parallel over the world

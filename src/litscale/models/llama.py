@@ -29,7 +29,11 @@ from torch import nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveFloat, PositiveInt
-from litscale.models.llama_parallel import pipeline_blocks, tensor_parallel_plan
+from litscale.models.llama_parallel import (
+    context_parallel_attention,
+    pipeline_blocks,
+    tensor_parallel_plan,
+)
 
 
 @dataclass(frozen=True)
@@ -113,10 +117,13 @@ def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) ->
     return (1 - smooth) * frequencies / scaling.factor + smooth * frequencies
 
 
-def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` of every position's angles, each ``[seq_len, head_dim / 2]`` (float32)."""
-    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    angles = positions[:, None] * rope_frequencies(config, device)[None, :]
+def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device, *,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the angles at positions ``0 .. seq_len - 1`` (or at ``positions``, a
+    context-parallel rank's), each ``[seq_len, head_dim / 2]`` (float32)."""
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    angles = positions.to(device, torch.float32)[:, None] * rope_frequencies(config, device)[None, :]
     return angles.cos(), angles.sin()
 
 
@@ -131,8 +138,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --- the layers ----------------------------------------------------------------------------
 
 
+class WholeSequence:
+    """The sequence as one device holds it: tokens at positions ``0 .. T-1``, each attending to
+    itself and those before it. A context-parallel strategy gives each attention its own
+    (``litscale.strategies.context_parallel.SequenceShard``: a rank's share of the sequence,
+    attention over the whole of it); the model code stays single-device."""
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(length, device=device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention on ``[batch, heads, seq, head_dim]`` (fewer key/value heads: GQA)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+WHOLE_SEQUENCE = WholeSequence()
+
+
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE and optional QK-norm."""
+    """Causal grouped-query self-attention with RoPE and optional QK-norm. ``sequence`` says
+    which positions the input holds and attends over them (``WholeSequence``)."""
+
+    sequence = WHOLE_SEQUENCE
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -154,10 +181,9 @@ class Attention(nn.Module):
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_tables(self.config, seq, x.device)
+        cos, sin = rope_tables(self.config, seq, x.device, positions=self.sequence.positions(seq, x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=True)
+        y = self.sequence.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -198,6 +224,7 @@ class Llama(nn.Module):
     # Model-parallel declarations (see llama_parallel.py); strategies read them.
     tensor_parallel_plan = tensor_parallel_plan
     pipeline_blocks = pipeline_blocks
+    context_parallel_attention = context_parallel_attention
 
     # Parameters that write into the residual stream (their init is scaled by 1/sqrt(2 n_layer)).
     residual_writers: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")

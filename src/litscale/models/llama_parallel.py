@@ -16,6 +16,9 @@
 - ``pipeline_blocks(net)``: the ordered units a pipeline may cut between: the token
   embedding, each decoder layer, and the final norm + LM head. A stage keeps its units and
   sets the others to ``None`` (``Llama.forward`` skips them), so checkpoint keys stay the same.
+- ``context_parallel_attention(net)``: the modules where tokens meet (each layer's
+  attention): a context-parallel strategy sets their ``sequence`` to its rank's shard; every
+  other module works token by token and runs on the shard as it is.
 
 The styles are defined in ``litscale.strategies.tensor_parallel.STYLES``.
 """
@@ -60,3 +63,8 @@ def pipeline_blocks(net: nn.Module) -> list[list[str]]:
     """Units in forward order, each a list of submodule names of ``net``; a pipeline stage
     owns a contiguous run of units."""
     return [["embed_tokens"], *([f"layers.{key}"] for key in net.layers), ["norm", "lm_head"]]
+
+
+def context_parallel_attention(net: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's attention (held by this pipeline stage)."""
+    return [layer.self_attn for layer in net.layers.values()]

@@ -28,10 +28,16 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.layout import MeshAxis
+from litscale.layout import CONTEXT, MeshAxis
 from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
+from litscale.strategies.context_parallel import (
+    apply_context_parallel,
+    check_context_parallel_fits,
+    data_context_mesh,
+    shard_batch,
+)
 from litscale.strategies.declarations import declared, name_matches
 from litscale.strategies.mesh import (
     MeshSizes,
@@ -161,10 +167,14 @@ class _NoAutocast(MixedPrecision):
 
 
 def fsdp_mesh_layout(sizes: MeshSizes) -> ShapeAndNames:
-    """FSDP's mesh: ``shard``, or ``replicate x shard`` (HSDP) with replicas."""
+    """FSDP's mesh: ``shard``, or ``replicate x shard`` (HSDP) with replicas; ``x context``
+    where the sequence is split."""
+    shape, names = (sizes.data_shard,), (MeshAxis.SHARD,)
     if sizes.data_replicate > 1:
-        return (sizes.data_replicate, sizes.data_shard), (MeshAxis.REPLICATE, MeshAxis.SHARD)
-    return (sizes.data_shard,), (MeshAxis.SHARD,)
+        shape, names = (sizes.data_replicate, *shape), (MeshAxis.REPLICATE, *names)
+    if sizes.context > 1:
+        shape, names = (*shape, sizes.context), (*names, CONTEXT)
+    return shape, names
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -187,6 +197,7 @@ class FSDPStrategy(ModelParallelStrategy):
         sharding_units: list[str] | None = None,
         reshard_after_forward: bool = True,
         replicate_size: PositiveInt = 1,
+        context_parallel_size: PositiveInt = 1,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -199,21 +210,27 @@ class FSDPStrategy(ModelParallelStrategy):
         self.sharding_unit_patterns = sharding_units
         self.reshard_after_forward = reshard_after_forward
         self.replicate_size = replicate_size
+        self.context_parallel_size = context_parallel_size
         self.cpu_offload = cpu_offload
         self.activation_checkpointing = activation_checkpointing
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
-        """``replicate_size`` replicas of ``world_size / replicate_size`` shards."""
-        if world_size % self.replicate_size:
-            raise ValueError(
-                f"strategy.replicate_size={self.replicate_size} must divide the world size "
-                f"({world_size}); allowed: a divisor of {world_size}")
-        return MeshSizes(data_replicate=self.replicate_size, data_shard=world_size // self.replicate_size)
+        """``replicate_size`` replicas of ``world_size / (replicate_size x context_parallel_size)``
+        shards, each sample's sequence split over ``context_parallel_size`` ranks."""
+        for key, size in (("replicate_size", self.replicate_size),
+                          ("context_parallel_size", self.context_parallel_size),
+                          ("replicate_size x context_parallel_size", self.replicate_size * self.context_parallel_size)):
+            if world_size % size:
+                raise ValueError(f"strategy.{key}={size} must divide the world size ({world_size}); "
+                                 f"allowed: a divisor of {world_size}")
+        return MeshSizes(data_replicate=self.replicate_size, context=self.context_parallel_size,
+                         data_shard=world_size // (self.replicate_size * self.context_parallel_size))
 
     def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
         """Pre-flight: the replicate x shard mesh must tile the world, and unit patterns must
         match modules of the LightningModule (whose network is ``net``)."""
         self.resolve_mesh(world_size)
+        check_context_parallel_fits(net, self.context_parallel_size)
         if self.sharding_unit_patterns:
             find_sharding_units(nn.ModuleDict({"net": net}), self.sharding_unit_patterns)
 
@@ -233,6 +250,11 @@ class FSDPStrategy(ModelParallelStrategy):
         return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
 
     @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return shard_batch(batch, self.device_mesh[CONTEXT]) if self.context_parallel_size > 1 else batch
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if type(self.precision_plugin) is MixedPrecision:
             plugin = self.precision_plugin
@@ -244,6 +266,10 @@ class FSDPStrategy(ModelParallelStrategy):
         """Shard ``module`` (the LightningModule) on ``mesh`` (laid out by ``mesh_layout``) as
         this strategy does; its parameters stay where they are (the meta device, in a dry run).
         Returns the modules this rank runs besides ``module``: none."""
+        if self.context_parallel_size > 1:
+            apply_context_parallel(module, mesh[CONTEXT])
+            data = (MeshAxis.REPLICATE, MeshAxis.SHARD) if self.replicate_size > 1 else (MeshAxis.SHARD,)
+            mesh = data_context_mesh(mesh, data, CONTEXT)
         apply_fsdp(
             module, mesh,
             units=find_sharding_units(module, self.sharding_unit_patterns),

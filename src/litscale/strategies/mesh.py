@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from litscale.layout import DATA, PIPELINE, TENSOR, MeshSizes
+from litscale.layout import CONTEXT, DATA, PIPELINE, TENSOR, MeshSizes
 from litscale.lightning_private import optimizers_to_device
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 
@@ -32,17 +32,18 @@ if TYPE_CHECKING:
 
 # The sizes and the dimension names live with the run layout (litscale.layout), which the app
 # computes before any strategy runs; the strategies share them from there.
-__all__ = ["DATA", "PIPELINE", "TENSOR", "MeshSizes"]
+__all__ = ["CONTEXT", "DATA", "PIPELINE", "TENSOR", "MeshSizes"]
 
 ShapeAndNames = tuple[tuple[int, ...], tuple[str, ...]]
 
 
 def resolve_mesh_sizes(
-    world_size: int, *, pipeline: int | None = 1, data: int | None = None, tensor: int | None = 1
+    world_size: int, *, pipeline: int | None = 1, data: int | None = None, tensor: int | None = 1,
+    context: int = 1,
 ) -> MeshSizes:
     """Fill in the one size left ``None`` (at most one) and check the product is ``world_size``."""
     given = {"pipeline_parallel_size": pipeline, "data_parallel_size": data,
-             "tensor_parallel_size": tensor}
+             **({"context_parallel_size": context} if context > 1 else {}), "tensor_parallel_size": tensor}
     missing = [key for key, size in given.items() if size is None]
     if len(missing) > 1:
         raise ValueError(f"strategy.{missing[0]} and strategy.{missing[1]} are both null; "
@@ -58,7 +59,7 @@ def resolve_mesh_sizes(
         raise ValueError(f"{shown} = {known} but the world size is {world_size} "
                          "(trainer.devices x trainer.num_nodes); the product must equal it")
     return MeshSizes(pipeline=given["pipeline_parallel_size"], data_shard=given["data_parallel_size"],
-                     tensor=given["tensor_parallel_size"])
+                     tensor=given["tensor_parallel_size"], context=context)
 
 
 def check_tensor_parallel_fits(net: nn.Module, tensor_parallel_size: int) -> None:
@@ -98,10 +99,11 @@ def start_mesh(strategy: ModelParallelStrategy,
 
 
 def sampler_kwargs(sizes: MeshSizes, global_rank: int) -> dict[str, int]:
-    """``DistributedSampler`` arguments: only data-parallel ranks see distinct samples; tensor-
-    and pipeline-parallel ranks share a batch. From the sizes, not the mesh, so it also answers
-    before the processes start; every mesh lays ranks out row-major over (pipeline, data, tensor)."""
-    return {"num_replicas": sizes.data, "rank": (global_rank // sizes.tensor) % sizes.data}
+    """``DistributedSampler`` arguments: only data-parallel ranks see distinct samples; tensor-,
+    context- and pipeline-parallel ranks share a batch. From the sizes, not the mesh, so it also
+    answers before the processes start; every mesh lays ranks out row-major over (pipeline,
+    data, context, tensor)."""
+    return {"num_replicas": sizes.data, "rank": (global_rank // (sizes.context * sizes.tensor)) % sizes.data}
 
 
 def is_parallelized(module: nn.Module) -> bool:

@@ -25,9 +25,16 @@ from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
+from litscale.strategies.context_parallel import (
+    apply_context_parallel,
+    check_context_parallel_fits,
+    data_context_mesh,
+    shard_batch,
+)
 from litscale.strategies.declarations import declared, name_matches
 from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
 from litscale.strategies.mesh import (
+    CONTEXT,
     DATA,
     TENSOR,
     MeshSizes,
@@ -206,6 +213,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         *,
         tensor_parallel_size: PositiveInt | None = None,
         data_parallel_size: PositiveInt | None = None,
+        context_parallel_size: PositiveInt = 1,
         sequence_parallel: bool = True,
         loss_parallel: bool = False,
         plan: dict[str, StyleName] | None = None,
@@ -222,6 +230,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
+        self.context_parallel_size = context_parallel_size
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         self.plan, self.precision_dtypes = plan, precision_dtypes
         self.reshard_after_forward = reshard_after_forward
@@ -234,11 +243,12 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         return resolve_mesh_sizes(world_size, pipeline=1, data=self.data_parallel_size,
-                                  tensor=self.tensor_parallel_size)
+                                  tensor=self.tensor_parallel_size, context=self.context_parallel_size)
 
     def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
         """Pre-flight: the mesh tiles the world, the model splits by the TP size, the plan exists."""
         check_tensor_parallel_setup(net, self.resolve_mesh(world_size).tensor, self.plan)
+        check_context_parallel_fits(net, self.context_parallel_size)
 
     @override
     def setup_environment(self) -> None:
@@ -248,6 +258,11 @@ class TensorParallelStrategy(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
+
+    @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        return shard_batch(batch, self.device_mesh[CONTEXT]) if self.context_parallel_size > 1 else batch
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -260,15 +275,19 @@ class TensorParallelStrategy(ModelParallelStrategy):
         clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
     def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
-        """TP on the tensor dimension of ``mesh`` (laid out by ``mesh_layout``), then FSDP2 on
-        its data dimension (torchtitan's order). Returns the modules this rank runs besides
-        ``module``: none."""
+        """TP on the tensor dimension of ``mesh`` (laid out by ``mesh_layout``), the sequence
+        split on its context dimension, then FSDP2 on its data (x context) dimension
+        (torchtitan's order). Returns the modules this rank runs besides ``module``: none."""
         sizes = self.resolve_mesh(mesh.size())
         if sizes.tensor > 1:
             apply_declared_plan(module, mesh[TENSOR], self.plan,
                                 sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
-        if sizes.data > 1:
-            apply_fsdp(module, mesh[DATA], units=find_sharding_units(module),
+        data_mesh = mesh[DATA]
+        if sizes.context > 1:
+            apply_context_parallel(module, mesh[CONTEXT])
+            data_mesh = data_context_mesh(mesh, (DATA,), CONTEXT)
+        if data_mesh.size() > 1:
+            apply_fsdp(module, data_mesh, units=find_sharding_units(module),
                        reshard_after_forward=self.reshard_after_forward,
                        mp_policy=mixed_precision_policy(self.precision_dtypes))
         return []

@@ -1,0 +1,141 @@
+"""Context parallel: each sample's sequence split over ``cp`` ranks, attention over all of it.
+
+Load-balanced causal sharding (Megatron-LM's, and torch's "head-tail" balancer): the sequence
+is cut into ``2 cp`` equal chunks and rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i``.
+Under a causal mask chunk ``g`` attends to ``g + 1`` chunks, so each rank's pair attends to
+``2 cp + 1``: the same work on every rank, where contiguous shards would leave the last rank
+``2 cp - 1`` times the first's.
+
+Attention: in each layer, every rank all-gathers the keys and values of the whole sequence
+from its context-parallel peers and attends with its own queries (the all-gather form of
+context parallelism, Llama 3's for long context: with grouped-query attention the keys and
+values are a fraction of the queries, and one gather costs fewer messages than ``cp - 1``
+ring steps). The gather is torch's autograd-aware functional all-gather, whose backward is
+the reduce-scatter that sums every rank's gradient of a rank's keys and values.
+Each query chunk attends to the chunks up to its own only (a causal mask aligned to its end).
+
+Everything else in a decoder acts token by token and runs on a rank's shard unchanged; RoPE
+takes the shard's own positions (``SequenceShard.positions``). Each rank's loss is the mean
+over its tokens (every rank holds as many), and FSDP averages gradients over the data x
+context ranks: together, the global batch's mean loss and gradient, as one process has them.
+
+NOTE: why not torch's ``context_parallel`` (``torch.distributed.tensor.experimental``, ring
+attention): in torch 2.13 it replaces only the CUDA attention kernels (flash, efficient,
+cuDNN). On CPU, SDPA runs ``_scaled_dot_product_flash_attention_for_cpu``, for which it has
+no rule (``NotImplementedError`` on gloo, tried), and it shards position buffers in place,
+where Llama here computes RoPE from positions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from litscale.strategies.declarations import declared
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def chunks_of(rank: int, size: int) -> tuple[int, int]:
+    """The two of ``2 size`` chunks a context-parallel rank holds, in the order it holds them."""
+    return rank, 2 * size - 1 - rank
+
+
+def shard_sequence(tensor: torch.Tensor, rank: int, size: int, dim: int = 1) -> torch.Tensor:
+    """``rank``'s share of ``tensor``'s sequence dimension: its two chunks, concatenated."""
+    pieces = tensor.chunk(2 * size, dim)
+    return torch.cat([pieces[chunk] for chunk in chunks_of(rank, size)], dim)
+
+
+def shard_batch(batch: Any, mesh: DeviceMesh) -> Any:
+    """Every ``[batch, sequence, ...]`` tensor of a batch (tokens, targets) cut to this rank's
+    share on ``mesh`` (the context dimension): every context-parallel peer loads the same batch."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    rank, size = mesh.get_local_rank(), mesh.size()
+    return apply_to_collection(batch, torch.Tensor,
+                               lambda t: shard_sequence(t, rank, size) if t.dim() >= 2 else t)
+
+
+class SequenceShard:
+    """One context-parallel rank's share of the sequence (``chunks_of``): its tokens'
+    positions, and attention of its queries over the keys and values of every rank of ``mesh``.
+    What a model's attention reads from its ``sequence`` (``litscale.models.llama.WholeSequence``
+    is the single-device one)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.rank, self.size = mesh.get_local_rank(), mesh.size()
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        chunk = length // 2
+        return torch.cat([torch.arange(g * chunk, (g + 1) * chunk, device=device)
+                          for g in chunks_of(self.rank, self.size)])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention on ``[batch, heads, local seq, head_dim]``: each of this rank's two
+        query chunks over the gathered key/value chunks up to and including its own."""
+        from torch.distributed._functional_collectives import all_gather_single
+
+        chunk = q.shape[2] // 2
+        # Gathered, rank j's block holds chunks j and 2 cp - 1 - j; put them in sequence order.
+        pieces = {}
+        for name, tensor in (("k", k), ("v", v)):
+            gathered = all_gather_single(tensor.contiguous(), 2, self.mesh).chunk(2 * self.size, dim=2)
+            pieces[name] = [None] * (2 * self.size)
+            for j in range(self.size):
+                for piece, g in zip(gathered[2 * j:2 * j + 2], chunks_of(j, self.size), strict=True):
+                    pieces[name][g] = piece
+        outputs = []
+        for queries, g in zip(q.split(chunk, dim=2), chunks_of(self.rank, self.size), strict=True):
+            keys = torch.cat(pieces["k"][:g + 1], dim=2)
+            values = torch.cat(pieces["v"][:g + 1], dim=2)
+            # Query i of chunk g sits at position g * chunk + i: it sees keys up to there.
+            mask = torch.ones(chunk, (g + 1) * chunk, dtype=torch.bool, device=q.device).tril(g * chunk)
+            outputs.append(F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True))
+        return torch.cat(outputs, dim=2)
+
+
+def attention_modules(module: nn.Module) -> list[nn.Module] | None:
+    """What ``module`` or its ``net`` declares as ``context_parallel_attention``, or None."""
+    found = declared(module, "context_parallel_attention")
+    return None if found is None else list(found[1])
+
+
+def check_context_parallel_fits(net: nn.Module, context_parallel_size: int) -> None:
+    """Pre-flight: a model splits its sequence only where it says where its tokens meet."""
+    if context_parallel_size > 1 and not attention_modules(net):
+        raise ValueError(
+            f"strategy.context_parallel_size={context_parallel_size} needs a model with attention that "
+            f"declares context_parallel_attention; {type(net).__name__} does not; allowed: 1 "
+            "(or model=llama, model=moe)")
+
+
+def check_sequence_splits(seq_len: int | None, context_parallel_size: int) -> None:
+    """Pre-flight: the sequence (of data that has one) cuts into ``2 cp`` equal chunks."""
+    if context_parallel_size > 1 and seq_len is not None and seq_len % (2 * context_parallel_size):
+        raise ValueError(
+            f"data.seq_len={seq_len} does not split into 2 x strategy.context_parallel_size="
+            f"{context_parallel_size} equal chunks; allowed: a multiple of {2 * context_parallel_size}")
+
+
+def apply_context_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give each attention ``module`` declares this rank's share of the sequence on ``mesh``
+    (the context dimension)."""
+    shard = SequenceShard(mesh)
+    for attention in attention_modules(module) or ():
+        attention.sequence = shard
+
+
+def data_context_mesh(mesh: DeviceMesh, data: tuple[str, ...], context: str) -> DeviceMesh:
+    """The mesh FSDP shards over when the sequence is split: the data dimensions with the
+    context one folded into the innermost (context-parallel ranks hold the same parameters
+    and see parts of the same samples, so they share the sharding and the gradient mean)."""
+    *outer, inner = data
+    name = f"{inner}_{context}"
+    mesh[(inner, context)]._flatten(name)
+    return mesh[(*outer, name)]
