@@ -39,7 +39,16 @@ from helpers.parity import (
     local_sgd_reference,
     reference,
 )
-from helpers.strategies import ddp, ddp_compressed, fsdp, local_sgd, pipeline, tensor_parallel, zero
+from helpers.strategies import (
+    ddp,
+    ddp_compressed,
+    federated,
+    fsdp,
+    local_sgd,
+    pipeline,
+    tensor_parallel,
+    zero,
+)
 
 from litscale.models.gpt import build_gpt
 from litscale.models.llama import Llama, LlamaConfig
@@ -173,6 +182,18 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "diloco_4": Case(P(local_sgd, sync_every=4, outer_optimizer="nesterov", outer_lr=0.7,
                            outer_momentum=0.9), LOCAL,
                          local_sgd={"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}),
+    },
+    # Every client every round, IID rows, one local step: FedAvg is DDP's SGD (momentum and
+    # weight decay are linear), compared with the one process as DDP is; the gradients are each
+    # client's own. FedProx and FedOpt's Adam: against local SGD re-derived with the proximal
+    # gradient's formula and the server's Adam (equal clients: the weighted mean is the mean).
+    "federated": {
+        "fedavg_1": Case(P(federated, local_steps=1), setups(optimizers=("sgd",), steps=8),
+                         gradients=False),
+        "fedprox_4": Case(P(federated, local_steps=4, proximal_mu=0.5), LOCAL,
+                          local_sgd={"sync_every": 4, "proximal_mu": 0.5}),
+        "fedadam_4": Case(P(federated, local_steps=4, outer_optimizer="adam", outer_lr=0.01), LOCAL,
+                          local_sgd={"sync_every": 4, "outer_lr": 0.01, "outer_optimizer": "adam"}),
     },
 }
 # Seconds a family may take on a 2-core machine, by world size (starting ranks included).

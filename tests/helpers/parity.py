@@ -162,19 +162,23 @@ def reference(setup: ParitySetup) -> Trace:
 
 
 def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
-                        outer_lr: float | None = None, outer_momentum: float = 0.9) -> list[Trace]:
+                        outer_lr: float | None = None, outer_momentum: float = 0.9,
+                        outer_optimizer: str = "nesterov", proximal_mu: float = 0.0) -> list[Trace]:
     """Local SGD re-derived in one process, one trace per rank: ``world_size`` replicas of the
     same network, each with its own optimizer, stepping on its rank's rows of each global
     batch; after every ``sync_every`` steps their parameters are replaced by the mean. With
-    ``outer_lr`` (DiLoCo), the mean's distance from the last synchronised parameters is the
-    gradient of an outer Nesterov SGD over those, whose result every replica takes. Each
+    ``outer_lr`` (DiLoCo; FedOpt's ``sgd`` or ``adam``), the mean's distance from the last
+    synchronised parameters is the gradient of an outer optimizer over those (Nesterov SGD
+    unless ``outer_optimizer`` says), whose result every replica takes. ``proximal_mu``
+    (FedProx) adds ``mu * (w - w_sync)`` to each gradient, the formula of the gradient of
+    ``mu / 2 * ||w - w_sync||^2``, written out here, and that term's value to each loss. Each
     trace's loss is the mean of the replicas' losses, as the ranks record it."""
     nets = [tiny_net(setup) for _ in range(world_size)]
     modules = [module_for(net, setup) for net in nets]
     optimizers = [module.configure_optimizers() for module in modules]
     batches = [list(rank_loader(setup, world_size, rank)) for rank in range(world_size)]
     anchor = [p.detach().clone() for p in nets[0].parameters()]
-    outer = outer_lr and torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum, nesterov=True)
+    outer = outer_lr and _outer_optimizer(outer_optimizer, anchor, outer_lr, outer_momentum)
     losses, gradients = [], [[] for _ in nets]
     for step in range(setup.steps):
         step_losses = []
@@ -182,6 +186,10 @@ def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
             optimizer.zero_grad()
             loss = module.loss(batches[rank][step])
             loss.backward()
+            with torch.no_grad():
+                for param, start in zip(net.parameters(), anchor, strict=True):
+                    loss += 0.5 * proximal_mu * (param - start).square().sum()
+                    param.grad += proximal_mu * (param - start)
             step_losses.append(loss.item())
             gradients[rank].append(full_gradients(net))
             optimizer.step()
@@ -199,8 +207,18 @@ def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
             for params, mean in zip(replicas, means, strict=True):
                 for param in params:
                     param.copy_(mean)
+            for start, mean in zip(anchor, means, strict=True):
+                start.copy_(mean)
     return [Trace(losses, gradients[rank], {k: full(v) for k, v in net.state_dict().items()})
             for rank, net in enumerate(nets)]
+
+
+def _outer_optimizer(kind: str, anchor: list[torch.Tensor], lr: float, momentum: float):
+    """The outer optimizers by their definitions: DiLoCo's Nesterov SGD, FedAvgM's heavy-ball
+    SGD, FedAdam's Adam (beta2 0.99, eps 1e-3, as Reddi et al. 2021)."""
+    if kind == "adam":
+        return torch.optim.Adam(anchor, lr=lr, betas=(momentum, 0.99), eps=1e-3)
+    return torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=kind == "nesterov")
 
 
 # --- N ranks through Lightning ----------------------------------------------------------------

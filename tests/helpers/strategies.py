@@ -40,6 +40,12 @@ def local_sgd(**options):
     return LocalSGDStrategy(**options)
 
 
+def federated(**options):
+    from litscale.strategies import FederatedStrategy
+
+    return FederatedStrategy(**options)
+
+
 def tensor_parallel(**options):
     from litscale.strategies import TensorParallelStrategy
 

@@ -65,6 +65,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     trainer, module = built.trainer, built.module
     measured = {name: value for callback in trainer.callbacks if isinstance(callback, MEASURING_CALLBACKS)
                 for name, value in callback.result.items()}
+    measured.update(getattr(trainer.strategy, "result", {}))  # a strategy's own record (federated rounds)
     layout = built.layout
     summary = {
         "train/loss": _metric(trainer, "train/loss"),
@@ -100,6 +101,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         summary.update(_prediction(built))
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
+        _plot_label_histograms(summary)
         with open(path + ".tmp", "w") as handle:
             json.dump(summary, handle, indent=2)
         os.replace(path + ".tmp", path)  # never a half-written summary
@@ -159,10 +161,21 @@ DATA_FACTS = ("vocab_size", "seq_len", "val_bytes_per_token")
 def _data_facts(datamodule) -> dict | None:
     facts = {name: getattr(datamodule, name) for name in DATA_FACTS
              if isinstance(getattr(datamodule, name, None), (int, float))}
+    facts.update(getattr(datamodule, "partition_facts", None) or {})  # clients' labels (non-IID)
     tokenizer = getattr(datamodule, "tokenizer", None)
     if isinstance(getattr(tokenizer, "name", None), str):
         facts["tokenizer"] = tokenizer.name
     return facts or None
+
+
+def _plot_label_histograms(summary: dict) -> None:
+    """``label_histograms.png`` beside summary.json: each client's samples by class."""
+    histograms = (summary.get("data") or {}).get("label_histograms")
+    if histograms:
+        from litscale.data.partition import plot_label_histograms
+
+        plot = plot_label_histograms(histograms, os.path.join(summary["output_dir"], "label_histograms.png"))
+        summary["data"]["label_histograms_plot"] = plot
 
 
 def _prediction(built: BuiltRun) -> dict:

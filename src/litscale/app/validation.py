@@ -273,7 +273,9 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
     unit = "GPUs" if accelerator == "gpu" else "CPU cores"
     # NOTE: gloo ranks can outnumber the cores (each then gets one thread, see app.build): slow,
     # but it tries a 4- or 8-rank layout on a 2-core machine. Only when asked for.
-    oversubscribe = accelerator == "cpu" and bool((cfg.get("launcher") or {}).get("oversubscribe"))
+    # A strategy that simulates clients (strategy=federated) runs one per rank whatever the cores.
+    oversubscribe = accelerator == "cpu" and (bool((cfg.get("launcher") or {}).get("oversubscribe"))
+                                              or _simulates_clients(cfg))
     if this_machine and count > available and not oversubscribe:
         opt_in = (f", or add launcher.oversubscribe=true to run {count} gloo ranks on {available} "
                   "cores, one thread each") if accelerator == "cpu" else ""
@@ -335,6 +337,11 @@ def check_precision_for_strategy(cfg: DictConfig, choices: dict[str, str]) -> No
             f"strategy={choices.get('strategy', cfg.strategy._target_)} (FSDP2 and DTensor strategies have no "
             "sharded loss scaler); use precision=bf16_mixed or bf16_true"
         )
+
+
+def _simulates_clients(cfg: DictConfig) -> bool:
+    target = (cfg.get("strategy") or {}).get("_target_")
+    return bool(target) and getattr(locate_target(target, "strategy"), "simulates_clients", False)
 
 
 def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> None:

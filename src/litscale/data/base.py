@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from litscale.data.partition import (
+    ClientSampler,
+    label_histograms,
+    label_skew,
+    partition_indices,
+)
 
 
 class ResumableSampler(DistributedSampler):
@@ -53,18 +61,28 @@ class ShardedDataModule(LightningDataModule):
     ``R``-th index of it. The Trainer must be built with ``use_distributed_sampler=False`` so
     Lightning keeps these samplers.
 
+    A classification set may instead be split over the ranks by label (``partition``:
+    ``dirichlet`` or ``shards``, ``litscale.data.partition``): each rank then draws from its own
+    samples only, as a federated client does.
+
     Args:
         batch_size: Per-device micro batch size.
         num_workers: DataLoader worker processes per rank.
-        seed: Seed of the training order; the order is reshuffled every epoch.
+        seed: Seed of the training order (and of the partition); reshuffled every epoch.
+        partition: ``iid`` (the shared order), ``dirichlet`` or ``shards`` (non-IID by label).
+        alpha: The Dirichlet concentration of ``partition=dirichlet``.
+        shards_per_client: The shards each rank gets with ``partition=shards``.
     """
 
     #: ``"causal_lm"`` (batches ``(x, y)`` of int64 ``[B, T]``, ``y`` = ``x`` shifted by one)
     #: or ``"classification"`` (``x`` float32 ``[B, C, H, W]``, ``y`` int64 ``[B]``).
     task: str = "causal_lm"
 
-    def __init__(self, *, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(self, *, batch_size: int, num_workers: int = 0, seed: int = 0,
+                 partition: str = "iid", alpha: float = 0.5, shards_per_client: int = 2) -> None:
         super().__init__()
+        self.partition, self.alpha, self.shards_per_client = partition, float(alpha), int(shards_per_client)
+        self.partition_facts: dict[str, Any] | None = None  # per-client labels (summary.json)
         if int(batch_size) < 1:
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if int(num_workers) < 0:
@@ -100,17 +118,50 @@ class ShardedDataModule(LightningDataModule):
             )
         return dataset
 
-    def train_sampler(self) -> DistributedSampler:
+    def train_labels(self) -> Sequence[int] | None:
+        """The class of every training sample, which a partition by label needs; None when the
+        set has none (token data) or they are not cheap to list and no partition asks."""
+        return None
+
+    def train_sampler(self) -> Sampler:
         """The training sampler for this rank (Lightning calls ``set_epoch`` on it)."""
         num_replicas, rank = self.replicas()
-        return ResumableSampler(
-            self._require(self.train_dataset, "train"),
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=True,
-            seed=self.seed,
-            drop_last=True,
-        )
+        dataset = self._require(self.train_dataset, "train")
+        labels = self.train_labels()
+        if self.partition == "iid":
+            sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
+                                       seed=self.seed, drop_last=True)
+            # The IID split's label mix is reported where it is compared: federated clients.
+            clients = getattr(getattr(self.trainer, "strategy", None), "simulates_clients", False)
+            if clients and labels is not None and num_replicas > 1 and self.partition_facts is None:
+                shares = [list(ResumableSampler(dataset, num_replicas=num_replicas, rank=r, shuffle=True,
+                                                seed=self.seed, drop_last=True)) for r in range(num_replicas)]
+                self._record_partition(labels, shares)
+            return sampler
+        if labels is None:
+            raise ValueError(f"data.partition={self.partition} splits samples by label, but "
+                             f"{type(self).__name__} has no labels; use data.partition=iid")
+        parts = partition_indices(labels, num_replicas, self.partition, alpha=self.alpha,
+                                  shards_per_client=self.shards_per_client, seed=self.seed,
+                                  min_samples=self.batch_size)
+        if self.partition_facts is None:
+            self._record_partition(labels, parts)
+        return ClientSampler(parts[rank], epoch_samples=len(dataset) // num_replicas, seed=self.seed,
+                             client=rank)
+
+    def _record_partition(self, labels: Sequence[int], parts: list[list[int]]) -> None:
+        """What each rank's client holds, by class: kept for summary.json and printed once."""
+        histograms = label_histograms(labels, parts, int(torch.as_tensor(labels).max()) + 1)
+        how = {"dirichlet": f"dirichlet (alpha {self.alpha:g})",
+               "shards": f"shards ({self.shards_per_client} per client)"}.get(self.partition, "iid")
+        self.partition_facts = {"partition": self.partition, "label_histograms": histograms,
+                                "label_skew": label_skew(histograms),
+                                "client_samples": [len(part) for part in parts]}
+        rank_zero_info(f"litscale: data partition {how} over {len(parts)} clients: label skew "
+                       f"{self.partition_facts['label_skew']:.3f} (mean total-variation distance of a "
+                       "client's label mix from the whole)")
+        for client, histogram in enumerate(histograms):
+            rank_zero_info(f"litscale:   client {client}: {sum(histogram)} samples, by class {histogram}")
 
     def val_sampler(self) -> DistributedSampler:
         """The validation sampler; it pads with repeated samples so every rank has equal work."""

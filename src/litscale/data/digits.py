@@ -8,8 +8,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from litscale.arguments import checked_arguments
-from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
+from litscale.constraints import NonNegativeInt, OpenFraction, PositiveFloat, PositiveInt
 from litscale.data.base import ShardedDataModule
+from litscale.data.partition import Partition
 
 
 class DigitsDataModule(ShardedDataModule):
@@ -29,7 +30,10 @@ class DigitsDataModule(ShardedDataModule):
             ``${data.input_shape}``.
         num_classes: Must be 10; a key for ``${data.num_classes}``.
         num_workers: DataLoader workers per rank.
-        seed: Seed of the training order.
+        seed: Seed of the training order (and of a partition).
+        partition: ``iid``, or non-IID by label over the ranks: ``dirichlet`` or ``shards``.
+        alpha: The Dirichlet concentration (``partition=dirichlet``).
+        shards_per_client: Label-sorted shards per rank (``partition=shards``).
     """
 
     task = "classification"
@@ -47,8 +51,12 @@ class DigitsDataModule(ShardedDataModule):
         num_classes: int = 10,
         num_workers: NonNegativeInt = 0,
         seed: int = 0,
+        partition: Partition = "iid",
+        alpha: PositiveFloat = 0.5,
+        shards_per_client: PositiveInt = 2,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, partition=partition,
+                         alpha=alpha, shards_per_client=shards_per_client)
         if tuple(int(d) for d in input_shape) != type(self).input_shape:
             raise ValueError(
                 f"data.input_shape={list(input_shape)} does not match the digits images, "
@@ -83,3 +91,6 @@ class DigitsDataModule(ShardedDataModule):
         self.mean, self.std = float(mean), float(std)
         self.train_dataset = TensorDataset((train_x - mean) / std, labels[train_idx])
         self.val_dataset = TensorDataset((images[val_idx] - mean) / std, labels[val_idx])
+
+    def train_labels(self) -> torch.Tensor:
+        return self._require(self.train_dataset, "train").tensors[1]

@@ -11,8 +11,9 @@ import torch
 from torch.utils.data import Dataset
 
 from litscale.arguments import checked_arguments
-from litscale.constraints import NonNegativeInt, PositiveInt
+from litscale.constraints import NonNegativeInt, PositiveFloat, PositiveInt
 from litscale.data.base import ShardedDataModule
+from litscale.data.partition import Partition
 
 # Cap on the inputs the classification labels look at: the projection that makes labels
 # learnable would otherwise grow with the image size times the class count.
@@ -121,7 +122,11 @@ class SyntheticDataModule(ShardedDataModule):
         input_shape: ``[C, H, W]`` of an image (classification).
         num_classes: Number of classes (classification).
         num_workers: DataLoader workers per rank.
-        seed: Seed of the content and of the training order.
+        seed: Seed of the content, of the training order and of a partition.
+        partition: ``iid``, or non-IID by label over the ranks (classification): ``dirichlet`` or
+            ``shards``.
+        alpha: The Dirichlet concentration (``partition=dirichlet``).
+        shards_per_client: Label-sorted shards per rank (``partition=shards``).
     """
 
     @checked_arguments("data")
@@ -138,8 +143,12 @@ class SyntheticDataModule(ShardedDataModule):
         num_classes: PositiveInt = 10,
         num_workers: NonNegativeInt = 0,
         seed: int = 0,
+        partition: Partition = "iid",
+        alpha: PositiveFloat = 0.5,
+        shards_per_client: PositiveInt = 2,
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, partition=partition,
+                         alpha=alpha, shards_per_client=shards_per_client)
         if int(num_samples) + int(val_samples) > 2**32:
             raise ValueError("data.num_samples + data.val_samples must be at most 2**32")
         shape = tuple(int(d) for d in input_shape)
@@ -179,3 +188,10 @@ class SyntheticDataModule(ShardedDataModule):
             return
         self.train_dataset = self._dataset(self.num_samples, 0)
         self.val_dataset = self._dataset(self.val_samples, self.num_samples)
+
+    def train_labels(self) -> list[int] | None:
+        # Generated per sample (a forward of the label map each): listed only when a partition needs them.
+        if self.task != "classification" or self.partition == "iid":
+            return None
+        dataset = self._require(self.train_dataset, "train")
+        return [int(dataset[index][1]) for index in range(len(dataset))]

@@ -6,7 +6,9 @@ gradients during ``warmup_steps`` and communicates nothing afterwards; every ``s
 optimizer steps the parameters are averaged (``model_averaging.utils.average_parameters``).
 With ``outer_optimizer=nesterov`` this is DiLoCo (Douillard et al. 2023): the averaged
 parameter delta since the last synchronisation is a pseudo-gradient for an outer SGD with
-Nesterov momentum, applied to the parameters of the last synchronisation.
+Nesterov momentum, applied to the parameters of the last synchronisation. ``sgd`` (heavy-ball
+momentum) and ``adam`` are FedOpt's server optimizers (Reddi et al. 2021), which
+``strategy=federated`` shares.
 
 Lightning's ``DDPStrategy(model_averaging_period=...)`` averages only on CUDA and has no
 outer optimizer, so the schedule is written here, around torch's hook and averaging.
@@ -26,6 +28,19 @@ from litscale.compression import CommHook
 from litscale.compression.state import CompressionState
 from litscale.constraints import Fraction, NonNegativeInt, PositiveFloat, PositiveInt
 from litscale.strategies.ddp import DDPStrategy
+
+OuterOptimizer = Literal["none", "nesterov", "sgd", "adam"]
+
+
+def build_outer_optimizer(kind: str, anchor: list[torch.Tensor], *, lr: float,
+                          momentum: float) -> torch.optim.Optimizer:
+    """The outer (server) optimizer over the anchor parameters: SGD with Nesterov or heavy-ball
+    momentum, or Adam with ``momentum`` as its first beta. Adam's second beta 0.99 and eps 1e-3
+    are FedAdam's (Reddi et al. 2021): a pseudo-gradient is a whole round's update, far larger
+    than a gradient, and eps bounds how far a near-zero one is amplified."""
+    if kind == "adam":
+        return torch.optim.Adam(anchor, lr=lr, betas=(momentum, 0.99), eps=1e-3)
+    return torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=kind == "nesterov")
 
 
 class LocalSGDState(CompressionState):
@@ -47,7 +62,7 @@ class LocalSGDState(CompressionState):
             process_group=None, subgroup=None, start_localSGD_iter=warmup_steps,
             post_local_gradient_allreduce=False)
         self.optimizer_steps = 0
-        self.outer: torch.optim.SGD | None = None  # over the anchor parameters (DiLoCo)
+        self.outer: torch.optim.Optimizer | None = None  # over the anchor parameters (DiLoCo)
         self._restored_outer: dict[str, Any] | None = None
 
     def after_optimizer_step(self, params: list[torch.nn.Parameter]) -> None:
@@ -61,21 +76,25 @@ class LocalSGDState(CompressionState):
         if local_steps <= 0 or local_steps % self.sync_every:
             return
         with torch.no_grad():
-            average_parameters(iter(params), self.group)
-            if self.outer is not None:
-                self._outer_step(params)
+            self.synchronise(params)
+
+    def synchronise(self, params: list[torch.nn.Parameter]) -> None:
+        """Every rank takes the mean of the parameters (then the outer step, if any)."""
+        average_parameters(iter(params), self.group)
+        if self.outer is not None:
+            self._outer_step(params)
         self.bytes_sent += sum(p.numel() * p.element_size() for p in params)
 
     def start_local_phase(self, params: list[torch.nn.Parameter]) -> None:
         """DiLoCo's anchor: the parameters all ranks share as local steps begin (identical
         after DDP's warm-up or its initial broadcast); kept if a checkpoint restored it."""
-        if self.outer_optimizer != "nesterov" or self.outer is not None:
+        if self.outer_optimizer == "none" or self.outer is not None:
             return
         self._build_outer([p.detach().clone() for p in params])
 
     def _build_outer(self, anchor: list[torch.Tensor]) -> None:
-        self.outer = torch.optim.SGD(anchor, lr=self.outer_lr, momentum=self.outer_momentum,
-                                     nesterov=True)
+        self.outer = build_outer_optimizer(self.outer_optimizer, anchor, lr=self.outer_lr,
+                                           momentum=self.outer_momentum)
 
     def _restore_outer(self, params: list[torch.nn.Parameter]) -> None:
         saved, self._restored_outer = self._restored_outer, None
@@ -119,7 +138,8 @@ def local_sgd_hook(state: LocalSGDState, bucket: dist.GradBucket) -> torch.futur
 
 class LocalSGDStrategy(DDPStrategy):
     """DDP whose gradients stay local after ``warmup_steps``; parameters are averaged every
-    ``sync_every`` optimizer steps, optionally through DiLoCo's outer Nesterov optimizer.
+    ``sync_every`` optimizer steps, optionally through an outer optimizer (DiLoCo's Nesterov
+    SGD, or FedOpt's heavy-ball SGD or Adam).
 
     Takes no ``compression``: there is no per-step gradient exchange to compress.
     """
@@ -133,7 +153,7 @@ class LocalSGDStrategy(DDPStrategy):
         *,
         sync_every: PositiveInt = 8,
         warmup_steps: NonNegativeInt = 0,
-        outer_optimizer: Literal["none", "nesterov"] = "none",
+        outer_optimizer: OuterOptimizer = "none",
         outer_lr: PositiveFloat = 0.7,
         outer_momentum: Fraction = 0.9,
         bucket_cap_mb: PositiveFloat = 25,
