@@ -101,7 +101,7 @@ DELIBERATE: dict[tuple[str, str], str] = {
 
 # Groups whose options carry no constructor arguments of their own: Hydra's settings, and
 # experiments, which set other groups' values (test_configs.test_experiment checks those).
-UNTARGETED_GROUPS = ("hydra", "experiment")
+UNTARGETED_GROUPS = ("hydra", "experiment", "sweeps")
 OPTIONS = [(group, option) for group in config_groups() if group not in UNTARGETED_GROUPS
            for option in group_options(group)]
 

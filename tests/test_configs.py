@@ -260,9 +260,10 @@ GROUP_CHECKS = {
     "plan": check_plan,
     "hydra": None,  # checked on the composed hydra node, see test_option
     "experiment": None,  # see test_experiment
+    "sweeps": None,  # +sweeps=<option> beside hydra/sweeper=optuna: see test_optuna.py
 }
 
-OPTIONS = [(g, o) for g in config_groups() if g != "experiment" for o in group_options(g)]
+OPTIONS = [(g, o) for g in config_groups() if g not in ("experiment", "sweeps") for o in group_options(g)]
 
 
 def test_every_group_has_a_check():

@@ -26,19 +26,13 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf, open_dict
 
+from hydra_plugins.litscale_launcher.jobs import job_resources
 from litscale.checkpoints import newest_last_checkpoint
 
 # Executor settings that submitit takes at construction rather than as parameters.
 _EXECUTOR_INIT_KEYS = ("submitit_folder", "max_num_timeout")
-
-
-def job_resources(job_config: DictConfig) -> dict[str, Any]:
-    """The ``hydra.launcher`` settings of one job, resolved against its own config."""
-    params = OmegaConf.to_container(job_config.hydra.launcher, resolve=True)
-    params.pop("_target_", None)
-    return params
 
 
 def group_by_resources(resources: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int]]]:

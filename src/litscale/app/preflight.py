@@ -116,11 +116,11 @@ def validate_job(cfg, *, multirun: bool) -> None:
     from litscale.app.validation import only_planned, validate
 
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
-    on_slurm = multirun and _launcher(cfg) in SLURM_LAUNCHERS
-    if on_slurm:
-        check_slurm_resources(cfg)
+    on_cluster = multirun and _launcher(cfg) in CLUSTER_LAUNCHERS
+    if on_cluster:
+        check_cluster_resources(cfg)
     job = _as_job_config(cfg)
-    here = not on_slurm and not only_planned(job)
+    here = not on_cluster and not only_planned(job)
     layout = validate(job, choices=choices, this_machine=here)
     if here:  # the ranks can start from this process
         check_launchable(layout.processes_per_node, layout.num_nodes)
@@ -170,25 +170,32 @@ def cells_to_skip(jobs: list[list[str]], failed: dict[int, str]) -> list[int]:
             and any(rest == cells[index][1] for _, rest in ran)]
 
 
-# Launchers that run each job on other machines, whose devices are not this machine's.
-SLURM_LAUNCHERS = ("hydra_plugins.litscale_launcher.slurm.SlurmLauncher",
-                   "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")
+# Launchers that run each job on other machines, whose devices are not this machine's; those
+# of litscale size each job from its trainer.devices (launcher option named in messages).
+SIZING_LAUNCHERS = {"hydra_plugins.litscale_launcher.slurm.SlurmLauncher": "slurm",
+                    "hydra_plugins.litscale_launcher.ray_launcher.RayLauncher": "ray",
+                    "hydra_plugins.litscale_launcher.k8s.KubernetesLauncher": "k8s",
+                    "hydra_plugins.litscale_launcher.skypilot.SkyPilotLauncher": "skypilot"}
+CLUSTER_LAUNCHERS = (*SIZING_LAUNCHERS, "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")
 
 
 def _launcher(cfg) -> str:
     return str(OmegaConf.select(cfg, "hydra.launcher._target_") or "")
 
 
-def check_slurm_resources(cfg) -> None:
-    """``hydra/launcher=slurm`` sizes each job from ``trainer.devices`` (tasks and GPUs per node)
-    and ``trainer.num_nodes``: they must be counts, and the launcher settings must resolve."""
+def check_cluster_resources(cfg) -> None:
+    """``hydra/launcher=slurm`` (ray, k8s, skypilot) sizes each job from ``trainer.devices``
+    (processes and GPUs per node) and ``trainer.num_nodes``: they must be counts, and the
+    launcher settings must resolve."""
     devices = cfg.trainer.get("devices")
     text = str(devices).strip()
-    if _launcher(cfg) == SLURM_LAUNCHERS[0] and (isinstance(devices, bool) or not text.isdigit()
-                                                   or int(text) < 1):
+    option = SIZING_LAUNCHERS.get(_launcher(cfg))
+    if option and (isinstance(devices, bool) or not text.isdigit() or int(text) < 1):
+        what = "tasks" if option == "slurm" else "processes"
         raise ConfigError(
-            f"trainer.devices={devices!r} cannot size a SLURM job: hydra/launcher=slurm asks for "
-            "trainer.devices tasks and GPUs per node; give a count, e.g. trainer.devices=4"
+            f"trainer.devices={devices!r} cannot size a {'SLURM' if option == 'slurm' else option} job: "
+            f"hydra/launcher={option} asks for trainer.devices {what} and GPUs per node; give a "
+            "count, e.g. trainer.devices=4"
         )
     try:
         OmegaConf.to_container(cfg.hydra.launcher, resolve=True)

@@ -1,0 +1,196 @@
+"""Kubeflow manifests for one litscale job, and their check against the operators' CRD schemas.
+
+A Kubeflow Trainer v2 ``TrainJob`` runs on the ``torch-distributed`` runtime, which gives each
+node's container ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` and
+``PET_MASTER_ADDR``/``PORT``: torchrun reads them as its defaults, so the command is
+``torchrun train.py <overrides>``. A Training Operator v1 ``PyTorchJob`` sets the ``PET_*``
+counts and ``MASTER_ADDR``/``MASTER_PORT``, which torchrun is given explicitly. Either way the
+ranks are torchrun's, which litscale already runs under. Outputs go to a shared volume.
+
+The schemas in ``schemas/`` are the CRDs' published OpenAPI schemas (see each header);
+``check_manifest`` validates as the API server does with strict field validation (unknown
+fields refused). The CEL rules (``x-kubernetes-validations``) are not evaluated here.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMAS = Path(__file__).with_name("schemas")
+TRAINJOB = ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob")
+PYTORCHJOB = ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob")
+OUTPUTS_VOLUME = "litscale-outputs"
+
+
+def api_of(kind: str) -> tuple[str, str, str, str]:
+    """(group, version, plural, kind) of ``trainjob`` or ``pytorchjob``."""
+    return {"trainjob": TRAINJOB, "pytorchjob": PYTORCHJOB}[kind]
+
+
+def node_resources(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Requests and limits of one node's container from the launcher settings."""
+    limits: dict[str, Any] = {}
+    if params.get("gpus_per_node"):
+        limits[params["gpu_resource"]] = int(params["gpus_per_node"])
+    for key, name in (("cpu_per_node", "cpu"), ("memory_per_node", "memory")):
+        if params.get(key) is not None:
+            limits[name] = str(params[key])
+    return {"requests": dict(limits), "limits": limits} if limits else {}
+
+
+def environment(params: dict[str, Any]) -> list[dict[str, str]]:
+    return [
+        {"name": "LITSCALE_OUTPUTS", "value": params["outputs_mount"]},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+
+
+def _metadata(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": params["namespace"],
+        "labels": {"app.kubernetes.io/created-by": "litscale"},
+    }
+
+
+def trainjob(name: str, args: list[str], params: dict[str, Any]) -> dict[str, Any]:
+    """A Kubeflow Trainer v2 TrainJob running ``torchrun train.py <args>``."""
+    group, version, _, kind = TRAINJOB
+    trainer = {
+        "image": params["image"],
+        "command": ["torchrun", f"{params['working_dir']}/train.py", *args],
+        "numNodes": int(params["nodes"]),
+        "numProcPerNode": int(params["processes_per_node"]),
+        "env": environment(params),
+    }
+    resources = node_resources(params)
+    if resources:
+        trainer["resourcesPerNode"] = resources
+    pod = {
+        "volumes": [
+            {
+                "name": OUTPUTS_VOLUME,
+                "persistentVolumeClaim": {"claimName": params["outputs_claim"]},
+            }
+        ],
+        "containers": [
+            {
+                "name": "node",
+                "volumeMounts": [{"name": OUTPUTS_VOLUME, "mountPath": params["outputs_mount"]}],
+            }
+        ],
+    }
+    patch = {
+        "manager": "litscale",
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {"name": "node", "template": {"spec": {"template": {"spec": pod}}}}
+                    ]
+                }
+            }
+        },
+    }
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": kind,
+        "metadata": _metadata(name, params),
+        "spec": {
+            "runtimeRef": {
+                "apiGroup": group,
+                "kind": "ClusterTrainingRuntime",
+                "name": params["runtime"],
+            },
+            "trainer": trainer,
+            "runtimePatches": [patch],
+        },
+    }
+
+
+def pytorchjob(name: str, args: list[str], params: dict[str, Any]) -> dict[str, Any]:
+    """A Training Operator v1 PyTorchJob: a Master replica and ``nodes - 1`` Workers."""
+    group, version, _, kind = PYTORCHJOB
+    container = {
+        "name": "pytorch",
+        "image": params["image"],
+        "workingDir": params["working_dir"],
+        # $(VAR): expanded by Kubernetes from the environment the operator sets.
+        "command": [
+            "torchrun",
+            "--master-addr=$(MASTER_ADDR)",
+            "--master-port=$(MASTER_PORT)",
+            "train.py",
+            *args,
+        ],
+        "env": environment(params),
+        "volumeMounts": [{"name": OUTPUTS_VOLUME, "mountPath": params["outputs_mount"]}],
+    }
+    resources = node_resources(params)
+    if resources:
+        container["resources"] = resources
+    template = {
+        "spec": {
+            "containers": [container],
+            "volumes": [
+                {
+                    "name": OUTPUTS_VOLUME,
+                    "persistentVolumeClaim": {"claimName": params["outputs_claim"]},
+                }
+            ],
+        }
+    }
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
+    if int(params["nodes"]) > 1:
+        replicas["Worker"] = {
+            "replicas": int(params["nodes"]) - 1,
+            "restartPolicy": "OnFailure",
+            "template": template,
+        }
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": kind,
+        "metadata": _metadata(name, params),
+        "spec": {
+            "nprocPerNode": str(params["processes_per_node"]),
+            "pytorchReplicaSpecs": replicas,
+        },
+    }
+
+
+@cache
+def schema(kind: str) -> dict[str, Any]:
+    """The vendored OpenAPI schema of ``TrainJob`` or ``PyTorchJob``, made strict."""
+    vendored = yaml.safe_load((SCHEMAS / f"{kind.lower()}.yaml").read_text())
+    return _strict(vendored["openAPIV3Schema"])
+
+
+def _strict(node: Any) -> Any:
+    """Refuse fields a schema does not name, as ``kubectl apply`` (strict field validation) does."""
+    if isinstance(node, list):
+        return [_strict(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    strict = {k: _strict(v) for k, v in node.items()}
+    if (
+        "properties" in node
+        and "additionalProperties" not in node
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        strict["additionalProperties"] = False
+    return strict
+
+
+def manifest_problems(manifest: dict[str, Any]) -> list[str]:
+    """Where ``manifest`` breaks its CRD's schema, one line each (none: it is valid)."""
+    from jsonschema import Draft7Validator
+
+    errors = Draft7Validator(schema(manifest["kind"])).iter_errors(manifest)
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+        for e in sorted(errors, key=lambda e: list(map(str, e.absolute_path)))
+    ]

@@ -1,0 +1,212 @@
+"""``-m hydra/launcher=k8s``: TrainJob and PyTorchJob manifests sized from each job's trainer
+settings validate against the vendored CRD schemas, and with ``submit=true`` a stub API
+server (the ``kubernetes`` client pointed at it through a kubeconfig) receives exactly the
+manifests written."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers.cli import explain, run_train
+from helpers.configs import compose_full
+
+from hydra_plugins.litscale_launcher.k8s import KubernetesLauncher, job_name, submit_and_wait
+from hydra_plugins.litscale_launcher.k8s_manifests import SCHEMAS, manifest_problems
+
+
+def manifest_for(tmp_path: Path, *overrides: str) -> dict:
+    config = compose_full(
+        ["hydra/launcher=k8s", f"hydra.sweep.dir={tmp_path}/2026-11-25_18-31-00", *overrides]
+    )
+    manifest, _ = KubernetesLauncher.manifest(
+        config, list(overrides), Path(str(config.hydra.sweep.dir)), 3
+    )
+    return manifest
+
+
+def test_trainjob_sized_from_the_trainer_validates_against_the_vendored_schema(tmp_path):
+    manifest = manifest_for(tmp_path, "trainer.devices=8", "trainer.num_nodes=4", "strategy=fsdp")
+    assert manifest_problems(manifest) == []
+    assert (
+        manifest["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and manifest["kind"] == "TrainJob"
+    )
+    assert manifest["metadata"]["name"] == "litscale-20261125183100-3"
+    trainer = manifest["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (4, 8)
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8}
+    assert trainer["command"] == [
+        "torchrun",
+        "/workspace/litscale/train.py",
+        "trainer.devices=8",
+        "trainer.num_nodes=4",
+        "strategy=fsdp",
+        "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3",
+    ]
+    assert manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
+
+
+def test_pytorchjob_has_a_master_and_workers_and_cpu_jobs_ask_for_no_gpu(tmp_path):
+    manifest = manifest_for(
+        tmp_path,
+        "hydra.launcher.api=pytorchjob",
+        "trainer.devices=2",
+        "trainer.num_nodes=3",
+        "trainer.accelerator=cpu",
+        "hydra.launcher.cpu_per_node=4",
+    )
+    assert manifest_problems(manifest) == []
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert (replicas["Master"]["replicas"], replicas["Worker"]["replicas"]) == (1, 2)
+    assert manifest["spec"]["nprocPerNode"] == "2"
+    (container,) = replicas["Master"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == {"cpu": "4"}
+    assert container["command"][:3] == [
+        "torchrun",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+    ]
+
+
+def test_schema_refuses_unknown_fields_and_wrong_types(tmp_path):
+    manifest = manifest_for(tmp_path, "trainer.devices=8")
+    manifest["spec"]["trainer"]["numNodes"] = "four"
+    manifest["spec"]["trainer"]["numGPUs"] = 8
+    assert manifest_problems(manifest) == [
+        "spec.trainer: Additional properties are not allowed ('numGPUs' was unexpected)",
+        "spec.trainer.numNodes: 'four' is not of type 'integer'",
+    ]
+    for path in (SCHEMAS / "trainjob.yaml", SCHEMAS / "pytorchjob.yaml"):  # version and source
+        header = path.read_text()[:600]
+        assert (
+            "# Source: https://github.com/kubeflow/trainer/blob/v" in header and "commit" in header
+        )
+
+
+def test_job_names_are_dns_labels():
+    assert (
+        job_name("LitScale_x", Path("/o/multiruns/2026-11-25_18-31-00"), 12)
+        == "litscale-x-20261125183100-12"
+    )
+
+
+class StubApiServer(BaseHTTPRequestHandler):
+    """Just enough of the Kubernetes API for custom objects: create records the body; get
+    answers with the object, its job complete."""
+
+    created: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.created.append({"path": self.path, "body": body})
+        self._answer(201, body)
+
+    def do_GET(self):  # noqa: N802
+        name = self.path.rstrip("/").rsplit("/", 1)[-1]
+        (body,) = [c["body"] for c in self.created if c["body"]["metadata"]["name"] == name]
+        done = "Complete" if body["kind"] == "TrainJob" else "Succeeded"
+        self._answer(
+            200,
+            {
+                **body,
+                "status": {
+                    "conditions": [
+                        {"type": "Created", "status": "True"},
+                        {
+                            "type": done,
+                            "status": "True",
+                            "reason": "JobsCompleted",
+                            "message": "all nodes finished",
+                        },
+                    ]
+                },
+            },
+        )
+
+    def _answer(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stub_cluster(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StubApiServer)
+    StubApiServer.created = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "stub",
+                "clusters": [
+                    {
+                        "name": "stub",
+                        "cluster": {"server": f"http://127.0.0.1:{server.server_port}"},
+                    }
+                ],
+                "users": [{"name": "stub", "user": {"token": "stub"}}],
+                "contexts": [{"name": "stub", "context": {"cluster": "stub", "user": "stub"}}],
+            }
+        )
+    )
+    yield kubeconfig, StubApiServer.created
+    server.shutdown()
+
+
+@pytest.mark.slow
+def test_submit_creates_exactly_the_written_manifests(stub_cluster, tmp_path):
+    pytest.importorskip("kubernetes")
+    kubeconfig, created = stub_cluster
+    process = run_train(
+        "-m",
+        "hydra/launcher=k8s",
+        "hydra.launcher.submit=true",
+        f"hydra.launcher.kubeconfig={kubeconfig}",
+        "hydra.launcher.poll_s=0.1",
+        "hydra.launcher.namespace=research",
+        "trainer.devices=1,2",
+        "strategy=ddp",
+        f"hydra.sweep.dir={tmp_path}/sweep",
+        outputs=tmp_path,
+        timeout=180,
+    )
+    assert process.returncode == 0, explain(process)
+    written = [
+        yaml.safe_load(p.read_text()) for p in sorted((tmp_path / "sweep" / "k8s").glob("*.yaml"))
+    ]
+    assert [c["body"] for c in created] == written and len(written) == 2
+    assert [c["path"] for c in created] == [
+        "/apis/trainer.kubeflow.org/v1alpha1/namespaces/research/trainjobs"
+    ] * 2
+    assert [m["spec"]["trainer"]["numProcPerNode"] for m in written] == [1, 2]
+    for manifest in written:
+        assert (
+            f"TrainJob {manifest['metadata']['name']}: Complete (JobsCompleted: all nodes finished)"
+            in process.stdout
+        )
+
+
+def test_a_pytorchjob_is_created_and_waited_for(stub_cluster, tmp_path):
+    pytest.importorskip("kubernetes")
+    kubeconfig, created = stub_cluster
+    manifest = manifest_for(
+        tmp_path, "hydra.launcher.api=pytorchjob", "trainer.devices=2", "trainer.num_nodes=2"
+    )
+    params = {"kubeconfig": str(kubeconfig), "namespace": "default", "poll_s": 0.01}
+    assert submit_and_wait([manifest], params) == [None]
+    assert created == [
+        {"path": "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs", "body": manifest}
+    ]
