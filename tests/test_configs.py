@@ -69,6 +69,10 @@ def _needs_paths(option: str) -> bool:
     return "paths" in node.keys() and OmegaConf.is_missing(node, "paths")
 
 
+def _reads_paths(option: str) -> bool:
+    return "paths" in _option_node("data", option).keys()
+
+
 @functools.cache
 def data_for(task: str) -> str:
     """The default data option if it has ``task``, else the first that needs no ``paths``."""
@@ -88,7 +92,9 @@ def pairing(group: str, option: str, tmp_path) -> list[str]:
         return [f"data={data_for(model_task(option))}"]
     if group == "data":
         extra = []
-        if _needs_paths(option):
+        # A few lines of text, also where the option has a default corpus: data=tokens would
+        # tokenize the whole standard library here (seconds); that default is test_tokens.py's.
+        if _reads_paths(option):
             corpus = tmp_path / "corpus"
             corpus.mkdir()
             (corpus / "a.txt").write_text("hello litscale\n" * 100)
