@@ -215,13 +215,7 @@ def family_fits(family: str, world_size: int) -> dict | str:
     """Each rank's traces ``{(case, optimizer): [Trace per rank]}``, or the failure's text
     (kept, so the family's other cells fail at once instead of starting the ranks again)."""
     try:
-        # NOTE: fresh ranks at 4 and 8 (make test-full): on the rank pool, a tensor-parallel
-        # mesh after the tensor-parallel family at 4 resolves a group of that earlier task
-        # ("Could not resolve the process group registered under the name ...": the pipeline
-        # and llama families), a leak between tasks the pool does not clear yet. Each passes on
-        # fresh ranks; the 2-rank families run on the pool.
-        ranks = run_distributed(fit_family, world_size, FAMILIES[family], timeout=DEADLINE[world_size],
-                                fresh=world_size > 2)
+        ranks = run_distributed(fit_family, world_size, FAMILIES[family], timeout=DEADLINE[world_size])
     except AssertionError as error:
         return str(error)
     return {key: [traces[key] for traces in ranks] for key in ranks[0]}

@@ -77,6 +77,20 @@ def _observe_everything(rank, world_size):
             "pid": os.getpid()}
 
 
+def _sum_on_a_mesh_of_its_own(rank, world_size, groups_before):
+    """A DTensor op on a mesh over a new group, after ``groups_before`` other groups: the
+    group's name is its index, so it differs from one such task to the next."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial
+
+    everyone = list(range(world_size))
+    for _ in range(groups_before):
+        dist.new_group(everyone)
+    mesh = DeviceMesh.from_group(dist.new_group(everyone), "cpu", mesh_dim_names=("tp",))
+    partial = DTensor.from_local(torch.tensor([rank + 1.0]), mesh, [Partial()])
+    return (partial * 2).full_tensor()  # the product's mesh comes from sharding propagation
+
+
 def _leave_a_thread(rank, world_size):
     threading.Thread(target=time.sleep, args=(30,), daemon=True, name="left-behind").start()
     return os.getpid()
@@ -139,6 +153,16 @@ def test_no_state_leaks_from_one_task_into_the_next(tmp_path):
         assert seen.pop("pid") > 0
         assert seen == {"probe": None, "cwd": os.getcwd(), "dtype": torch.float32, "deterministic": False,
                         "threads": 1, "sigusr1": signal.SIG_DFL}
+
+
+@pytest.mark.timeout(200)
+def test_a_mesh_of_a_later_task_uses_its_own_groups():
+    # The first task's product is cached with its mesh, equal to the second's (same ranks,
+    # shape and names) but holding group "9": the second, with groups up to "1", once failed
+    # with "Could not resolve the process group registered under the name 9".
+    for groups_before in (8, 0):
+        assert [total.item() for total in run_distributed(_sum_on_a_mesh_of_its_own, 2, groups_before,
+                                                          timeout=90)] == [6.0, 6.0]
 
 
 @pytest.mark.timeout(200)

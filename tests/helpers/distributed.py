@@ -316,10 +316,29 @@ def _fresh_interpreter_state(rank: int) -> None:
 
 def _forget_process_groups() -> None:
     """Module globals that keep a destroyed group (or an object built on it) between tasks: a
-    new interpreter has none, and a later task would otherwise reuse a dead group."""
+    new interpreter has none, and a later task would otherwise reuse a dead group.
+
+    DTensor's sharding propagation caches (Python's and the C++ dispatch fast path's) map an
+    op's input specs to its output spec, and a spec holds its ``DeviceMesh``. Two meshes are
+    equal when their ranks, shape and names are (not their groups), so the next task's mesh
+    finds the last task's entries and its outputs carry the last task's mesh: a collective on
+    it resolves the group name that mesh recorded. Group names restart from 0 with each
+    default group, so that name is either gone ("Could not resolve the process group
+    registered under the name 55") or, worse, names another group of this task.
+    """
     tensor_random = sys.modules.get("torch.distributed.tensor._random")
     if tensor_random is not None:
         tensor_random._rng_tracker = None
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor, _redistribute
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        # These keep old meshes as keys only (so their groups alive), not in what they return.
+        DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+        _redistribute._gen_transform_infos.cache_clear()
+        MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def _threads_left(threads_at_start: set) -> list[str]:
