@@ -35,7 +35,8 @@ def run(model: str, outputs: Path, *extra: str) -> dict:
     outputs.mkdir(parents=True, exist_ok=True)
     process = subprocess.run(
         [sys.executable, "train.py", f"experiment={EXPERIMENTS[model]}", "trainer=gpu", "cluster=h100_8x",
-         "model.compile=false", "trainer.max_steps=4", "callbacks.throughput.warmup_steps=1", *extra],
+         "model.compile=false", "trainer.max_steps=4", "callbacks.throughput.warmup_steps=1",
+         "~callbacks.model_checkpoint", *extra],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "LITSCALE_OUTPUTS": str(outputs)})
     row = {"model": model, "extra": list(extra)}
     if process.returncode != 0:
@@ -88,6 +89,8 @@ def main() -> None:
                 break
             rows.append(row)
         else:
+            if not rows:
+                continue
             save({"model": model, "largest_fitting": rows[-1]["micro_batch"], "first_failing": None,
                   "planner_predicted_largest": predicted_largest(rows[0], rows[-1])}, "largest_micro_batch")
 

@@ -30,7 +30,8 @@ EXPERIMENTS = {"gpt2_small": "gpt2_small_h100", "llama_1b": "llama_1b_h100"}
 def litscale_run(model: str, steps: int, warmup: int, outputs: Path, *extra: str) -> dict:
     outputs.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "train.py", f"experiment={EXPERIMENTS[model]}", "trainer=gpu",
-               f"trainer.max_steps={steps}", f"callbacks.throughput.warmup_steps={warmup}", *extra]
+               f"trainer.max_steps={steps}", f"callbacks.throughput.warmup_steps={warmup}",
+               "~callbacks.model_checkpoint", *extra]
     started = time.perf_counter()
     process = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                              env={**os.environ, "LITSCALE_OUTPUTS": str(outputs)})
