@@ -69,8 +69,11 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
     from litscale.app.ranks import record_rank
     from litscale.app.summary import finish_loggers, print_start, summarize
     from litscale.export import export_model
+    from litscale.health import flight_recorder
     from litscale.strategies.lifecycle import destroy_process_group
 
+    if spec.layout.world_size > 1:
+        flight_recorder.enable()  # before the process group exists: torch reads it then
     built = build_run(spec.config, spec.choices, spec.layout, loggable_config=spec.loggable_config,
                       sweep_dir=spec.scaling.sweep_dir)
     outcome = "failed"
@@ -84,6 +87,11 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
         except SIGTERMException:
             outcome = "preempted"
             return {"preempted": True, "steps": built.trainer.global_step}
+        except Exception as error:
+            # before the group is destroyed: `python -m litscale.doctor <run dir>` reads it
+            flight_recorder.dump(built.config.paths.output_dir, built.trainer.global_rank,
+                                 reason=f"{type(error).__name__}: {error}".splitlines()[0])
+            raise
         export = export_model(built.trainer, built.module, built.config.paths.output_dir,
                               hugging_face=bool(spec.config.get("export_hf", False)))
         summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling)

@@ -6,7 +6,9 @@
 Faults that stall a job instead of failing it (for the hang watchdog, ``callbacks/watchdog.py``):
 ``kind=hang`` (the rank sleeps inside step ``at_step``), ``kind=skip_collective`` (the rank
 skips its gradient all-reduce at ``at_step`` and goes on, as after a data-dependent branch, so
-the others wait), ``kind=slow`` (the rank sleeps ``delay_s`` in every step from ``at_step`` on,
+the others wait), ``kind=wrong_shape`` (at ``at_step`` every rank all-reduces a small metric
+and this rank's is empty, as on a rank with no samples of it: the others wait in that
+all-reduce, while it goes on), ``kind=slow`` (the rank sleeps ``delay_s`` in every step from ``at_step`` on,
 ``for_steps`` of them if set; with ``during=validation``, in every validation batch).
 
 A fault fires once per run, and not in a run resumed from a checkpoint: the restart that a
@@ -50,7 +52,7 @@ class InjectFault(Callback):
         *,
         at_step: NonNegativeInt,
         kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights", "hang",
-                      "skip_collective", "slow"] = "exception",
+                      "skip_collective", "wrong_shape", "slow"] = "exception",
         rank: NonNegativeInt | None = None,
         during: Literal["train", "validation"] = "train",
         after_resume: bool = False,
@@ -66,6 +68,7 @@ class InjectFault(Callback):
         self.for_steps = for_steps
         self._fired = False
         self._skipped_at: int | None = None
+        self._wait_from_step: int | None = None  # this rank's next collective would pair wrongly
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # NOTE: decided from the run's own state rather than TORCHELASTIC_RESTART_COUNT, so it
@@ -78,9 +81,13 @@ class InjectFault(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self.during != "train" or self._fired or not self._on_this_rank(trainer):
+        if self.during != "train" or self._fired:
             return
         step = trainer.global_step
+        if self.kind == "wrong_shape" and step == self.at_step:
+            self._sync_a_metric_of_the_wrong_shape(trainer)
+        if not self._on_this_rank(trainer):
+            return
         if self.kind == "slow" and step >= self.at_step and (
                 self.for_steps is None or step < self.at_step + self.for_steps):
             time.sleep(self.delay_s)
@@ -91,9 +98,21 @@ class InjectFault(Callback):
             # while the other ranks' gradient all-reduce waits for this rank.
             ddp_model(trainer).require_backward_grad_sync = False
             self._skipped_at = step
+            self._wait_from_step = step + 1
+
+    def _sync_a_metric_of_the_wrong_shape(self, trainer: Trainer) -> None:
+        """Every rank all-reduces a metric of ``METRIC_SIZE`` values; on this fault's rank it is
+        empty. gloo and NCCL return at once from an empty all-reduce, and the others wait for
+        this rank's values."""
+        import torch.distributed as dist
+
+        wrong = self._on_this_rank(trainer)
+        dist.all_reduce(torch.zeros(0 if wrong else METRIC_SIZE))
+        if wrong:
+            self._wait_from_step = trainer.global_step
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
-        if self._skipped_at is not None and trainer.global_step > self._skipped_at:
+        if self._wait_from_step is not None and trainer.global_step >= self._wait_from_step:
             # NOTE: the next gradient all-reduce of this rank would pair with the others'
             # previous one. NCCL then waits forever; gloo aborts the process at the first
             # collective whose size differs. Waiting here is NCCL's behaviour, on any backend.
@@ -138,6 +157,9 @@ class InjectFault(Callback):
         stop_signal = signal.SIGUSR1 if self.kind == "sigusr1" else signal.SIGTERM
         os.kill(os.getppid() if under_agent else os.getpid(), stop_signal)
 
+
+# The values of the metric ``kind=wrong_shape`` all-reduces.
+METRIC_SIZE = 4
 
 # The kinds that act once, at the end of step ``at_step``; the others stall a step.
 INSTANT_KINDS = ("exception", "sigterm", "sigusr1", "sigkill", "nan_weights")

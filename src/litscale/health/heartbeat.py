@@ -17,10 +17,12 @@ from dataclasses import replace
 
 from torch.distributed import Store
 
+from litscale.health import flight_recorder
 from litscale.health.beats import Beat
 from litscale.health.stacks import dump_own_stacks
 
-STOP_KEY = "stop"  # set by the watchdog: JSON {"stacks_dir", "line"}
+STOP_KEY = "stop"  # set by the watchdog: JSON {"stacks_dir", "line", "run_dir"}
+DIAGNOSED_KEY = "diagnosed"  # set by the watchdog once it has matched the ranks' dumps
 
 
 def beat_key(rank: int) -> str:
@@ -81,14 +83,34 @@ class Heartbeat:
                 return
 
     def _stop(self, order: dict) -> None:
-        """Write this rank's stacks into the hang report's directory; end the process."""
+        """Write this rank's stacks into the hang report's directory and its Flight Recorder
+        buffer into the run dir; end the process once the watchdog has read them all."""
         path = os.path.join(order["stacks_dir"], f"rank{self.rank}.txt")
         dump_own_stacks(path, f"rank {self.rank} ({self.beat.host}, pid {self.beat.pid}) at step "
                               f"{self.beat.step}, in {self.beat.doing()}; {order['line']}")
+        if order.get("run_dir"):
+            flight_recorder.dump(order["run_dir"], self.rank, reason=order["line"])
         self.store.set(dumped_key(self.rank), b"1")
         if self.exit_on_stop:
+            # NOTE: the launcher stops every rank once one exits: rank 0 must have matched
+            # the dumps and printed the doctor's line first (bounded: it may be gone).
+            wait_for_key(self.store, DIAGNOSED_KEY, timeout_s=DIAGNOSIS_WAIT_S)
             record_elastic_error(f"{STOPPED_BY_WATCHDOG}: {order['line']}", time.time())
             os._exit(STOPPED_EXIT_CODE)
+
+
+# How long a stopped rank waits for the watchdog's diagnosis before it exits anyway.
+DIAGNOSIS_WAIT_S = 30.0
+
+
+def wait_for_key(store: Store, key: str, timeout_s: float, poll_s: float = 0.2) -> bool:
+    """Whether ``key`` appeared in ``store`` within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def record_elastic_error(message: str, timestamp: float) -> None:

@@ -20,7 +20,9 @@ from torch.distributed import Store
 
 from litscale.health.beats import Beat
 from litscale.health.diagnosis import Hang, Limits, RankState, find_hang
+from litscale.health.doctor import diagnose, load_dumps
 from litscale.health.heartbeat import (
+    DIAGNOSED_KEY,
     STOP_KEY,
     beat_key,
     dumped_key,
@@ -93,16 +95,28 @@ class Watchdog:
         # First, so that the launcher reports this line even if it stops this rank early.
         record_elastic_error(f"{HANG_ERROR}: {line}", time.time())
         # Every heartbeat, this rank's too, sees the order within a second and writes its stacks.
-        self.store.set(STOP_KEY, json.dumps({"stacks_dir": stacks_dir, "line": line}).encode())
+        self.store.set(STOP_KEY, json.dumps({"stacks_dir": stacks_dir, "line": line,
+                                             "run_dir": self.stacks_root}).encode())
         if hang.silent:
             beat = self.states[hang.rank].beat
             if beat.host == socket.gethostname():
                 dump_stacks_of(beat.pid, os.path.join(stacks_dir, f"rank{hang.rank}.txt"),
                                f"rank {hang.rank} (pid {beat.pid}), not responding; {line}")
         self._wait_for_stacks()
+        self._print_diagnosis()
         if not os.environ.get(LAUNCHER_REPORTS_ENV):
             print(f"error: {line}", file=sys.stderr, flush=True)
         self.exit(1)
+
+    def _print_diagnosis(self) -> None:
+        """The collective doctor's line on the dumps the ranks just wrote (where they wrote
+        any), then let the stopped ranks exit."""
+        try:
+            dumps = load_dumps(self.stacks_root)
+            if dumps:
+                print(f"doctor: {diagnose(dumps, self.world_size).line}", file=sys.stderr, flush=True)
+        finally:
+            self.store.set(DIAGNOSED_KEY, b"1")
 
     def _wait_for_stacks(self) -> None:
         deadline = time.monotonic() + DUMP_WAIT_S
