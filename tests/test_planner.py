@@ -599,3 +599,48 @@ def test_the_planner_accepts_the_pipelines_the_strategy_accepts_and_costs_the_bu
         "strategy.pipeline_parallel_size=8 needs 16 pipeline stages but the model declares only "
         f"{facts.pipeline_blocks} blocks to cut between; allowed: at most {facts.pipeline_blocks} stages "
         "(pipeline_parallel_size x virtual_stages)")
+
+
+def test_context_parallel_plans_divide_activations_and_gather_keys_and_values_per_layer():
+    """A Llama's FSDP plan with its sequence split over 2 of 4 ranks, against the same 4 ranks
+    without: the same sharded states (FSDP shards over data x context), half the traced
+    activations plus every layer's whole keys and values, and per layer two gathers of them in
+    forward and two reduce-scatters of their gradients in backward. The search offers such
+    plans for a model whose attention declares it, as meshes the strategies themselves lay out."""
+    from litscale.app.plan import overrides
+    from litscale.planner.cost import activation_bytes
+    from litscale.strategies import FSDPStrategy, TensorParallelStrategy
+
+    with torch.device("meta"):
+        # NOTE: 4 layers: with the tiny preset's 2, the search costs a 4-stage pipeline of its 4
+        # blocks by its 2 layers and fails (busiest_pipeline_share), a case apart from this one.
+        net = build_llama(vocab_size=256, block_size=64, n_layer=4)
+        gpt = build_gpt(vocab_size=256, block_size=64)
+    facts = model_facts(net, seq_len=64, vocab_size=256)
+    assert facts.kv_width == net.config.n_kv_heads * net.config.head_dim
+    split = Plan("fsdp", MeshSizes(data_shard=2, context=2), micro_batch=2, accumulation=3)
+    whole = Plan("fsdp", MeshSizes(data_shard=4), micro_batch=2, accumulation=3)
+    split_memory, whole_memory = memory_per_rank(split, facts, CLUSTER), memory_per_rank(whole, facts, CLUSTER)
+    assert all(split_memory[k] == whole_memory[k] for k in ("params", "grads", "optimizer"))
+    kv = 2 * facts.layers * 2 * 64 * facts.kv_width * 4  # keys and values, every layer, micro batch 2, fp32
+    assert activation_bytes(split, facts) == pytest.approx(activation_bytes(whole, facts) / 2 + kv)
+    found = {c.name: c for c in collectives(split, facts, CLUSTER)}
+    for name in ("context-parallel all-gather", "context-parallel reduce-scatter"):
+        assert found[name].calls == 3 * 2 * facts.layers
+        assert found[name].bytes_per_rank == pytest.approx(3 * kv / 2)  # a ring of 2 sends half
+    assert found["parameter all-gather"].bytes_per_rank == pytest.approx(
+        {c.name: c for c in collectives(whole, facts, CLUSTER)}["parameter all-gather"].bytes_per_rank)
+    assert "strategy.context_parallel_size=2" in overrides(split, CLUSTER)
+
+    cluster = dataclasses.replace(CLUSTER, nodes=1, devices_per_node=4)
+    ranked, _ = search(cluster, facts, 8)
+    with_context = {p.plan.describe(): p.plan for p in ranked if p.plan.mesh.context > 1}
+    assert {plan.strategy for plan in with_context.values()} == {"fsdp", "tensor_parallel"}
+    for plan in with_context.values():
+        mesh = plan.mesh
+        strategy = FSDPStrategy(context_parallel_size=mesh.context) if plan.strategy == "fsdp" else \
+            TensorParallelStrategy(tensor_parallel_size=mesh.tensor, context_parallel_size=mesh.context)
+        strategy.validate_setup(world_size=4, net=net)
+        assert strategy.resolve_mesh(4) == mesh, plan.describe()
+    gpt_ranked, _ = search(cluster, model_facts(gpt, seq_len=64, vocab_size=256), 8)
+    assert all(p.plan.mesh.context == 1 for p in gpt_ranked)  # GPT declares no attention to split

@@ -93,10 +93,12 @@ def state_bytes_per_rank(*, num_params: int, mesh: MeshSizes, sharding: Sharding
                          optimizer_bytes_per_param: int, at_peak: bool = False) -> dict[str, float]:
     """Parameter, gradient and optimizer bytes one rank of ``mesh`` holds of a model of
     ``num_params``: its ``1 / (tensor x pipeline)`` share, sharded over the data-shard ranks by
-    ``sharding`` (between steps, or ``at_peak`` inside one). The memory callback's estimate and
-    the planner's memory both come from here."""
+    ``sharding`` (between steps, or ``at_peak`` inside one): with the context folded in, as
+    context-parallel ranks share the sharding (``litscale.strategies.context_parallel``). The
+    memory callback's estimate and the planner's memory both come from here."""
     stage = sharding.peak_stage if at_peak else sharding.zero_stage
     master = 4 if sharding.fp32_master_copy else 0
-    return estimate_bytes(num_params=num_params / (mesh.tensor * mesh.pipeline), world_size=mesh.data_shard,
-                          zero_stage=stage if mesh.data_shard > 1 else 0, param_bytes=param_bytes,
+    shards = mesh.data_shard * mesh.context
+    return estimate_bytes(num_params=num_params / (mesh.tensor * mesh.pipeline), world_size=shards,
+                          zero_stage=stage if shards > 1 else 0, param_bytes=param_bytes,
                           optimizer_bytes_per_param=optimizer_bytes_per_param + master)

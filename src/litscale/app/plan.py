@@ -297,6 +297,8 @@ def overrides(plan: Plan, cluster: Cluster) -> list[str]:
             found.append("strategy.activation_checkpointing=true")
     if plan.strategy == "tensor_parallel":
         found.append(f"strategy.tensor_parallel_size={mesh.tensor}")
+    if mesh.context > 1:
+        found.append(f"strategy.context_parallel_size={mesh.context}")
     if plan.strategy == "pipeline":
         found += [f"strategy.pipeline_parallel_size={mesh.pipeline}", f"strategy.tensor_parallel_size={mesh.tensor}",
                   f"strategy.data_parallel_size={mesh.data}", f"strategy.microbatches={plan.microbatches}",

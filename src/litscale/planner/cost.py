@@ -61,7 +61,8 @@ class Plan:
 
     def describe(self) -> str:
         mesh = self.mesh
-        parts = [self.strategy, f"pp{mesh.pipeline}", f"dp{mesh.data}", f"tp{mesh.tensor}",
+        parts = [self.strategy, f"pp{mesh.pipeline}", f"dp{mesh.data}",
+                 *([f"cp{mesh.context}"] if mesh.context > 1 else []), f"tp{mesh.tensor}",
                  f"mb{self.micro_batch}", f"acc{self.accumulation}"]
         if self.mesh.pipeline > 1:
             parts.append(f"{self.schedule}x{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
@@ -131,16 +132,27 @@ def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str
 
 
 def activation_bytes(plan: Plan, facts: ModelFacts) -> float:
-    """Activations one rank holds at the peak, between a micro-batch's forward and backward."""
+    """Activations one rank holds at the peak, between a micro-batch's forward and backward:
+    with context parallel, its share of the sequence's, plus each layer's keys and values
+    gathered whole (kept for backward)."""
     mesh, scale = plan.mesh, DTYPE_BYTES[plan.compute_dtype] / 4
     micro = plan.micro_batch // plan.microbatches  # a pipeline's unit of work
     whole = facts.activations(micro) * scale
     if plan.activation_checkpointing:  # every layer keeps its input; one layer is recomputed at a time
         whole = facts.layers * facts.boundary_bytes(micro) * scale + whole / facts.layers
-    per_stage = whole / mesh.pipeline / mesh.tensor
+    per_stage = (whole / mesh.context + context_kv_bytes(plan, facts)) / mesh.pipeline / mesh.tensor
     in_flight = 1 if mesh.pipeline == 1 else (
         plan.microbatches if plan.schedule == "gpipe" else min(plan.microbatches, mesh.pipeline))
     return per_stage * in_flight
+
+
+def context_kv_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """Keys and values of every layer for the whole sequence of one micro-batch (before tensor
+    parallel's split): what context parallel gathers, 0 without it."""
+    if plan.mesh.context == 1:
+        return 0.0
+    micro = plan.micro_batch // plan.microbatches
+    return 2 * facts.layers * micro * facts.seq_len * facts.kv_width * DTYPE_BYTES[plan.compute_dtype]
 
 
 # DDP's gradient buckets: the first holds 1 MiB, the others 25 MiB (torch's defaults).
@@ -162,7 +174,9 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     share = 1 / (mesh.tensor * mesh.pipeline)
     grad_bytes = facts.num_params * share * 4  # gradients reduced in fp32
     param_bytes = facts.num_params * share * DTYPE_BYTES[plan.param_dtype]
-    data_link = cluster.link_for(mesh.data, mesh.tensor)
+    # FSDP shards over data x context: context-parallel ranks hold the same parameters.
+    shards = mesh.data_shard * mesh.context
+    data_link = cluster.link_for(mesh.data * mesh.context, mesh.tensor)
     units = facts.layers  # FSDP / ZeRO-3 gather and scatter one sharding unit per call
 
     def ring(name: str, nbytes: float, calls: int, group: int, link, factor: int) -> None:
@@ -170,7 +184,7 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
             per_rank = factor * (group - 1) / group * nbytes
             found.append(Collective(name, per_rank, calls, link.seconds(per_rank, messages=calls * latency_steps(group, factor))))
 
-    stage = sharding_of_plan(plan.strategy).peak_stage if mesh.data_shard > 1 else 0
+    stage = sharding_of_plan(plan.strategy).peak_stage if shards > 1 else 0
     if stage == 0:  # accumulation runs under no_sync: one reduction per step
         buckets = 1 + math.ceil(max(0.0, grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
         # NOTE: a compressed bucket is costed as an all-reduce of what its hook sends; hooks
@@ -183,18 +197,27 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         if stage == 3:  # each unit gathered for forward and again for backward; the root once, kept
             root_share = facts.root_params * share * DTYPE_BYTES[plan.param_dtype]
             ring("parameter all-gather", acc * (2 * param_bytes - root_share), acc * (2 * units + 1),
-                 mesh.data_shard, data_link, 1)
-            ring("gradient reduce-scatter", acc * grad_bytes, acc * (units + 1), mesh.data_shard, data_link, 1)
+                 shards, data_link, 1)
+            ring("gradient reduce-scatter", acc * grad_bytes, acc * (units + 1), shards, data_link, 1)
         else:  # ZeRO-1/2 (and a pipeline's stage): gradients scattered in buckets, parameters gathered once
-            ring("parameter all-gather", param_bytes, 1, mesh.data_shard, data_link, 1)
+            ring("parameter all-gather", param_bytes, 1, shards, data_link, 1)
             ring("gradient reduce-scatter", (acc if stage == 2 else 1) * grad_bytes, acc if stage == 2 else 1,
-                 mesh.data_shard, data_link, 1)
+                 shards, data_link, 1)
         if mesh.data_replicate > 1:
-            ring("gradient all-reduce (replicas)", grad_bytes / mesh.data_shard, 1, mesh.data_replicate,
+            ring("gradient all-reduce (replicas)", grad_bytes / shards, 1, mesh.data_replicate,
                  cluster.inter_node, 2)
     micro = plan.micro_batch // plan.microbatches
-    activation = facts.boundary_bytes(micro) * DTYPE_BYTES[plan.compute_dtype] / 4
+    activation = facts.boundary_bytes(micro) * DTYPE_BYTES[plan.compute_dtype] / 4 / mesh.context
     runs = plan.accumulation * plan.microbatches  # forward-backwards per step
+    if mesh.context > 1:
+        # Each attention gathers the keys and values of the whole sequence in forward (two
+        # all-gathers) and reduce-scatters their gradients in backward (litscale's
+        # strategies.context_parallel), over this rank's key/value heads.
+        layers = facts.layers // mesh.pipeline
+        kv = runs * context_kv_bytes(plan, facts) / mesh.pipeline / mesh.tensor
+        link = cluster.link_for(mesh.context, mesh.tensor)
+        ring("context-parallel all-gather", kv, runs * 2 * layers, mesh.context, link, 1)
+        ring("context-parallel reduce-scatter", kv, runs * 2 * layers, mesh.context, link, 1)
     if mesh.tensor > 1:
         # As counted on a real step (tests/test_planner_collectives.py), with the strategy's
         # sequence parallelism (Megatron's pattern): per layer, attention and the MLP each
@@ -205,7 +228,7 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         # stage: a pipeline is costed at its first). Per step, each norm's partial gradient is
         # all-reduced once.
         layers, head = facts.layers // mesh.pipeline, int(mesh.pipeline == 1)
-        logits = micro * facts.seq_len * facts.vocab_size * DTYPE_BYTES[plan.compute_dtype]
+        logits = micro * facts.seq_len * facts.vocab_size * DTYPE_BYTES[plan.compute_dtype] / mesh.context
         gathers = runs * (4 * layers + 1 + 2 * head)
         ring("tensor-parallel all-gather", runs * ((4 * layers + 1 + head) * activation + head * logits), gathers,
              mesh.tensor, cluster.intra_node, 1)
@@ -243,8 +266,9 @@ def profile_key(plan: Plan) -> str:
         return f"zero{plan.strategy[-1]}"
     if plan.strategy == "ddp" and plan.compression != "none" and plan.mesh.data > 1:
         return f"ddp{plan.mesh.data}-{plan.compression}"
-    if plan.strategy == "fsdp" and plan.mesh.data_shard > 1:
-        return f"fsdp{plan.mesh.data_shard}"
+    shards = plan.mesh.data_shard * plan.mesh.context  # FSDP shards over data x context
+    if plan.strategy == "fsdp" and shards > 1:
+        return f"fsdp{shards}"
     return "plain"
 
 
@@ -257,20 +281,22 @@ def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
     timed = timed_forward_backward_s(plan, facts)
     if timed is not None:
         return count * timed
-    flops = facts.flops_per_token * count * micro * facts.seq_len / plan.mesh.tensor
+    flops = facts.flops_per_token * count * micro * facts.seq_len / (plan.mesh.tensor * plan.mesh.context)
     return flops / cluster.flops(plan.compute_dtype)
 
 
 def timed_forward_backward_s(plan: Plan, facts: ModelFacts) -> float | None:
     """One micro-batch's forward-backward as timed here for ``plan`` (its own profile, else the
-    plain network's over the tensor-parallel size); None where nothing was timed."""
+    plain network's over the tensor-parallel size); None where nothing was timed. Profiles run
+    whole sequences: a context-parallel rank is costed at 1 / context of one (its load-balanced
+    share of the attention too), its gathers as collectives."""
     micro = plan.micro_batch // plan.microbatches
     timed = facts.profiles.get(profile_key(plan))
     if timed is not None and micro in timed.forward_backward_s:
-        return timed.forward_backward_s[micro]
+        return timed.forward_backward_s[micro] / plan.mesh.context
     plain = facts.profiles.get("plain")
     if plain is not None and micro in plain.forward_backward_s:
-        return plain.forward_backward_s[micro] / plan.mesh.tensor
+        return plain.forward_backward_s[micro] / (plan.mesh.tensor * plan.mesh.context)
     return None
 
 
@@ -282,8 +308,9 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
     if key != "plain" and key in facts.profiles:  # timed on the shard this rank holds
         return facts.profiles[key].optimizer_step_s / plan.mesh.pipeline
     mesh = plan.mesh
-    sharded = sharding_of_plan(plan.strategy).zero_stage >= 1 and mesh.data_shard > 1
-    share = 1 / (mesh.tensor * mesh.pipeline * (mesh.data_shard if sharded else 1))
+    shards = mesh.data_shard * mesh.context
+    sharded = sharding_of_plan(plan.strategy).zero_stage >= 1 and shards > 1
+    share = 1 / (mesh.tensor * mesh.pipeline * (shards if sharded else 1))
     plain = facts.profiles.get("plain")
     if plain is not None:
         return plain.optimizer_step_s * share

@@ -51,6 +51,9 @@ class ModelFacts:
     # The blocks a pipeline may cut between (``pipeline_blocks``: the layers, the embedding and
     # the head); 0 where the model declares none.
     pipeline_blocks: int = 0
+    # Key (and value) features per token of each attention layer, where the model can split its
+    # sequence (``context_parallel_attention``); 0 where it cannot.
+    kv_width: int = 0
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
 
     def activations(self, micro_batch: int) -> float:
@@ -110,7 +113,14 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int) -> ModelFacts:
                       layers=len(units), hidden=hidden, heads=heads, activation_bytes_per_sample=per_sample,
                       activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units,
                       vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
-                      pipeline_blocks=len(net.pipeline_blocks()) if hasattr(net, "pipeline_blocks") else 0)
+                      pipeline_blocks=len(net.pipeline_blocks()) if hasattr(net, "pipeline_blocks") else 0,
+                      kv_width=_kv_width(net))
+
+
+def _kv_width(net: nn.Module) -> int:
+    """The key projection's width of the first attention a context-parallel strategy splits."""
+    attention = net.context_parallel_attention() if hasattr(net, "context_parallel_attention") else []
+    return attention[0].k_proj.out_features if attention else 0
 
 
 def _first(config, names: tuple[str, ...], default: int) -> int:

@@ -28,6 +28,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def context_sizes(ranks: int, facts: ModelFacts) -> list[int]:
+    """How many ranks may split each sequence: 1, and where the model declares attention that
+    context parallel splits, each divisor of ``ranks`` whose ``2 x`` divides the sequence."""
+    return [c for c in divisors(ranks) if c == 1 or (facts.kv_width and facts.seq_len % (2 * c) == 0)]
+
+
 def meshes(strategy: str, cluster: Cluster, facts: ModelFacts) -> list[MeshSizes]:
     """The meshes a strategy can take on the cluster's world."""
     world = cluster.world_size
@@ -38,9 +44,10 @@ def meshes(strategy: str, cluster: Cluster, facts: ModelFacts) -> list[MeshSizes
     if strategy == "fsdp":
         hybrid = [MeshSizes(data_replicate=cluster.nodes, data_shard=cluster.devices_per_node)] \
             if cluster.nodes > 1 else []
-        return [MeshSizes(data_shard=world), *hybrid]
+        return [MeshSizes(data_shard=world // c, context=c) for c in context_sizes(world, facts)] + hybrid
     if strategy == "tensor_parallel":
-        return [MeshSizes(data_shard=world // t, tensor=t) for t in divisors(world) if t > 1]
+        return [MeshSizes(data_shard=world // (t * c), tensor=t, context=c) for t in divisors(world) if t > 1
+                for c in context_sizes(world // t, facts)]
     return [MeshSizes(pipeline=p, data_shard=world // (p * t), tensor=t)
             for p in divisors(world) if p > 1 for t in divisors(world // p)]
 
