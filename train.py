@@ -26,6 +26,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # Before litscale's first import: torchmetrics (through Lightning) then skips transformers
+    # and scipy here and in every rank this starts, about 3 s each (litscale/torchmetrics_backends.py).
+    os.environ.setdefault("LITSCALE_SKIP_TORCHMETRICS_BACKENDS", "1")
     from litscale.app.preflight import check_command_line, skip_jobs
     from litscale.app.scaling_study import THREADS_ENV, baseline_first, threads_per_rank_of_sweep
 

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# As train.py does for itself and its ranks: the torchmetrics that Lightning imports skips
+# transformers and scipy, here and in every process a test starts (about 3 s of each one's
+# start; litscale/torchmetrics_backends.py). Imported here, before any test module imports
+# Lightning; the tests that use transformers import it themselves, as litscale does.
+os.environ.setdefault("LITSCALE_SKIP_TORCHMETRICS_BACKENDS", "1")
+import litscale  # noqa: E402, F401
 
 
 @pytest.fixture
