@@ -249,6 +249,16 @@ def check_plan(cfg, choices, tmp_path):
     assert cfg.plan.mode == choices["plan"]
 
 
+def check_determinism(cfg, choices, tmp_path):
+    from litscale.determinism import LayoutInvariance
+
+    determinism = build_module(cfg).determinism
+    if "_target_" in cfg.determinism:
+        assert isinstance(determinism, LayoutInvariance) and determinism.chunks == cfg.determinism.chunks
+    else:
+        assert len(cfg.determinism) == 0 and determinism is None
+
+
 GROUP_CHECKS = {
     "trainer": check_trainer,
     "model": check_model,
@@ -264,6 +274,7 @@ GROUP_CHECKS = {
     "lr_scaling": check_lr_scaling,
     "cluster": check_cluster,
     "plan": check_plan,
+    "determinism": check_determinism,
     "hydra": None,  # checked on the composed hydra node, see test_option
     "experiment": None,  # see test_experiment
     "sweeps": None,  # +sweeps=<option> beside hydra/sweeper=optuna: see test_optuna.py

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics.aggregation import MeanMetric
 
+from litscale.determinism import LayoutInvariance
 from litscale.loggers import is_logging_step
 
 OptimizerFactory = Callable[[Iterable], Optimizer]
@@ -48,9 +49,12 @@ class TaskModule(LightningModule):
         scheduler: SchedulerFactory | None = None,
         weight_decay: float = 0.0,
         compile: bool = False,
+        determinism: LayoutInvariance | None = None,
     ) -> None:
         super().__init__()
         self.net = net
+        # NOTE: set up before any strategy shards ``net``: it keeps an unsharded copy.
+        self.determinism = determinism.attach(net) if determinism is not None else None
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.weight_decay = weight_decay
@@ -68,14 +72,23 @@ class TaskModule(LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+    def loss(self, batch: tuple[Tensor, Tensor], net: nn.Module | None = None) -> Tensor:
+        """The batch's mean loss through ``net`` (default: this module's network)."""
         raise NotImplementedError
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.determinism is not None:  # it logs the global batch's loss at the optimizer step
+            return self.determinism.training_step(self, batch, batch_idx)
         loss = self.loss(batch)
         if is_logging_step(self._trainer):
             self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.determinism is not None:
+            loss = self.determinism.finish(self)
+            if is_logging_step(self._trainer):
+                self.log("train/loss", loss, prog_bar=True)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
@@ -98,6 +111,8 @@ class TaskModule(LightningModule):
         # NOTE: Lightning's mixed-precision plugin refuses to clip for a fused optimizer, which
         # would unscale the gradients itself; under bf16 autocast there is no loss scale and so
         # nothing to unscale: clip as every other precision does (fused AdamW on GPU needs this).
+        if self.determinism is not None:
+            return  # clipped in ``determinism.finish``, on the whole gradient, alike on every layout
         plugin = self.trainer.precision_plugin
         if gradient_clip_val and getattr(plugin, "scaler", False) is None and \
                 getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -123,9 +138,9 @@ class CausalLMModule(TaskModule):
 
     task = "causal_lm"
 
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+    def loss(self, batch: tuple[Tensor, Tensor], net: nn.Module | None = None) -> Tensor:
         tokens, targets = batch
-        return self.loss_fn(self.net(tokens), targets)
+        return self.loss_fn((net or self.net)(tokens), targets)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """The next-token loss (``train/loss``, comparable with ``val/loss``) plus the net's
@@ -184,9 +199,9 @@ class ClassificationModule(TaskModule):
     def on_validation_epoch_start(self) -> None:
         self.val_accuracy.reset()
 
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+    def loss(self, batch: tuple[Tensor, Tensor], net: nn.Module | None = None) -> Tensor:
         inputs, labels = batch
-        logits = self.net(inputs)
+        logits = (net or self.net)(inputs)
         if not self.training:
             self.val_accuracy.update((logits.argmax(-1) == labels).float().mean(), weight=len(labels))
         return F.cross_entropy(logits.float(), labels)

@@ -111,8 +111,10 @@ def build_strategy(cfg: DictConfig):
 def build_module(cfg: DictConfig) -> LightningModule:
     trusted = trusted_targets(cfg)
     scheduler = build(cfg.scheduler, trusted=trusted) if "_target_" in (cfg.get("scheduler") or {}) else None
+    # the layout-invariant step keeps a copy of the net as built, before any strategy wraps it
+    extra = {"determinism": build(cfg.determinism, trusted=trusted)} if "_target_" in (cfg.get("determinism") or {}) else {}
     return build(cfg.model, trusted=trusted, optimizer=build(cfg.optimizer, trusted=trusted),
-                 scheduler=scheduler)
+                 scheduler=scheduler, **extra)
 
 
 def build_datamodule(cfg: DictConfig, layout: RunLayout) -> LightningDataModule:
@@ -171,6 +173,8 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
     seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build_datamodule(cfg, layout)
     module = build_module(cfg)
+    if getattr(module, "determinism", None) is not None:  # each rank's share of a step, in one block
+        datamodule.rank_block = layout.micro_batch * layout.accumulation
     loggers_cfg = cfg.get("logger") or {}
     wandb = {name: wandb_run(node, name=cfg.name, sweep_dir=sweep_dir, ckpt_path=layout.ckpt_path)
              for name, node in loggers_cfg.items()

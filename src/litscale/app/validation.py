@@ -95,7 +95,7 @@ class OptimizerSchema:
 
 # Groups whose value is one object built from `_target_` / a dict of named objects.
 TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression",
-                 "lr_scaling", "cluster")
+                 "lr_scaling", "cluster", "determinism")
 NAMED_TARGET_GROUPS = ("logger", "callbacks")
 CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")
 
@@ -138,6 +138,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     check_data_paths(cfg)
     check_compression_supported(cfg, choices)
     layout = run_layout(cfg, processes, choices=choices)
+    check_determinism(cfg, choices, layout)
     check_baseline(cfg)
     check_warmup(cfg)
     check_export_hf(cfg, choices)
@@ -355,6 +356,27 @@ def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> Non
             f"strategy={choices.get('strategy', cfg.strategy._target_)}; gradient compression "
             "applies to strategies whose data-parallel dimension uses DDP (e.g. strategy=ddp)"
         )
+
+
+def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:
+    """``determinism=layout_invariant`` holds only for data-parallel layouts it can split."""
+    if "_target_" not in (cfg.get("determinism") or {}):
+        return
+    from litscale.determinism import check_layout
+
+    compression = cfg.get("compression") or {}
+    partition = (cfg.get("data") or {}).get("partition", "iid")
+    if partition != "iid":
+        raise ConfigError(f"determinism=layout_invariant cuts one shared order into chunks, not "
+                          f"data.partition={partition}; allowed: data.partition=iid")
+    try:
+        check_layout(strategy=choices.get("strategy", cfg.strategy._target_),
+                     strategy_class=locate_target(cfg.strategy._target_, "strategy"),
+                     data_parallel=layout.mesh.data, accumulation=layout.accumulation,
+                     micro_batch=layout.micro_batch, chunks=int(cfg.determinism.chunks),
+                     compression=choices.get("compression", "on") if "_target_" in compression else None)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def run_layout(cfg: DictConfig, processes: int, *, choices: dict[str, str] | None = None) -> RunLayout:

@@ -34,7 +34,33 @@ class ResumableSampler(DistributedSampler):
         skipped = skip[1] if skip and skip[0] == self.epoch else 0
         # NOTE: __len__ stays the whole epoch's: Lightning counts the resumed epoch's batches
         # from where the checkpoint left off, so only the iterator is shorter.
-        return itertools.islice(super().__iter__(), skipped, None)
+        return itertools.islice(self.rank_order(), skipped, None)
+
+    def rank_order(self) -> Iterator[int]:
+        """This rank's indices for the epoch: every ``num_replicas``-th of the permutation."""
+        return DistributedSampler.__iter__(self)
+
+
+class ContiguousBlockSampler(ResumableSampler):
+    """The same permutation, but each optimizer step's global batch of ``block x num_replicas``
+    consecutive indices is cut into contiguous blocks, rank ``r`` taking the ``r``-th
+    (``determinism=layout_invariant``: a chunk of the global batch is then the same samples,
+    in the same order, on every layout)."""
+
+    def __init__(self, *args: Any, block: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.block = block
+        step = block * self.num_replicas
+        self.total_size = len(self.dataset) // step * step  # whole global batches only
+        self.num_samples = self.total_size // self.num_replicas
+
+    def rank_order(self) -> Iterator[int]:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        step = self.block * self.num_replicas
+        for start in range(0, self.total_size, step):
+            yield from order[start + self.rank * self.block:start + (self.rank + 1) * self.block]
 
 
 def resume_position(trainer: Any) -> tuple[int, int]:
@@ -73,6 +99,10 @@ class ShardedDataModule(LightningDataModule):
         alpha: The Dirichlet concentration of ``partition=dirichlet``.
         shards_per_client: The shards each rank gets with ``partition=shards``.
     """
+
+    #: Set for ``determinism=layout_invariant``: the samples a rank takes per optimizer step
+    #: (micro batch x accumulation), drawn as one contiguous block (``ContiguousBlockSampler``).
+    rank_block: int | None = None
 
     #: ``"causal_lm"`` (batches ``(x, y)`` of int64 ``[B, T]``, ``y`` = ``x`` shifted by one)
     #: or ``"classification"`` (``x`` float32 ``[B, C, H, W]``, ``y`` int64 ``[B]``).
@@ -127,6 +157,9 @@ class ShardedDataModule(LightningDataModule):
         """The training sampler for this rank (Lightning calls ``set_epoch`` on it)."""
         num_replicas, rank = self.replicas()
         dataset = self._require(self.train_dataset, "train")
+        if self.rank_block is not None:
+            return ContiguousBlockSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
+                                          seed=self.seed, drop_last=True, block=self.rank_block)
         labels = self.train_labels()
         if self.partition == "iid":
             sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,

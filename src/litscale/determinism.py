@@ -1,0 +1,288 @@
+"""``determinism=layout_invariant``: data-parallel layouts that train bit-identically.
+
+A normal data-parallel step sums gradients in an order that depends on the layout: each
+rank's backward sums over its micro batch inside the matmuls, accumulation adds micro
+batches one after another, and the all-reduce adds ranks in whatever order its algorithm
+takes. Floating-point addition is not associative, so 1 and 8 ranks drift apart in the last
+bits, then further. In this mode the order is fixed instead:
+
+- every global batch is cut into ``chunks`` equal chunks of consecutive samples; a chunk's
+  loss and gradient are computed on their own (a forward and backward of that chunk alone,
+  so each matmul sees the same shapes on any layout), with the random generators seeded from
+  the step and the chunk's index in the global batch (dropout draws the same masks);
+- chunk gradients are summed in one fixed pairwise tree over the chunk indices: a rank sums
+  the subtree of the chunks it holds (its contiguous share of the global batch, in micro
+  batches of whole chunks), the ranks all-gather their subtree sums, and every rank finishes
+  the tree in the same order, then divides by ``chunks`` (a power of two: exact);
+- the forward and backward run on a plain, unsharded copy of the network whose weights are
+  the strategy's (gathered from shards where the strategy shards them): the strategy's own
+  gradient reduction never runs, and each rank hands its optimizer its slice of the one global
+  gradient, which is the same on every rank, so every layout steps the same weights.
+
+With the same global batch, 1, 2, 4 or 8 ranks, DDP or FSDP, with or without gradient
+accumulation, give ``torch.equal`` losses and weights at every step. It costs a full copy of
+the network and its gradient on every rank, a forward per chunk, and an all-gather of
+gradients (world x the all-reduce's volume): for debugging, reproducibility audits and
+comparing layouts, not for speed (``experiments/determinism``). Tensor and pipeline parallel
+change the reductions inside a matmul and are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from litscale.constraints import PositiveInt
+
+# The strategies whose layouts this mode makes bit-identical (their classes' names).
+STRATEGIES = ("SingleStrategy", "DDPStrategy", "FSDPStrategy")
+MODEL_PARALLEL = ("TensorParallelStrategy", "PipelineParallelStrategy")
+
+
+def check_layout(
+    *,
+    strategy: str,
+    strategy_class: type,
+    data_parallel: int,
+    accumulation: int,
+    micro_batch: int,
+    chunks: int,
+    compression: str | None,
+) -> None:
+    """Raise ``ValueError`` (one line) where ``determinism=layout_invariant`` cannot hold for
+    this run; ``strategy`` is the name the user chose, for the message."""
+    name = strategy_class.__name__
+    if name in MODEL_PARALLEL:
+        raise ValueError(
+            f"determinism=layout_invariant is not available with strategy={strategy}: tensor and pipeline "
+            "parallel change the reductions inside a matmul; allowed: strategy=single, ddp or fsdp"
+        )
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"determinism=layout_invariant is not available with strategy={strategy} yet; "
+            "allowed: strategy=single, ddp or fsdp"
+        )
+    if compression:
+        raise ValueError(
+            f"determinism=layout_invariant sums exact gradients, not compression={compression}; "
+            "allowed: compression=none"
+        )
+    per_step = data_parallel * accumulation
+    global_batch = micro_batch * per_step
+    if not is_power_of_two(chunks) or chunks % per_step or global_batch % chunks:
+        raise ValueError(
+            f"determinism.chunks={chunks} must be a power of two, a multiple of {data_parallel} data-parallel "
+            f"rank(s) x {accumulation} micro batch(es) = {per_step}, and divide the global batch {global_batch}"
+        )
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def chunk_seed(seed: int, step: int, chunk: int) -> int:
+    """The random generators' seed for one chunk: from the run's seed, the step and the
+    chunk's index in the global batch, so a chunk draws the same numbers on any rank."""
+    return (seed * 1_000_003 + step) * 65_537 + chunk
+
+
+def tree_sum(values: list[Tensor]) -> Tensor:
+    """The pairwise sum of ``values`` (a power of two of them): neighbours first, then the
+    sums of neighbours, to the root."""
+    while len(values) > 1:
+        values = [values[i] + values[i + 1] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+@dataclass
+class _Subtree:
+    """A rank's partial sums: complete subtrees over consecutive chunks, merged as soon as a
+    sibling completes (a binary counter), so it holds at most log2(chunks) of them."""
+
+    nodes: list[tuple[int, list[Tensor]]] = field(default_factory=list)  # (leaves, tensors)
+
+    def add(self, tensors: list[Tensor]) -> None:
+        leaves = 1
+        while self.nodes and self.nodes[-1][0] == leaves:
+            _, left = self.nodes.pop()
+            tensors = [a + b for a, b in zip(left, tensors, strict=True)]
+            leaves *= 2
+        self.nodes.append((leaves, tensors))
+
+    def total(self) -> list[Tensor]:
+        if len(self.nodes) != 1:
+            raise RuntimeError(
+                f"layout_invariant: a rank's chunks do not form one subtree: "
+                f"{[n for n, _ in self.nodes]} leaves"
+            )
+        return self.nodes[0][1]
+
+
+class LayoutInvariance:
+    """The layout-invariant step: see the module's docstring.
+
+    Args:
+        chunks: Chunks of each global batch (a power of two, a multiple of data-parallel ranks
+            x accumulation, and a divisor of the global batch). Runs compare bit-for-bit only
+            with the same ``chunks``.
+        seed: Seed of the per-chunk random generators (the run's ``seed``).
+        threads: Intra-op CPU threads of every rank. NOTE: a CPU kernel may split a reduction
+            (a matmul's, a norm's weight gradient) over its threads, so the thread count is part
+            of the arithmetic: one rank on 2 cores and two ranks on one core each differed in
+            the 7th digit until both used one thread.
+    """
+
+    def __init__(self, *, chunks: PositiveInt = 8, seed: int = 0, threads: PositiveInt = 1) -> None:
+        if not is_power_of_two(int(chunks)):
+            raise ValueError(f"determinism.chunks must be a power of two, got {chunks}")
+        self.chunks, self.seed, self.threads = int(chunks), int(seed), int(threads)
+        self.losses: list[Tensor] = []  # the global batch's loss at each step
+        self._replica: nn.Module | None = None
+        self._subtree = _Subtree()
+        self._chunk_losses: list[Tensor] = []
+
+    def attach(self, net: nn.Module) -> LayoutInvariance:
+        """Keep an unsharded copy of ``net`` (before any strategy shards or wraps it); fix
+        this process's CPU threads."""
+        self._replica = copy.deepcopy(net)
+        torch.set_num_threads(self.threads)
+        return self
+
+    # --- where this rank's chunks are ----------------------------------------------------------
+
+    @staticmethod
+    def data_parallel(trainer) -> tuple[int, int]:
+        """(data-parallel ranks, this rank's index) of the trainer's strategy."""
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def first_chunk(self, trainer, batch_idx: int, micro_batch: int) -> tuple[int, int]:
+        """(global index of this micro batch's first chunk, chunk size)."""
+        ranks, rank = self.data_parallel(trainer)
+        accumulation = trainer.accumulate_grad_batches
+        per_micro = self.chunks // (ranks * accumulation)
+        if per_micro < 1 or self.chunks % (ranks * accumulation) or micro_batch % per_micro:
+            raise ValueError(
+                f"determinism.chunks={self.chunks} does not split into {ranks} data-parallel rank(s) x "
+                f"{accumulation} micro batch(es) of {micro_batch} samples: chunks must be a multiple of "
+                f"{ranks * accumulation} and divide the global batch {micro_batch * ranks * accumulation}"
+            )
+        return rank * (self.chunks // ranks) + (
+            batch_idx % accumulation
+        ) * per_micro, micro_batch // per_micro
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def training_step(self, module, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        """Forward and backward each chunk of ``batch`` on the replica; add its gradient to this
+        rank's subtree. Returns the micro batch's loss, detached: the strategy's backward of it
+        touches no parameter."""
+        trainer = module.trainer
+        _skip_ddp_reduction(trainer)
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._load_weights(module)
+        first, size = self.first_chunk(trainer, batch_idx, batch[0].shape[0])
+        replica = self._replica
+        parameters = [p for p in replica.parameters() if p.requires_grad]
+        losses = []
+        for index in range(batch[0].shape[0] // size):
+            chunk = tuple(t[index * size : (index + 1) * size] for t in batch)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(chunk_seed(self.seed, trainer.global_step, first + index))
+                loss = module.loss(chunk, net=replica)
+            gradients = torch.autograd.grad(loss, parameters, allow_unused=True)
+            self._subtree.add(
+                [
+                    torch.zeros_like(p) if g is None else g
+                    for p, g in zip(parameters, gradients, strict=True)
+                ]
+            )
+            losses.append(loss.detach())
+            self._chunk_losses.append(loss.detach())
+        # the micro batch's loss as a normal step reports it (a mean over its chunks)
+        return (tree_sum(losses) / len(losses)).requires_grad_()
+
+    def finish(self, module) -> Tensor:
+        """At the optimizer step: exchange the ranks' subtree sums, finish the tree, and give
+        each of the strategy's parameters its part of the global mean gradient. Returns the
+        global batch's loss (the same on every rank)."""
+        ranks, _ = self.data_parallel(module.trainer)
+        subtree = self._subtree.total() + [tree_sum(self._chunk_losses)]
+        self._subtree, self._chunk_losses = _Subtree(), []
+        flat = torch.cat([t.reshape(-1) for t in subtree])
+        if ranks > 1:
+            gathered = [torch.empty_like(flat) for _ in range(ranks)]
+            dist.all_gather(
+                gathered, flat
+            )  # every rank of these strategies is a data-parallel rank
+            flat = tree_sum(gathered)
+        flat = flat / self.chunks  # a power of two: exact
+        self.losses.append(flat[-1].clone())
+        flat = _clip(flat[:-1], module.trainer)
+        offset = 0
+        targets = [p for p in module.net.parameters() if p.requires_grad]
+        for param in targets:
+            gradient = flat[offset : offset + param.numel()].view(param.shape)
+            offset += param.numel()
+            _set_gradient(param, gradient)
+        return self.losses[-1]
+
+    def _load_weights(self, module) -> None:
+        """The replica takes the strategy's current weights (whole, where they are sharded)."""
+        if self._replica is None:
+            raise RuntimeError("LayoutInvariance.attach(net) must be called before training")
+        device = next(module.net.parameters()).device
+        if next(self._replica.parameters()).device != device:
+            self._replica.to(device)
+        with torch.no_grad():
+            for mine, theirs in zip(
+                self._replica.parameters(), module.net.parameters(), strict=True
+            ):
+                mine.copy_(_whole(theirs))
+        self._replica.train(module.training)
+
+
+def _skip_ddp_reduction(trainer) -> None:
+    """Tell DDP (whose forward this step runs in) that no all-reduce is to follow: the
+    parameters it wraps take no part in this backward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = getattr(trainer.strategy, "model", None)
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = False
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _clip(gradient: Tensor, trainer) -> Tensor:
+    """The whole gradient clipped as the trainer asks (norm or value), computed on the one
+    flat gradient every rank holds: the same numbers on any layout."""
+    limit = trainer.gradient_clip_val
+    if not limit:
+        return gradient
+    if trainer.gradient_clip_algorithm == "value":
+        return gradient.clamp(-limit, limit)
+    norm = torch.linalg.vector_norm(gradient)
+    return gradient * torch.clamp(limit / (norm + 1e-6), max=1.0)
+
+
+def _set_gradient(param: Tensor, gradient: Tensor) -> None:
+    """``param.grad`` = ``gradient``, or this rank's shard of it for a sharded parameter (cut
+    locally: every rank holds the whole gradient)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        gradient = distribute_tensor(
+            gradient.clone(), param.device_mesh, param.placements, src_data_rank=None
+        )
+    else:
+        gradient = gradient.clone()
+    param.grad = gradient
