@@ -23,9 +23,11 @@ from litscale.callbacks.memory import MemoryCallback
 from litscale.callbacks.moe import MoEStatsCallback
 from litscale.callbacks.straggler import StragglerReport
 from litscale.callbacks.throughput import ThroughputCallback
+from litscale.callbacks.watchdog import HangWatchdog
 
 # Callbacks whose ``result`` (figures of the whole run) goes into summary.json.
-MEASURING_CALLBACKS = (ThroughputCallback, MemoryCallback, CommunicationCallback, StragglerReport, MoEStatsCallback)
+MEASURING_CALLBACKS = (ThroughputCallback, MemoryCallback, CommunicationCallback, StragglerReport, MoEStatsCallback,
+                       HangWatchdog)
 
 
 def _count_params(module) -> int:

@@ -57,6 +57,8 @@ class HangWatchdog(Callback):
         self._collectives: dict[str, str] = {}
         self._step_times: deque[float] = deque(maxlen=MEDIAN_OVER_STEPS)
         self._batch_started: float | None = None
+        # summary.json: ``health/watched`` is false when a heartbeat or the watchdog died
+        self.result: dict[str, bool] = {}
 
     def limits(self, median_step_s: float | None) -> Limits:
         step_s = self.timeout_s or max(self.min_timeout_s, self.step_multiple * (median_step_s or 0.0))
@@ -95,6 +97,11 @@ class HangWatchdog(Callback):
             if part is not None:
                 part.close()
         self.watchdog = self.heartbeat = None
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.heartbeat is not None:
+            died = any(part is not None and part.failure for part in (self.watchdog, self.heartbeat))
+            self.result = {"health/watched": not died}
 
     # --- where this rank is ------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -49,6 +50,7 @@ class Heartbeat:
         self.store, self.rank, self.interval_s, self.exit_on_stop = store, rank, interval_s, exit_on_stop
         self.beat = Beat(rank=rank, step=0, phase="setup", host=socket.gethostname(), pid=os.getpid())
         self._seq = 0
+        self.failure: str | None = None  # why the thread stopped early (then no one hears this rank)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="litscale-heartbeat", daemon=True)
 
@@ -74,13 +76,14 @@ class Heartbeat:
         self.store.set(beat_key(self.rank), replace(self.beat, seq=self._seq).encode())
 
     def _run(self) -> None:
-        while not self._closed.wait(self.interval_s):
-            try:
+        try:
+            while not self._closed.wait(self.interval_s):
                 self._publish()
                 if self.store.check([STOP_KEY]):
                     self._stop(json.loads(self.store.get(STOP_KEY)))
-            except Exception:  # the store went away: the job is ending; nothing to report to
-                return
+        except Exception as error:
+            self.failure = report_dead_thread(f"rank {self.rank}: heartbeat", error, self._closed,
+                                              "the hang watchdog no longer hears this rank")
 
     def _stop(self, order: dict) -> None:
         """Write this rank's stacks into the hang report's directory and its Flight Recorder
@@ -111,6 +114,21 @@ def wait_for_key(store: Store, key: str, timeout_s: float, poll_s: float = 0.2) 
             return False
         time.sleep(poll_s)
     return True
+
+
+# How long a watcher thread that failed waits for the job's own end before it reports: a
+# store that goes away as the job ends is no failure.
+FAILURE_GRACE_S = 2.0
+
+
+def report_dead_thread(who: str, error: BaseException, closed: threading.Event, consequence: str) -> str | None:
+    """Say once, on stderr, that a health thread died and what the run lost; return the reason
+    (None when the job was ending anyway)."""
+    if closed.wait(FAILURE_GRACE_S):
+        return None
+    reason = (f"{type(error).__name__}: {error}".splitlines() or [""])[0]
+    print(f"litscale: {who} stopped ({reason}); {consequence}", file=sys.stderr, flush=True)
+    return reason
 
 
 def record_elastic_error(message: str, timestamp: float) -> None:

@@ -27,6 +27,7 @@ from litscale.health.heartbeat import (
     beat_key,
     dumped_key,
     record_elastic_error,
+    report_dead_thread,
 )
 from litscale.health.stacks import dump_stacks_of
 from litscale.health.store import read_json_keys
@@ -51,6 +52,7 @@ class Watchdog:
         self.stacks_root, self.poll_s, self.exit = stacks_root, poll_s, exit
         self.median_step_s: float | None = None  # set by the training loop of this rank
         self.states: dict[int, RankState] = {}
+        self.failure: str | None = None  # why the thread stopped early (then no hang is caught)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="litscale-watchdog", daemon=True)
 
@@ -81,7 +83,9 @@ class Watchdog:
         while not self._closed.wait(self.poll_s):
             try:
                 hang = self.check(time.monotonic())
-            except Exception:  # the store went away: the job is ending
+            except Exception as error:
+                self.failure = report_dead_thread("hang watchdog", error, self._closed,
+                                                  "this run is no longer watched for hangs")
                 return
             if hang is not None:
                 self._stop_job(hang)
