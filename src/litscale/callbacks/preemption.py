@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from types import FrameType
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -59,6 +60,10 @@ class PreemptionCheckpoint(Callback):
         disable_lightning_sigterm_broadcast(trainer)
 
     def _stop_signals(self, trainer: Trainer) -> list[signal.Signals]:
+        if threading.current_thread() is not threading.main_thread():
+            # Only the main thread may take signals; a rank run in a worker thread (Ray Train's)
+            # is stopped by its engine, as Lightning's own connector also assumes.
+            return []
         signals = [signal.SIGTERM]
         # SIGUSR1 stays with SLURM's auto-requeue when that is in charge (it saves and requeues).
         environment = trainer._accelerator_connector.cluster_environment

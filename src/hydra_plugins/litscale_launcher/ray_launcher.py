@@ -1,0 +1,185 @@
+"""Ray (``-m hydra/launcher=ray``): each job of a sweep is a Ray Train job.
+
+A ``TorchTrainer`` with ``nodes x devices`` workers (from the job's own ``trainer.num_nodes``
+/ ``trainer.devices``, resolved in its config as for SLURM) runs the Hydra job on every
+worker, as one rank of it: Ray sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``
+and ``MASTER_ADDR``/``PORT`` as torchrun does, so litscale sees an external launch and starts
+no ranks itself. Ray's own process group is handed back before litscale's strategy makes its
+own, so every strategy runs as under torchrun. Jobs are submitted together (one thread
+each) and run at once where the cluster has room; each job's run dir is the one the basic
+launcher would use. A failed worker ends its job with one ``error: rank N failed: ...`` line
+and the sweep goes on. ``ray`` is imported only here, when this launcher is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
+from omegaconf import DictConfig, open_dict
+
+from hydra_plugins.litscale_launcher.jobs import ClusterLauncher, job_resources, job_return
+
+# Forwarded to the workers of a cluster this sweep did not start (a local one inherits them).
+FORWARDED_ENV_PREFIX = "LITSCALE_"
+
+
+class RayLauncher(ClusterLauncher):
+    """Runs each job as a Ray Train ``TorchTrainer`` on the cluster at ``address``."""
+
+    def launch(
+        self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
+    ) -> Sequence[JobReturn]:
+        connect(self.params)
+        # Pinned here: ${now:...} in the sweep dir would name another dir in each worker.
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        jobs = []
+        for number, job_config, overrides in self.job_configs(job_overrides, initial_job_idx):
+            with open_dict(job_config):
+                job_config.hydra.job.id = job_config.hydra.job.num = number
+                job_config.hydra.sweep.dir = str(sweep_dir)
+            jobs.append((job_config, overrides))
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+            results = list(pool.map(lambda job: self._run(*job), jobs))
+        if any(r.status == JobStatus.FAILED for r in results):
+            raise SystemExit(1)  # each failure has had its line; every other job of the batch ran
+        return results
+
+    def _run(self, job_config: DictConfig, overrides: list[str]) -> JobReturn:
+        """One job on the cluster; its return, failed with the rank's one line where a rank failed."""
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+
+        params = job_resources(job_config)
+        number = int(job_config.hydra.job.num)
+        gpu = use_gpu(params, str(job_config.trainer.get("accelerator")))
+        payload = (self.hydra_context, job_config, Singleton.get_state(), os.getcwd())
+        trainer = TorchTrainer(
+            run_rank,
+            train_loop_config={"job": payload},
+            scaling_config=ScalingConfig(
+                num_workers=int(params["nodes"]) * int(params["processes_per_node"]),
+                use_gpu=gpu,
+                resources_per_worker={"CPU": params["cpus_per_worker"]},
+            ),
+            torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
+            run_config=RunConfig(
+                name=f"job{number}",
+                storage_path=str(Path(job_config.hydra.sweep.dir) / ".ray"),
+                failure_config=FailureConfig(max_failures=0),
+            ),
+        )
+        print(f"litscale: job {number} on Ray: {' '.join(overrides)}", flush=True)
+        try:
+            trainer.fit()
+        except Exception as error:  # noqa: BLE001 - Ray's several failure types, one line each
+            line = failure_line(error)
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            return job_return(job_config, overrides, error=RuntimeError(line))
+        summary = (
+            Path(job_config.hydra.sweep.dir) / str(job_config.hydra.sweep.subdir) / "summary.json"
+        )
+        value = json.loads(summary.read_text()).get("val/loss") if summary.is_file() else None
+        return job_return(job_config, overrides, value=value)
+
+
+def connect(params: dict[str, Any]) -> None:
+    """Join the cluster at ``params['address']`` (``auto``, ``ray://...``), or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
+    if params.get("address"):
+        ray.init(address=params["address"], runtime_env={"env_vars": forwarded})
+    else:
+        ray.init(
+            num_cpus=params.get("num_cpus"),
+            num_gpus=params.get("num_gpus"),
+            include_dashboard=False,
+        )
+
+
+def use_gpu(params: dict[str, Any], accelerator: str) -> bool:
+    """Whether the job's workers each take a GPU: ``use_gpu: auto`` follows the accelerator."""
+    if params.get("use_gpu") != "auto":
+        return bool(params.get("use_gpu"))
+    if accelerator == "cpu":
+        return False
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def failure_line(error: BaseException) -> str:
+    """``rank N failed: <cause>`` for the rank whose failure is the cause (not a peer that
+    only saw it die), as litscale's own launcher reports a failed rank."""
+    from litscale.app.launch import is_knock_on_failure
+
+    failures = getattr(error, "worker_failures", None) or {}
+    if not failures:
+        return f"{type(error).__name__}: {_first_line(error)}"
+    rank, cause = min(failures.items(), key=lambda item: (is_knock_on_failure(item[1]), item[0]))
+    return f"rank {rank} failed: {type(cause).__name__}: {_first_line(cause)}"
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def run_rank(config: dict[str, Any]) -> None:
+    """On each Ray Train worker: this rank of the Hydra job (rank 0 alone writes ``.hydra/``)."""
+    hydra_context, job_config, singleton_state, cwd = config["job"]
+    os.chdir(cwd)  # relative paths in the config mean what they meant to the sweep
+    leave_rays_process_group()
+    # Lightning recognises a torchrun-style launch by GROUP_RANK (Ray names it NODE_RANK).
+    os.environ.setdefault("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    Singleton.set_state(singleton_state)
+    setup_globals()
+    if int(os.environ["RANK"]) != 0:
+        with open_dict(job_config):
+            job_config.hydra.output_subdir = None
+    result = run_job(
+        hydra_context=hydra_context,
+        task_function=train_rank,
+        config=job_config,
+        job_dir_key="hydra.sweep.dir",
+        job_subdir_key="hydra.sweep.subdir",
+    )
+    if isinstance(result._return_value, BaseException):
+        raise result._return_value
+
+
+def train_rank(cfg: DictConfig) -> Any:
+    """litscale's job on this rank; an error propagates to Ray, which reports it per rank."""
+    from litscale.app.run import train
+    from litscale.app.run_log import log_printed_lines
+
+    with log_printed_lines():
+        return train(cfg).get("val/loss")
+
+
+def leave_rays_process_group() -> None:
+    """Destroy the group Ray Train made, after agreeing on a fresh port for litscale's own.
+
+    NOTE: Lightning would adopt an existing group, but then the strategies would run on Ray's
+    settings (its timeout, no device binding) rather than as under torchrun; and reusing
+    Ray's port could meet its store still closing."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    port = [get_free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
