@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 from helpers.checkpoints import sharded_checkpoint
-from helpers.cli import explain, run_train, summaries, train_losses
+from helpers.cli import explain, summaries, train_losses
 from helpers.distributed import run_distributed
+from helpers.inprocess import train_on_pool
 from helpers.parity import TINY, ParitySetup, StepRecorder, assert_weights_match, tiny_module
 from helpers.strategies import fsdp
 
@@ -81,14 +82,15 @@ SHORT = ("model.net.preset=nano", "data.seq_len=32", "data.max_bytes=400000", "d
 @pytest.mark.parametrize("strategy", [
     "fsdp", pytest.param("deepspeed_zero", marks=pytest.mark.full)])  # full: make test's time budget
 def test_ckpt_path_last_resumes_exactly_and_exports(tmp_path, strategy):
+    """train.py's runs on the rank pool (the claim is the checkpoint's, not the launcher's)."""
     overrides = (*SHORT, f"strategy={strategy}")
-    full = run_train(*overrides, "trainer.max_steps=6", "name=full", outputs=tmp_path, timeout=300)
+    full = train_on_pool(*overrides, "trainer.max_steps=6", "name=full", outputs=tmp_path, devices=2)
     assert full.returncode == 0, explain(full)
-    part = run_train(*overrides, "trainer.max_steps=3", "name=part", outputs=tmp_path, timeout=300)
+    part = train_on_pool(*overrides, "trainer.max_steps=3", "name=part", outputs=tmp_path, devices=2)
     assert part.returncode == 0, explain(part)
     assert os.path.isdir(newest_last_checkpoint(str(tmp_path / "part")))  # a sharded directory
-    resumed = run_train(*overrides, "trainer.max_steps=6", "name=part", "ckpt_path=last",
-                        outputs=tmp_path, timeout=300)
+    resumed = train_on_pool(*overrides, "trainer.max_steps=6", "name=part", "ckpt_path=last",
+                            outputs=tmp_path, devices=2)
     assert resumed.returncode == 0, explain(resumed)
     reference, _, after = summaries(tmp_path)
     assert after["steps"] == 6
@@ -110,9 +112,10 @@ def _assert_plain_model_loads(path: str) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", [pytest.param("single", marks=pytest.mark.full), "ddp"])  # full: time budget
 def test_unsharded_strategies_export_the_same_file(tmp_path, strategy):
-    devices = "trainer.devices=1" if strategy == "single" else "trainer.devices=2"
-    process = run_train(*SHORT, devices, f"strategy={strategy}", "trainer.max_steps=2",
-                        "callbacks=none", "logger=none", outputs=tmp_path, timeout=250)
+    devices = 1 if strategy == "single" else 2
+    process = train_on_pool(*SHORT, f"trainer.devices={devices}", f"strategy={strategy}",
+                            "trainer.max_steps=2", "callbacks=none", "logger=none", outputs=tmp_path,
+                            devices=devices)
     assert process.returncode == 0, explain(process)
     [summary] = summaries(tmp_path)
     _assert_plain_model_loads(summary["export"])

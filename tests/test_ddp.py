@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from helpers.cli import REPO, explain, final_weights, run_train, summaries
+from helpers.inprocess import train_on_pool
 
 pytestmark = pytest.mark.slow  # every test here starts train.py or a script in processes
 
@@ -23,9 +24,10 @@ SHORT_RUN = (
 
 @pytest.fixture(scope="module")
 def single_and_ddp(tmp_path_factory):
-    """One 1-process run (batch 8) and one 2-process DDP run (batch 4 per rank)."""
+    """One 1-process run (batch 8), on the rank pool, and one 2-process DDP run (batch 4 per
+    rank) through train.py's own launcher."""
     outputs = tmp_path_factory.mktemp("outputs")
-    single = run_train(*SHORT_RUN, "data.batch_size=8", "name=single", outputs=outputs)
+    single = train_on_pool(*SHORT_RUN, "data.batch_size=8", "name=single", outputs=outputs)
     assert single.returncode == 0, explain(single)
     ddp = run_train(*SHORT_RUN, "data.batch_size=4", "strategy=ddp", "trainer.devices=2",
                     "name=ddp", outputs=outputs)

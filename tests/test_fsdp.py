@@ -9,8 +9,9 @@ import warnings
 
 import pytest
 import torch
-from helpers.cli import REPO, explain, run_train
+from helpers.cli import REPO, explain
 from helpers.distributed import run_distributed
+from helpers.inprocess import train_on_pool
 from helpers.parity import (
     TINY,
     ParitySetup,
@@ -120,11 +121,12 @@ BAD_INPUT = {
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)  # the first call starts the rank pool
 @pytest.mark.parametrize("override", list(BAD_INPUT))
 def test_bad_fsdp_options_fail_in_one_line_before_any_process_starts(tmp_path, override):
-    process = run_train("strategy=fsdp", override, "trainer.accelerator=cpu", "trainer.devices=2",
-                        outputs=tmp_path, timeout=100)
+    # train.py's own check, on a rank of the pool (the imports paid once per session)
+    process = train_on_pool("strategy=fsdp", override, "trainer.accelerator=cpu", "trainer.devices=2",
+                            outputs=tmp_path)
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [BAD_INPUT[override]]
     assert not any(tmp_path.iterdir())  # no run dir: nothing started

@@ -353,13 +353,14 @@ def test_export_hf_is_refused_in_one_line_where_it_cannot_work(overrides, messag
 def test_a_llama_run_with_export_hf_writes_a_directory_transformers_loads(tmp_path):
     """``train.py model=llama export_hf=true``: ``<run dir>/hf`` loads in transformers with the
     logits of the run's own exported weights (``model.pt``) in litscale's Llama."""
-    from helpers.cli import explain, run_train, summaries
+    from helpers.cli import explain, summaries
+    from helpers.inprocess import train_on_pool
 
     from litscale.models.llama import build_llama
 
-    process = run_train("model=llama", "export_hf=true", "trainer.accelerator=cpu", "trainer.max_steps=3",
-                        "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "data.seq_len=32",
-                        "data.max_bytes=200000", "trainer.enable_progress_bar=false", outputs=tmp_path)
+    process = train_on_pool("model=llama", "export_hf=true", "trainer.accelerator=cpu", "trainer.max_steps=3",
+                            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", "data.seq_len=32",
+                            "data.max_bytes=200000", "trainer.enable_progress_bar=false", outputs=tmp_path)
     assert process.returncode == 0, explain(process)
     (summary,) = summaries(tmp_path)
     assert summary["export_hf"] == f"{summary['output_dir']}/hf"  # in the summary and the closing line

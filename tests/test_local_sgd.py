@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.cli import comm_metrics, explain, final_weights, run_train, summaries
+from helpers.cli import comm_metrics, explain, final_weights, summaries
 from helpers.configs import compose_job
 from helpers.distributed import run_distributed
+from helpers.inprocess import train_on_pool
 
 from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook
@@ -137,10 +138,10 @@ def test_sync_every_step_matches_single_process_of_same_global_batch(tmp_path):
     """Averaging parameters after every SGD+momentum step is averaging the gradients
     (momentum and weight decay are linear): the same weights as one process of the same
     global batch. (Gradient clipping is off: it is not linear.)"""
-    single = run_train(*RUN, "data.batch_size=8", "name=single", outputs=tmp_path)
+    single = train_on_pool(*RUN, "data.batch_size=8", "name=single", outputs=tmp_path)
     assert single.returncode == 0, explain(single)
-    local = run_train(*RUN, "data.batch_size=4", "strategy=local_sgd", "strategy.sync_every=1",
-                      "trainer.devices=2", "name=local", outputs=tmp_path)
+    local = train_on_pool(*RUN, "data.batch_size=4", "strategy=local_sgd", "strategy.sync_every=1",
+                          "trainer.devices=2", "name=local", outputs=tmp_path, devices=2)
     assert local.returncode == 0, explain(local)
     reference, averaged = summaries(tmp_path)
     expected, actual = final_weights(reference), final_weights(averaged)
@@ -151,9 +152,9 @@ def test_sync_every_step_matches_single_process_of_same_global_batch(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_diloco_trains_and_sends_parameters_once_per_period(tmp_path):
-    diloco = run_train(*RUN, "data.batch_size=4", "strategy=local_sgd", "strategy.sync_every=3",
-                       "strategy.outer_optimizer=nesterov", "trainer.devices=2", "name=diloco",
-                       outputs=tmp_path)
+    diloco = train_on_pool(*RUN, "data.batch_size=4", "strategy=local_sgd", "strategy.sync_every=3",
+                           "strategy.outer_optimizer=nesterov", "trainer.devices=2", "name=diloco",
+                           outputs=tmp_path, devices=2)
     assert diloco.returncode == 0, explain(diloco)
     (outer,) = summaries(tmp_path)
     assert outer["val/loss"] < outer["val/loss_initial"]

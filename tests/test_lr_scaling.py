@@ -11,9 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.cli import explain, metrics_rows, run_train, summaries
+from helpers.cli import explain, metrics_rows, summaries
 from helpers.configs import CONF_DIR
 from helpers.distributed import run_distributed
+from helpers.inprocess import train_on_pool
 from lightning.pytorch import Callback, Trainer
 
 from litscale.lr_scaling import LRScaling, global_batch, scaled_lr
@@ -238,12 +239,13 @@ TRACKING_RUN = ("lr_scaling=linear", "lr_scaling.base_batch_size=8", "data.batch
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_with_linear_rule_track_one_rank_at_same_samples(tmp_path):
-    one = run_train(*TRACKING_RUN, "trainer.max_steps=24", "trainer.val_check_interval=24",
-                    "name=one", outputs=tmp_path)
+    """train.py's runs on the rank pool (the claim is the rule's, not the launcher's)."""
+    one = train_on_pool(*TRACKING_RUN, "trainer.max_steps=24", "trainer.val_check_interval=24",
+                        "name=one", outputs=tmp_path)
     assert one.returncode == 0, explain(one)
-    two = run_train(*TRACKING_RUN, "trainer.max_steps=12", "trainer.val_check_interval=12",
-                    "strategy=ddp", "trainer.devices=2",
-                    "name=two", outputs=tmp_path)
+    two = train_on_pool(*TRACKING_RUN, "trainer.max_steps=12", "trainer.val_check_interval=12",
+                        "strategy=ddp", "trainer.devices=2", "name=two", outputs=tmp_path,
+                        devices=2)
     assert two.returncode == 0, explain(two)
     reference, distributed = summaries(tmp_path)
     assert (reference["global_batch"], distributed["global_batch"]) == (8, 16)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers.cli import REPO, explain, run_train, summaries
+from helpers.inprocess import train_on_pool
 
 from litscale.loggers import is_logging_step
 from litscale.models.gpt import build_gpt
@@ -130,8 +131,9 @@ def test_logging_steps_follow_the_trainer():
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_profile_callbacks_write_a_trace_of_the_active_steps(tmp_path):
-    process = run_train(*TINY_RUN, "callbacks=profile", "callbacks.profiler.wait=2",
-                        "callbacks.profiler.warmup=1", "callbacks.profiler.active=3", outputs=tmp_path)
+    process = train_on_pool(*TINY_RUN, "callbacks=profile", "callbacks.profiler.wait=2",
+                            "callbacks.profiler.warmup=1", "callbacks.profiler.active=3",
+                            outputs=tmp_path)
     assert process.returncode == 0, explain(process)
     (summary,) = summaries(tmp_path)
     trace = f"{summary['output_dir']}/profile/trace_rank0.json"

@@ -56,20 +56,15 @@ def test_a_lightning_checkpoint_file_resolves_to_itself(tmp_path):
 @pytest.mark.timeout(300)
 def test_summary_says_what_compression_and_lr_scaling_did(tmp_path):
     """The summary carries the final comm/* figures and the LR rule's figures, and the closing
-    lines print the compression ratio."""
+    lines print the compression ratio (train.py on the rank pool)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
-    process = subprocess.run(
-        [sys.executable, str(repo / "train.py"), "strategy=ddp", "compression=topk",
-         "lr_scaling=linear", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=30",
-         "trainer.enable_progress_bar=false", "data.max_bytes=200000", "data.batch_size=4"],
-        cwd=repo, env={**os.environ, "LITSCALE_OUTPUTS": str(tmp_path)}, capture_output=True,
-        text=True, timeout=280)
+    from helpers.inprocess import train_on_pool
+
+    process = train_on_pool(
+        "strategy=ddp", "compression=topk", "lr_scaling=linear", "trainer.accelerator=cpu",
+        "trainer.devices=2", "trainer.max_steps=30", "trainer.enable_progress_bar=false",
+        "data.max_bytes=200000", "data.batch_size=4", outputs=tmp_path, devices=2)
     assert process.returncode == 0, process.stderr[-3000:]
     (path,) = tmp_path.rglob("summary.json")
     summary = json.loads(path.read_text())

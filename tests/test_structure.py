@@ -19,7 +19,7 @@ TEST_MODULES = sorted(TESTS.glob("test_*.py"))
 HELPERS = sorted((TESTS / "helpers").glob("*.py"))
 
 # Names whose use starts a process: the helpers that do, and the modules that can.
-STARTS_PROCESSES = {"run_distributed", "run_train", "run_in_own_group", "subprocess",
+STARTS_PROCESSES = {"run_distributed", "run_train", "train_on_pool", "run_in_own_group", "subprocess",
                     "multiprocessing", "start_processes", "nbclient"}
 
 

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers.cli import explain, final_weights, run_train, summaries, train_losses
+from helpers.cli import explain, final_weights, summaries, train_losses
 from helpers.configs import CONF_DIR, compose_job
+from helpers.inprocess import train_on_pool
 from omegaconf import OmegaConf
 
 from litscale.app.build import build
@@ -455,7 +456,7 @@ def test_train_py_rejects_bad_token_data_in_one_line_before_any_rank(tmp_path):
         (["data.tokenizer=gpt5"], f"data.tokenizer='gpt5' does not exist; expected {ALLOWED}"),
         ([f"data.paths={path}"], f"data.text_field='text' is missing from line 1 of {path}"),
     ]:
-        process = run_train("model=llama", "data=tokens", *overrides, outputs=tmp_path)
+        process = train_on_pool("model=llama", "data=tokens", *overrides, outputs=tmp_path)
         assert process.returncode == 2, explain(process)
         assert process.stderr.strip().splitlines()[-1].startswith(f"error: {expected}")
         assert not (tmp_path / "default").exists()  # no run dir: nothing started
@@ -470,9 +471,10 @@ RUN = ("model=llama", "data=tokens", "data.tokenizer=bpe", "data.seq_len=32", "d
 def test_train_py_on_bpe_tokens_resumes_exactly_inside_an_epoch(tmp_path):
     """A run on the default corpus with the shipped BPE trains a model of its vocabulary; one
     stopped at step 3 (mid-epoch) and resumed with ckpt_path=last has the uninterrupted
-    run's losses at steps 4-6 and its final weights, bit for bit."""
+    run's losses at steps 4-6 and its final weights, bit for bit. (train.py's runs on the
+    rank pool: the claim is the data's and the checkpoint's, not the launcher's.)"""
     env = {"LITSCALE_CACHE": str(tmp_path / "cache")}  # tokenized once, by the first run
-    full = run_train(*RUN, "trainer.max_steps=6", "name=full", outputs=tmp_path, env=env)
+    full = train_on_pool(*RUN, "trainer.max_steps=6", "name=full", outputs=tmp_path, env=env)
     assert full.returncode == 0, explain(full)
     [reference] = summaries(tmp_path / "full")
     embedding = final_weights(reference)["net.embed_tokens.weight"]
@@ -487,10 +489,10 @@ def test_train_py_on_bpe_tokens_resumes_exactly_inside_an_epoch(tmp_path):
         "tokenizer": "bpe", "vocab_size": 4096, "seq_len": 32}
     assert 2.0 < facts["val_bytes_per_token"] < 6.0  # a subword tokenizer: several bytes a token
 
-    part = run_train(*RUN, "trainer.max_steps=3", "name=part", outputs=tmp_path, env=env)
+    part = train_on_pool(*RUN, "trainer.max_steps=3", "name=part", outputs=tmp_path, env=env)
     assert part.returncode == 0, explain(part)
-    resumed = run_train(*RUN, "trainer.max_steps=6", "name=part", "ckpt_path=last",
-                        outputs=tmp_path, env=env)
+    resumed = train_on_pool(*RUN, "trainer.max_steps=6", "name=part", "ckpt_path=last",
+                            outputs=tmp_path, env=env)
     assert resumed.returncode == 0, explain(resumed)
     after = summaries(tmp_path / "part")[-1]
     assert after["steps"] == 6

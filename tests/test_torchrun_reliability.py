@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.cli import REPO, explain, final_weights, run_in_own_group, summaries, train_losses
+from helpers.inprocess import train_on_pool
 
 pytestmark = pytest.mark.slow  # every test here runs torchrun
 
@@ -43,7 +44,8 @@ def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_pa
     """SIGKILL on rank 1 at step 6 (checkpoint at step 4), --max-restarts=1, ckpt_path=auto:
     the restarted ranks resume at step 4 and end with the clean run's losses and weights,
     dropout included; the fault does not fire again in the resumed run."""
-    clean, _ = run_torchrun(*SHORT, outputs=tmp_path, name="clean", max_restarts=0)
+    # The uninterrupted run on the rank pool, whose ranks start train.py as torchrun's do.
+    clean = train_on_pool(*SHORT, "name=clean", outputs=tmp_path, devices=2)
     assert clean.returncode == 0, explain(clean)
     killed, _ = run_torchrun(*SHORT, "ckpt_path=auto", *FAULT, "+callbacks.fault.at_step=6",
                              "+callbacks.fault.kind=sigkill", outputs=tmp_path, name="killed",

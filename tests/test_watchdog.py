@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from helpers.cli import REPO, explain, run_in_own_group, summaries
+from helpers.inprocess import train_on_pool
 
 from litscale.callbacks.faults import InjectFault
 from litscale.callbacks.straggler import StragglerReport, _ratio_to_peers
@@ -209,9 +210,11 @@ def test_a_rank_that_hangs_or_skips_a_collective_is_named_and_the_job_stops_with
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_slow_rank_is_reported_as_the_straggler_once(tmp_path):
-    process, _ = run(*FAULT, "+callbacks.fault.kind=slow", "+callbacks.fault.at_step=0", "+callbacks.fault.delay_s=0.1",
-                     "trainer.max_steps=40", "callbacks.straggler.every_n_steps=5", "callbacks.straggler.windows=2",
-                     outputs=tmp_path)
+    """On the rank pool: the report is the ranks' own, no launcher stops anything."""
+    process = train_on_pool(*RUN, *FAULT, "+callbacks.fault.kind=slow", "+callbacks.fault.at_step=0",
+                            "+callbacks.fault.delay_s=0.1", "trainer.max_steps=40",
+                            "callbacks.straggler.every_n_steps=5", "callbacks.straggler.windows=2",
+                            outputs=tmp_path, devices=2)
     assert process.returncode == 0, explain(process)
     reports = [line for line in process.stdout.splitlines() if line.startswith("litscale: straggler:")]
     assert len(reports) == 1 and reports[0].startswith("litscale: straggler: rank 1 takes "), explain(process)
