@@ -17,9 +17,10 @@ from helpers.parity import ParitySetup, assert_ranks_match, fit_on_mesh, referen
 from lightning.pytorch import Callback
 from transformers import AutoModelForCausalLM
 
-from litscale.hf_export import llama_from_hf, save_hf_directory
+from litscale.hf_export import llama_from_hf, moe_from_hf, save_hf_directory
 from litscale.models.hf import HFCausalLM, HFModelConfig, build_hf
 from litscale.models.llama import ROPE_SCALINGS, Llama, LlamaConfig
+from litscale.models.moe import MoEConfig, MoEDecoder
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64)
@@ -30,6 +31,8 @@ QWEN3_TIED = HFModelConfig.of("qwen3", block_size=16, head_dim=8, tie_word_embed
 MISTRAL_WINDOW = HFModelConfig.of("mistral", block_size=16, sliding_window=4, **SHAPE)
 QWEN2_MIXED_WINDOWS = HFModelConfig.of("qwen2", block_size=16, use_sliding_window=True, sliding_window=4,
                                        max_window_layers=2, **SHAPE)
+QWEN3_MOE = HFModelConfig.of("qwen3_moe", block_size=16, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=16, norm_topk_prob=True, **SHAPE)
 GPT2 = HFModelConfig.of("gpt2", block_size=16, n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=64)
 
 TINY_LLAMA = LlamaConfig(n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64, vocab_size=64,
@@ -58,8 +61,9 @@ def with_random_gains(net: torch.nn.Module) -> torch.nn.Module:
 # --- the wrapper against transformers' own forward ------------------------------------------
 
 
-@pytest.mark.parametrize("config", [LLAMA, QWEN3, QWEN3_TIED, MISTRAL_WINDOW, QWEN2_MIXED_WINDOWS, GPT2],
-                         ids=["llama", "qwen3", "qwen3-tied", "mistral-window", "qwen2-mixed-windows", "gpt2"])
+@pytest.mark.parametrize("config", [LLAMA, QWEN3, QWEN3_TIED, MISTRAL_WINDOW, QWEN2_MIXED_WINDOWS, GPT2, QWEN3_MOE],
+                         ids=["llama", "qwen3", "qwen3-tied", "mistral-window", "qwen2-mixed-windows", "gpt2",
+                              "qwen3-moe"])
 def test_logits_equal_the_transformers_models_own(config):
     net = seeded(config).eval()  # GPT-2's config has dropout
     torch.manual_seed(0)
@@ -203,6 +207,48 @@ def test_a_transformers_qwen3_into_litscales_llama(config, tmp_path):
         torch.testing.assert_close(net(tokens()), model(tokens()).logits, rtol=0, atol=0)
 
 
+TINY_MOE = MoEConfig(n_layer=3, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64, vocab_size=64, block_size=16,
+                     qk_norm=True, n_experts=4, top_k=2, moe_ffn_hidden_size=16, dense_layers=1)
+
+
+@pytest.mark.parametrize("config", [TINY_MOE, dataclasses.replace(TINY_MOE, dense_layers=0, tie_embeddings=True,
+                                                                  attention_head_dim=16, norm_topk_prob=False)],
+                         ids=["dense-first", "all-moe-tied-wide-heads"])
+def test_moe_to_a_transformers_qwen3_moe_directory_and_back(config, tmp_path):
+    torch.manual_seed(0)
+    net = with_random_gains(MoEDecoder(config))
+    save_hf_directory(net, net.state_dict(), str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    back = moe_from_hf(str(tmp_path))
+    assert back.config == config
+    with torch.no_grad():
+        expected = net(tokens())
+        torch.testing.assert_close(model(tokens()).logits, expected, rtol=1.3e-6, atol=1e-5)
+        torch.testing.assert_close(back(tokens()), expected, rtol=0, atol=0)
+
+
+def test_a_transformers_qwen3_moe_into_litscales_moe(tmp_path):
+    torch.manual_seed(0)
+    model = with_random_gains(AutoModelForCausalLM.from_config(QWEN3_MOE.transformers_config()))
+    model.save_pretrained(tmp_path)
+    net = moe_from_hf(str(tmp_path))
+    assert net.config.moe_layers == (0, 1, 2, 3) and net.config.head_dim == 8
+    with torch.no_grad():
+        torch.testing.assert_close(net(tokens()), model(tokens()).logits, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"n_shared_experts": 1}, "model.net.n_shared_experts=1 has no Qwen3-MoE form; allowed: n_shared_experts=0"),
+    ({"score_func": "sigmoid"}, "model.net.score_func='sigmoid' has no Qwen3-MoE form; allowed: score_func='softmax'"),
+], ids=["shared-experts", "sigmoid"])
+def test_a_moe_qwen3_moe_lacks_is_one_line(change, message, tmp_path):
+    net = MoEDecoder(dataclasses.replace(TINY_MOE, **change))
+    with pytest.raises(ValueError) as error:
+        save_hf_directory(net, net.state_dict(), str(tmp_path))
+    assert str(error.value) == message
+
+
 def test_an_hf_model_exports_and_loads_back_from_its_directory(tmp_path):
     net = with_random_gains(seeded(QWEN3_TIED))
     save_hf_directory(net, net.state_dict(), str(tmp_path))
@@ -226,7 +272,7 @@ def test_export_needs_every_weight_and_an_llm(tmp_path):
                                 "only its own layers; allowed: the full weights of the network")
     with pytest.raises(ValueError) as error:
         save_hf_directory(build_gpt(), {}, str(tmp_path))
-    assert str(error.value) == "GPT has no Hugging Face form; allowed: model=llama or model=hf"
+    assert str(error.value) == "GPT has no Hugging Face form; allowed: model=llama, model=moe or model=hf"
 
 
 def test_a_transformers_model_litscales_llama_lacks_is_one_line(tmp_path):
@@ -406,6 +452,8 @@ CASES = {  # name -> (strategy factory, its options, setup)
     "tensor_parallel": ("tensor_parallel", {"sequence_parallel": True, "loss_parallel": True}, TIED),
     "fsdp": ("fsdp", {}, TIED),
     "pipeline_1f1b": ("pipeline", {"schedule": "1f1b", "microbatches": 4}, UNTIED),
+    # transformers' own Qwen3-MoE (experts as one nn.Linear each, looped over) under FSDP.
+    "qwen3_moe_fsdp": ("fsdp", {}, hf_setup(QWEN3_MOE)),
 }
 
 

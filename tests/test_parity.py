@@ -52,6 +52,7 @@ from helpers.strategies import (
 
 from litscale.models.gpt import build_gpt
 from litscale.models.llama import Llama, LlamaConfig
+from litscale.models.moe import MoEConfig, MoEDecoder
 from litscale.strategies.pipeline import SCHEDULES
 
 pytestmark = pytest.mark.slow  # every cell starts gloo ranks; 4 and 8 ranks are `full` too
@@ -70,6 +71,17 @@ def llama_setups(**changes):
     return setups(config, net_class=Llama, global_batch=16, accumulation=2)
 
 
+def moe_setups(optimizers=("sgd", "adamw"), **options):
+    """A small MoE decoder: a dense layer, then two MoE layers of 4 experts (one per rank at EP
+    4), top-2, one shared expert; dropless, with neither the balance loss nor the bias update
+    (both read a rank's own tokens: under data parallel they are per micro batch, by design,
+    not the global batch's)."""
+    config = MoEConfig(n_layer=3, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64, vocab_size=64,
+                       block_size=16, n_experts=4, top_k=2, moe_ffn_hidden_size=16, n_shared_experts=1,
+                       dense_layers=1)
+    return setups(config, optimizers, net_class=MoEDecoder, **options)
+
+
 def wider(config, **changes):
     return dataclasses.replace(config, **changes)
 
@@ -85,6 +97,7 @@ NANO = setups(wider(_NANO, bias=True), global_batch=8)
 LLAMA = llama_setups()
 LLAMA_QK_NORM_TIED = llama_setups(qk_norm=True, tie_embeddings=True)
 LLAMA_LONG = llama_setups(block_size=64)
+MOE = moe_setups()
 TP_FULL = {"sequence_parallel": True, "loss_parallel": True}
 
 
@@ -175,6 +188,18 @@ FAMILIES: dict[str, dict[str, Case]] = {
                                 sequence_share=2),
         "llama_cp2_tp2": Case(P(tensor_parallel, tensor_parallel_size=2, context_parallel_size=2, **TP_FULL),
                               LLAMA_LONG, world_sizes=(4,), sequence_share=2),
+    },
+    # Mixture of experts: experts sharded over expert-parallel ranks, tokens moved by all-to-all.
+    "moe": {
+        # 2 ranks: EP 2 alone; 4 ranks: EP 2 x FSDP 2 on the experts, FSDP 4 on the rest.
+        "moe_fsdp_ep2": Case(P(fsdp, expert_parallel_size=2), MOE),
+        # Clipped by the global norm over both meshes (experts' and the rest's); 0.05 clips every step.
+        "moe_fsdp_ep2_clipped": Case(P(fsdp, expert_parallel_size=2), moe_setups(("sgd",), gradient_clip_val=0.05),
+                                     world_sizes=(2,)),
+        "moe_fsdp_ep4": Case(P(fsdp, expert_parallel_size=4), MOE, world_sizes=(4,)),
+        "moe_tp": Case(P(tensor_parallel, **TP_FULL), MOE, world_sizes=(2,)),
+        "moe_dp2_tp2_ep2": Case(P(tensor_parallel, tensor_parallel_size=2, expert_parallel_size=2, **TP_FULL),
+                                MOE, world_sizes=(4,)),
     },
     "local_sgd": {
         "local_sgd_1": Case(P(local_sgd, sync_every=1), LOCAL, local_sgd={"sync_every": 1}),

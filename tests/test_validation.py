@@ -346,6 +346,13 @@ CASES = {
         "step(s); allowed: multiples of 2",
         skip="needs 2 CPU cores" if CORES < 2 else None,
     ),
+    "expert-parallel-indivisible": Case(
+        ["model=moe", "strategy=fsdp", "strategy.expert_parallel_size=3", "trainer.accelerator=cpu",
+         "trainer.devices=2"],
+        "strategy.expert_parallel_size=3 does not divide the data x context ranks (2 x 1 = 2); "
+        "allowed: a divisor of 2",
+        skip="needs 2 CPU cores" if CORES < 2 else None,
+    ),
     "group-null": Case(
         ["cluster=null"],
         f"cluster=null: the cluster group needs an option; choose one of: {', '.join(group_options('cluster'))}",

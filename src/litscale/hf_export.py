@@ -9,6 +9,9 @@ transformers'); litscale's ``Llama`` has the modules of transformers' ``LlamaFor
 (``Qwen3ForCausalLM`` with QK-norm) less their ``model.`` prefix and the same RoPE layout
 (``models/llama.py``), so its conversion is a mapping of config numbers and that prefix,
 both ways: ``llama_from_hf(directory)`` loads such a directory into litscale's ``Llama``.
+litscale's MoE decoder is transformers' ``Qwen3MoeForCausalLM`` with each layer's experts
+stacked (``mlp.experts.gate_proj`` ``[n_experts, hidden, dim]`` is its ``mlp.experts.<e>.
+gate_proj.weight`` for every ``e``): ``moe_from_hf`` and the export stack and unstack them.
 
 transformers is an optional extra (``pip install 'litscale[hf]'``); importing this module
 imports it (``litscale.export`` does so only when asked for a Hugging Face directory).
@@ -24,6 +27,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from litscale.models.hf import HFCausalLM
 from litscale.models.llama import Llama, LlamaConfig, RopeScaling, check_shape
+from litscale.models.moe import MoEConfig, MoEDecoder
+from litscale.models.moe import check_shape as check_moe_shape
 
 BASE_PREFIX = "model."  # transformers' base model, which litscale's Llama is without its head
 
@@ -46,12 +51,16 @@ def hf_config_of(net: nn.Module) -> PretrainedConfig:
     """The transformers config of a zoo LLM, or a one-line error for a network without one."""
     if isinstance(net, HFCausalLM):
         return net.config.transformers_config()
+    if isinstance(net, MoEDecoder):
+        return hf_config_of_moe(net.config)
     if isinstance(net, Llama):
         return hf_config_of_llama(net.config)
-    raise ValueError(f"{type(net).__name__} has no Hugging Face form; allowed: model=llama or model=hf")
+    raise ValueError(f"{type(net).__name__} has no Hugging Face form; allowed: model=llama, model=moe or model=hf")
 
 
 def hf_weights_of(net: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if isinstance(net, MoEDecoder):
+        return hf_weights_of_moe(state_dict)
     if isinstance(net, Llama):
         return {name if name.startswith("lm_head.") else BASE_PREFIX + name: tensor
                 for name, tensor in state_dict.items()}
@@ -134,4 +143,91 @@ def llama_from_hf(directory: str) -> Llama:
     net.load_state_dict(weights, strict=True, assign=True)
     if config.tie_embeddings:  # assign replaced the two names' tensors one by one
         net.lm_head.weight = net.embed_tokens.weight
+    return net
+
+
+# --- litscale's MoE decoder <-> transformers' Qwen3-MoE ------------------------------------
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def hf_config_of_moe(config: MoEConfig) -> PretrainedConfig:
+    """transformers' ``Qwen3MoeConfig``, or a one-line error naming the first option Qwen3-MoE
+    does not have (its router is a softmax over the experts, with no shared experts, no
+    scaling of the weights, no capacity and QK-norm always on)."""
+    unsupported = {"n_shared_experts": (config.n_shared_experts, 0), "score_func": (config.score_func, "softmax"),
+                   "routed_scaling": (config.routed_scaling, 1.0), "capacity_factor": (config.capacity_factor, None),
+                   "qk_norm": (config.qk_norm, True), "rope_scaling": (config.rope_scaling, None)}
+    for field, (value, allowed) in unsupported.items():
+        if value != allowed:
+            raise ValueError(f"model.net.{field}={value!r} has no Qwen3-MoE form; allowed: {field}={allowed!r}")
+    return AutoConfig.for_model(
+        "qwen3_moe", vocab_size=config.vocab_size, hidden_size=config.n_embd,
+        intermediate_size=config.ffn_hidden_size, moe_intermediate_size=config.moe_ffn_hidden_size,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_heads,
+        head_dim=config.head_dim, num_experts=config.n_experts, num_experts_per_tok=config.top_k,
+        norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(config.n_layer) if i not in config.moe_layers],
+        max_position_embeddings=config.block_size, rms_norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+        router_aux_loss_coef=config.aux_loss_coef, tie_word_embeddings=config.tie_embeddings,
+        hidden_act="silu", attention_bias=False)
+
+
+def hf_weights_of_moe(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Llama's names, each stacked expert weight unstacked into one per expert; the router's
+    selection bias (not in Qwen3-MoE) must be zero, as it changes which experts are chosen."""
+    weights = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(".gate.selection_bias"):
+            if torch.any(tensor != 0):
+                raise ValueError(f"{name} is not zero (model.net.bias_update_rate moved it); Qwen3-MoE routes "
+                                 "without a bias; allowed: a model trained with bias_update_rate=0")
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".mlp.experts") and leaf in EXPERT_PROJECTIONS:
+            weights |= {f"{BASE_PREFIX}{prefix}.{e}.{leaf}.weight": w for e, w in enumerate(tensor.unbind(0))}
+        else:
+            weights[name if name.startswith("lm_head.") else BASE_PREFIX + name] = tensor
+    return weights
+
+
+def moe_config_of_hf(config: PretrainedConfig, source: str = "the config") -> MoEConfig:
+    """litscale's ``MoEConfig`` for a transformers Qwen3-MoE config: its MoE layers as litscale
+    lays them out (the first ``dense_layers`` dense, then every layer), else one line."""
+    if config.model_type != "qwen3_moe":
+        raise ValueError(f"{source} has model_type={config.model_type!r}; allowed: qwen3_moe")
+    sparse = [i for i in range(config.num_hidden_layers)
+              if i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0]
+    dense_layers = config.num_hidden_layers - len(sparse)
+    head_dim = getattr(config, "head_dim", None)
+    if sparse != list(range(dense_layers, config.num_hidden_layers)):
+        raise ValueError(f"{source} has MoE layers {sparse}; allowed: the dense layers first, then only MoE layers")
+    return MoEConfig(
+        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+        n_embd=config.hidden_size, ffn_hidden_size=config.intermediate_size,
+        attention_head_dim=None if head_dim == config.hidden_size // config.num_attention_heads else head_dim,
+        vocab_size=config.vocab_size,
+        block_size=config.max_position_embeddings, norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        qk_norm=True, tie_embeddings=config.tie_word_embeddings, n_experts=config.num_experts,
+        top_k=config.num_experts_per_tok, moe_ffn_hidden_size=config.moe_intermediate_size, n_shared_experts=0,
+        dense_layers=dense_layers, norm_topk_prob=config.norm_topk_prob, aux_loss_coef=config.router_aux_loss_coef)
+
+
+def moe_from_hf(directory: str) -> MoEDecoder:
+    """litscale's MoE decoder with the weights of a local transformers Qwen3-MoE directory
+    (safetensors; never downloaded): each layer's experts stacked."""
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    config = moe_config_of_hf(config, f"{directory!r}")
+    check_moe_shape(config)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
+                                                 dtype=torch.float32)
+    weights = {name.removeprefix(BASE_PREFIX): tensor for name, tensor in model.state_dict().items()}
+    net = MoEDecoder(config)
+    for index in config.moe_layers:
+        experts = f"layers.{index}.mlp.experts"
+        for leaf in EXPERT_PROJECTIONS:
+            weights[f"{experts}.{leaf}"] = torch.stack(
+                [weights.pop(f"{experts}.{e}.{leaf}.weight") for e in range(config.n_experts)])
+        weights[f"layers.{index}.mlp.gate.selection_bias"] = torch.zeros(config.n_experts)
+    net.load_state_dict(weights, strict=True)
     return net

@@ -29,7 +29,7 @@ class MeshAxis(StrEnum):
     build their meshes with them, parity tests and the planner read them. ``DATA`` is the name
     Lightning's ModelParallelStrategy reads for its sampler arguments; FSDP's own mesh names
     its data dimension ``REPLICATE`` x ``SHARD`` (HSDP). ``EXPERT`` is a view over the data x
-    context ranks."""
+    context ranks, ``EXPERT_DATA`` the rest of them."""
 
     PIPELINE = "pipeline_parallel"
     DATA = "data_parallel"
@@ -38,6 +38,7 @@ class MeshAxis(StrEnum):
     CONTEXT = "context_parallel"
     TENSOR = "tensor_parallel"
     EXPERT = "expert_parallel"
+    EXPERT_DATA = "expert_data_parallel"  # the data x context ranks that hold the same experts
 
 
 PIPELINE, DATA, CONTEXT, TENSOR = MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR

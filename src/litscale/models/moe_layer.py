@@ -213,8 +213,9 @@ class GroupedExperts(nn.Module):
         """``rows`` ``[n, dim]`` sorted by expert, ``tokens_per_expert`` ``[n_experts]`` -> each
         row through its expert, ``[n, dim]`` in the same order."""
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)
-        hidden = F.silu(grouped_matmul(rows, self.gate_proj, offsets)) * grouped_matmul(rows, self.up_proj, offsets)
-        return grouped_matmul(hidden, self.down_proj, offsets)
+        gate, up, down = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        hidden = F.silu(grouped_matmul(rows, gate, offsets)) * grouped_matmul(rows, up, offsets)
+        return grouped_matmul(hidden, down, offsets)
 
     def expert(self, index: int, x: Tensor) -> Tensor:
         """Expert ``index`` alone on ``x`` (the reference loop's computation)."""
@@ -303,6 +304,12 @@ class MoELayer(nn.Module):
         if self.bias_update_rate:
             load = load.float()
             self.gate.selection_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))
+
+
+def _local(weight: Tensor) -> Tensor:
+    """A weight as this rank holds it: under expert parallel a DTensor sharded by expert, whose
+    local experts are the ones the rows sent here belong to (``strategies/expert_parallel.py``)."""
+    return weight.to_local() if _is_dtensor(weight) else weight
 
 
 def _is_dtensor(x: Tensor) -> bool:

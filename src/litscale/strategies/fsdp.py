@@ -39,9 +39,11 @@ from litscale.strategies.context_parallel import (
     shard_batch,
 )
 from litscale.strategies.declarations import declared, name_matches
+from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
 from litscale.strategies.mesh import (
     MeshSizes,
     ShapeAndNames,
+    clip_by_norm_across_mesh,
     is_parallelized,
     sampler_kwargs,
     setup_parallel_module,
@@ -198,6 +200,7 @@ class FSDPStrategy(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         replicate_size: PositiveInt = 1,
         context_parallel_size: PositiveInt = 1,
+        expert_parallel_size: PositiveInt = 1,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
@@ -211,6 +214,7 @@ class FSDPStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.replicate_size = replicate_size
         self.context_parallel_size = context_parallel_size
+        self.expert_parallel_size = expert_parallel_size
         self.cpu_offload = cpu_offload
         self.activation_checkpointing = activation_checkpointing
 
@@ -224,13 +228,16 @@ class FSDPStrategy(ModelParallelStrategy):
                 raise ValueError(f"strategy.{key}={size} must divide the world size ({world_size}); "
                                  f"allowed: a divisor of {world_size}")
         return MeshSizes(data_replicate=self.replicate_size, context=self.context_parallel_size,
-                         data_shard=world_size // (self.replicate_size * self.context_parallel_size))
+                         data_shard=world_size // (self.replicate_size * self.context_parallel_size),
+                         expert=self.expert_parallel_size)
 
     def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
-        """Pre-flight: the replicate x shard mesh must tile the world, and unit patterns must
-        match modules of the LightningModule (whose network is ``net``)."""
+        """Pre-flight: the replicate x shard mesh must tile the world, the experts split over the
+        expert-parallel ranks, and unit patterns must match modules of the LightningModule
+        (whose network is ``net``)."""
         self.resolve_mesh(world_size)
         check_context_parallel_fits(net, self.context_parallel_size)
+        check_expert_parallel_fits(net, self.expert_parallel_size, self.context_parallel_size)
         if self.sharding_unit_patterns:
             find_sharding_units(nn.ModuleDict({"net": net}), self.sharding_unit_patterns)
 
@@ -261,6 +268,10 @@ class FSDPStrategy(ModelParallelStrategy):
             self.precision_plugin = _NoAutocast(plugin.precision, plugin.device, plugin.scaler)
         setup_parallel_module(self, trainer, self._shard, parallelized=is_parallelized(self.model),
                               offloads=self.offloads)
+        if self.expert_parallel_size > 1:
+            # The experts' gradients live on the expert mesh, the others on FSDP's: torch's
+            # clip_grad_norm_ cannot stack norms of two meshes.
+            clip_by_norm_across_mesh(self.precision_plugin, self.resolve_mesh(self.world_size))
 
     def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
         """Shard ``module`` (the LightningModule) on ``mesh`` (laid out by ``mesh_layout``) as
@@ -270,6 +281,10 @@ class FSDPStrategy(ModelParallelStrategy):
             apply_context_parallel(module, mesh[CONTEXT])
             data = (MeshAxis.REPLICATE, MeshAxis.SHARD) if self.replicate_size > 1 else (MeshAxis.SHARD,)
             mesh = data_context_mesh(mesh, data, CONTEXT)
+        apply_expert_parallel(module, mesh, expert_parallel_size=self.expert_parallel_size,
+                              borrowed_dims=tuple(mesh.mesh_dim_names),
+                              reshard_after_forward=self.reshard_after_forward,
+                              mp_policy=mixed_precision_policy(self.precision_dtypes))
         apply_fsdp(
             module, mesh,
             units=find_sharding_units(module, self.sharding_unit_patterns),

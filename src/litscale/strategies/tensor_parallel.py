@@ -12,6 +12,7 @@ load: a run saved at TP=2 loads at TP=1 or into the plain network.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -32,6 +33,7 @@ from litscale.strategies.context_parallel import (
     shard_batch,
 )
 from litscale.strategies.declarations import declared, name_matches
+from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
 from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
 from litscale.strategies.mesh import (
     CONTEXT,
@@ -214,6 +216,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         tensor_parallel_size: PositiveInt | None = None,
         data_parallel_size: PositiveInt | None = None,
         context_parallel_size: PositiveInt = 1,
+        expert_parallel_size: PositiveInt = 1,
         sequence_parallel: bool = True,
         loss_parallel: bool = False,
         plan: dict[str, StyleName] | None = None,
@@ -231,6 +234,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timedelta(seconds=timeout_s))
         self.tensor_parallel_size, self.data_parallel_size = tensor_parallel_size, data_parallel_size
         self.context_parallel_size = context_parallel_size
+        self.expert_parallel_size = expert_parallel_size
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         self.plan, self.precision_dtypes = plan, precision_dtypes
         self.reshard_after_forward = reshard_after_forward
@@ -242,13 +246,16 @@ class TensorParallelStrategy(ModelParallelStrategy):
         return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
-        return resolve_mesh_sizes(world_size, pipeline=1, data=self.data_parallel_size,
-                                  tensor=self.tensor_parallel_size, context=self.context_parallel_size)
+        sizes = resolve_mesh_sizes(world_size, pipeline=1, data=self.data_parallel_size,
+                                   tensor=self.tensor_parallel_size, context=self.context_parallel_size)
+        return dataclasses.replace(sizes, expert=self.expert_parallel_size)
 
     def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
-        """Pre-flight: the mesh tiles the world, the model splits by the TP size, the plan exists."""
+        """Pre-flight: the mesh tiles the world, the model splits by the TP size, the plan
+        exists, the experts split over the expert-parallel ranks."""
         check_tensor_parallel_setup(net, self.resolve_mesh(world_size).tensor, self.plan)
         check_context_parallel_fits(net, self.context_parallel_size)
+        check_expert_parallel_fits(net, self.expert_parallel_size, self.context_parallel_size)
 
     @override
     def setup_environment(self) -> None:
@@ -286,6 +293,10 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if sizes.context > 1:
             apply_context_parallel(module, mesh[CONTEXT])
             data_mesh = data_context_mesh(mesh, (DATA,), CONTEXT)
+        apply_expert_parallel(module, data_mesh, expert_parallel_size=sizes.expert,
+                              borrowed_dims=tuple(data_mesh.mesh_dim_names),
+                              reshard_after_forward=self.reshard_after_forward,
+                              mp_policy=mixed_precision_policy(self.precision_dtypes))
         if data_mesh.size() > 1:
             apply_fsdp(module, data_mesh, units=find_sharding_units(module),
                        reshard_after_forward=self.reshard_after_forward,
