@@ -92,8 +92,10 @@ EP = ["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
           "strategy.expert_parallel_size=2"],
          "strategy.expert_parallel_size=2 does not divide the data x context ranks (1 x 1 = 1); "
          "allowed: a divisor of 1"),
+        (["model=moe", *EP, "strategy.expert_parallel_size=2", "strategy.context_parallel_size=2"],
+         "strategy.expert_parallel_size=2 with context_parallel_size=2 is not supported yet; allowed: one of them 1"),
     ],
-    ids=["ranks", "experts", "dense", "tensor-parallel-ranks"],
+    ids=["ranks", "experts", "dense", "tensor-parallel-ranks", "with-context-parallel"],
 )
 def test_a_bad_expert_parallel_size_is_one_line(overrides, message, tmp_path, outputs_root):
     from litscale.app.validation import validate
