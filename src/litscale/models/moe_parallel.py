@@ -10,7 +10,7 @@
 - ``expert_modules(net)``: the modules holding stacked expert weights, expert index first,
   which expert parallel shards along dim 0; it wraps each one's forward (rows sorted by
   expert, rows per expert) with an all-to-all of rows and counts before it and the reverse
-  after it, the seam ``MoELayer.forward`` leaves for it. No strategy reads this yet.
+  after it, the seam ``MoELayer.forward`` leaves for it (``strategies/expert_parallel.py``).
 
 The training loss under a pipeline: the schedule calls the LightningModule's ``loss_fn`` on
 the last stage only, so the load-balancing loss of MoE layers (``auxiliary_loss``) is not
