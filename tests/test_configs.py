@@ -362,8 +362,12 @@ def test_experiment(option, tmp_path, outputs_root, monkeypatch):
         assert OmegaConf.select(cfg, key) == value, key  # the experiment wins over its groups
     assert model_task(choices["model"]) == data_task(choices["data"])
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")
-    built = build_run(OmegaConf.to_container(cfg, resolve=True), choices, layout)
+    # On the meta device: experiments name real sizes (GPT-2 small, a 1.2B Llama), whose weights
+    # would take seconds and gigabytes to initialise here; what is built is the same.
+    with torch.device("meta"):
+        built = build_run(OmegaConf.to_container(cfg, resolve=True), choices, layout)
     assert built.module.task == built.datamodule.task
+    assert all(p.is_meta for p in built.module.parameters())
 
 
 # --- defaults and registry ------------------------------------------------------------------
