@@ -48,7 +48,25 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
         return run_plan(cfg, layout, choices)
     spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,
                    loggable_config=config_without_environment(cfg), scaling=job_context(cfg))
-    return launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
+    result = launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
+    if result.get("preempted"):
+        check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)
+    return result
+
+
+def check_every_rank_saved(output_dir: str, world_size: int) -> None:
+    """Raise ``RankFailure`` unless every rank of this launch recorded the ``last.ckpt`` it saved
+    when preempted (under torchrun or srun, this process's own rank)."""
+    from litscale.app.launch import RankFailure, external_rank
+    from litscale.app.ranks import ranks_without_preemption_checkpoint
+
+    rank = external_rank()
+    ranks = range(world_size) if rank is None else range(rank, rank + 1)
+    missing = ranks_without_preemption_checkpoint(output_dir, ranks)
+    if missing:
+        names = ("rank " if len(missing) == 1 else "ranks ") + ",".join(map(str, missing))
+        raise RankFailure(f"preempted, but {names} saved no last.ckpt: the checkpoint in {output_dir}/checkpoints "
+                          "is incomplete; ckpt_path=auto resumes from the newest complete one")
 
 
 def run_rank(spec: RunSpec) -> dict:
@@ -60,6 +78,14 @@ def run_rank(spec: RunSpec) -> dict:
         except Exception as error:
             wait_for_the_cause(error)  # a peer's failure, not ours: let the peer's be reported
             raise
+
+
+def preemption_checkpoint(trainer) -> str | None:
+    """The ``last.ckpt`` this rank's ``PreemptionCheckpoint`` saved, if it saved one."""
+    from litscale.callbacks.preemption import PreemptionCheckpoint
+
+    saved = [c.saved_path for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)]
+    return next((path for path in saved if path and os.path.exists(path)), None)
 
 
 def _fit_on_this_rank(spec: RunSpec) -> dict:
@@ -86,6 +112,8 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
                               ckpt_path=spec.layout.ckpt_path, weights_only=True)
         except SIGTERMException:
             outcome = "preempted"
+            # what this rank saved, for the launcher to check that every rank did
+            record_rank(built.config.paths.output_dir, preemption_checkpoint=preemption_checkpoint(built.trainer))
             return {"preempted": True, "steps": built.trainer.global_step}
         except Exception as error:
             # before the group is destroyed: `python -m litscale.doctor <run dir>` reads it
