@@ -17,6 +17,10 @@ comment, ``NAME=value`` words before the program set its environment); each comm
 own test, and a command shown on several pages is run once. Commands that run ``train.py``
 run short: ``trainer.max_steps=2 trainer.limit_val_batches=2`` are added unless the command
 sets them. A ``python`` block is run as a script.
+
+The runs share one data cache, as a user's runs do (the byte corpus is built by the first
+run, not by each), and an ``after-run`` block reads the same short default run as the
+README's first command when both are selected.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,15 +151,47 @@ def short_run(argv: list[str]) -> list[str]:
     return argv + [f"{key}={value}" for key, value in SHORT_RUN.items() if key not in given]
 
 
-def run_command(runnable: Runnable, outputs: Path, *, timeout: float = 500) -> subprocess.CompletedProcess:
-    """Run a ``bash`` command from the repo root as a user would, outputs under ``outputs``."""
-    argv = runnable.argv if "error" in runnable.flags else short_run(runnable.argv)
+def command_argv(runnable: Runnable) -> list[str]:
+    """What is run for a ``bash`` command: an error as written, a run made short."""
+    return runnable.argv if "error" in runnable.flags else short_run(runnable.argv)
+
+
+def run_command(runnable: Runnable, outputs: Path, *, env: dict | None = None,
+                timeout: float = 500) -> subprocess.CompletedProcess:
+    """Run a ``bash`` command from the repo root as a user would, outputs under ``outputs``,
+    with ``env`` added to the command's own environment."""
+    argv, env = command_argv(runnable), {**(env or {}), **runnable.env}
     if argv[:2] == ["python", "train.py"]:
-        return run_train(*argv[2:], outputs=outputs, timeout=timeout, env=runnable.env)
+        return run_train(*argv[2:], outputs=outputs, timeout=timeout, env=env)
     program = sys.executable if argv[0] == "python" else str(Path(sys.executable).parent / argv[0])
-    process, _, _ = run_in_own_group([program, *argv[1:]], outputs=outputs, env=runnable.env,
-                                     timeout=timeout)
+    process, _, _ = run_in_own_group([program, *argv[1:]], outputs=outputs, env=env, timeout=timeout)
     return process
+
+
+# The short default run an ``after-run`` block reads: the README's first command, made short.
+DEFAULT_RUN = Runnable("README.md", 0, "bash", set(), "python train.py", argv=["python", "train.py"])
+
+
+class Runs:
+    """Each distinct command run once, with outputs of its own under ``root`` and the data
+    cache ``cache`` shared by all."""
+
+    def __init__(self, root: Path, cache: Path) -> None:
+        self.root, self.cache = root, cache
+        self.done: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def get(self, runnable: Runnable) -> tuple[Path, subprocess.CompletedProcess]:
+        """The outputs directory and the process of ``runnable``'s command."""
+        key = (tuple(command_argv(runnable)), tuple(sorted(runnable.env.items())))
+        if key not in self.done:
+            outputs = Path(tempfile.mkdtemp(dir=self.root))
+            self.done[key] = outputs, run_command(runnable, outputs, env={"LITSCALE_CACHE": str(self.cache)})
+        return self.done[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("cache"))
 
 
 def run_script(code: str, directory: Path, outputs: Path, *, timeout: float = 500) -> subprocess.CompletedProcess:
@@ -238,25 +275,25 @@ def test_mkdocs_build_strict(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("runnable", [_param(r) for r in RUNNABLES if r.language == "bash"])
-def test_runnable_command(runnable, outputs_root):
-    process = run_command(runnable, outputs_root)
+def test_runnable_command(runnable, runs):
+    outputs, process = runs.get(runnable)
     if "error" in runnable.flags:
         shown = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()]
         assert (process.returncode, shown) == (2, [runnable.expected_error]), explain(process)
         return
     assert process.returncode == 0, explain(process)
     if "train.py" in runnable.argv and not any(word.startswith("plan=") for word in runnable.argv):
-        assert summaries(outputs_root), f"no summary.json under {outputs_root}\n{explain(process)}"
+        assert summaries(outputs), f"no summary.json under {outputs}\n{explain(process)}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("runnable", [_param(r) for r in RUNNABLES if r.language == "python"])
-def test_runnable_script(runnable, outputs_root, tmp_path):
+def test_runnable_script(runnable, runs, outputs_root, tmp_path):
     code = runnable.text
     if "after-run" in runnable.flags:
-        run = run_train(*(f"{key}={value}" for key, value in SHORT_RUN.items()), outputs=outputs_root)
+        outputs, run = runs.get(DEFAULT_RUN)
         assert run.returncode == 0, explain(run)
-        code = code.replace(RUN_PLACEHOLDER, summaries(outputs_root)[-1]["output_dir"])
+        code = code.replace(RUN_PLACEHOLDER, summaries(outputs)[-1]["output_dir"])
     process = run_script(code, tmp_path, outputs_root)
     assert process.returncode == 0, explain(process)
