@@ -83,6 +83,7 @@ TRIAL = (
     "trainer.max_steps=4",
     "trainer.val_check_interval=2",
     "trainer.limit_val_batches=2",
+    "trainer.num_sanity_val_steps=0",
     "data.seq_len=32",
     "data.max_bytes=400000",
     "trainer.enable_progress_bar=false",
@@ -128,10 +129,11 @@ def resumed_study(tmp_path_factory):
     sweep_dir = outputs / "sweep"
     first = start_sweep(sweep_dir, outputs)
     deadline = time.monotonic() + 400
-    # The third summary: two trials told, the third being told or the fourth started.
+    # The third summary: two trials told, the third being told or the fourth started. Killed
+    # at once: the trial it interrupts has spent little, and runs again on resume.
     while len(list(sweep_dir.glob("*/summary.json"))) < 3 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(1.0)
+        time.sleep(0.2)
+    time.sleep(0.5)
     os.killpg(first.pid, signal.SIGKILL)
     killed_output = first.communicate()[0]
     second = start_sweep(sweep_dir, outputs)
