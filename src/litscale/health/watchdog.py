@@ -113,12 +113,14 @@ class Watchdog:
         self.exit(1)
 
     def _print_diagnosis(self) -> None:
-        """The collective doctor's line on the dumps the ranks just wrote (where they wrote
-        any), then let the stopped ranks exit."""
+        """The collective doctor's line on the dumps the ranks just wrote, where it finds the
+        ranks disagreeing on a collective (a hang with no mismatch keeps its one error line),
+        then let the stopped ranks exit."""
         try:
             dumps = load_dumps(self.stacks_root)
-            if dumps:
-                print(f"doctor: {diagnose(dumps, self.world_size).line}", file=sys.stderr, flush=True)
+            diagnosis = diagnose(dumps, self.world_size) if dumps else None
+            if diagnosis is not None and diagnosis.mismatch:
+                print(f"doctor: {diagnosis.line}", file=sys.stderr, flush=True)
         finally:
             self.store.set(DIAGNOSED_KEY, b"1")
 
