@@ -66,7 +66,8 @@ def test_strategy_on_one_gpu(tmp_path, strategy, precision):
     if (strategy, precision) in REFUSED:
         assert process.returncode == 2, explain(process)
         assert process.stderr.strip().splitlines()[-1].startswith(
-            f"error: precision={precision} is not supported with strategy={STRATEGIES[strategy][0][9:]} "), \
+            f"error: precision={precision} is not supported with "
+            f"strategy={STRATEGIES[strategy][0].removeprefix('strategy=')} "), \
             explain(process)
         return
     assert_learned(tmp_path, process)
