@@ -22,8 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-EXPERIMENTS = {"gpt2_small": "gpt2_small_h100", "llama_1b": "llama_1b_h100"}
+from throughput import EXPERIMENTS, REPO  # this folder's: the same experiment configs
+
 STRATEGIES = {"single": ["strategy=single"], "fsdp": ["strategy=fsdp"],
               "zero2": ["strategy=deepspeed_zero", "strategy.stage=2"]}
 DEVICE_BYTES = 80 * 2**30  # conf/cluster/h100_8x.yaml
