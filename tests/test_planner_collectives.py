@@ -52,7 +52,25 @@ SENT = {
     "all_reduce": lambda args, n: 2 * (n - 1) / n * _nbytes(args[0]),
     "send": lambda args, n: _nbytes(args[0]),
     "broadcast_": lambda args, n: _nbytes(args[0]),
+    # an all-to-all: its input but the rows it keeps (functional: input, out splits, in splits,
+    # group name; c10d: output, input, group, out splits, in splits)
+    "all_to_all_single": lambda args, n: _sent_to_peers(args[0], args[2], _group(args[3])),
+    "alltoall_base_": lambda args, n: _sent_to_peers(args[1], args[4], dist.ProcessGroup.unbox(args[2])),
 }
+
+
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _sent_to_peers(tensor: torch.Tensor, input_splits, group) -> float:
+    """Bytes of ``tensor``'s rows an all-to-all sends to the other ranks of ``group`` (no
+    splits: an even split)."""
+    rows = tensor.shape[0]
+    splits = list(input_splits) or [rows // group.size()] * group.size()
+    return (rows - splits[group.rank()]) * _nbytes(tensor) / max(rows, 1)
 # the other end of a send, and the functional collectives' bookkeeping: no bytes of their own
 NOT_SENDING = {"recv_", "wait_tensor", "_wrap_tensor_autograd"}
 # c10d op -> the planner's name, by strategy
@@ -62,6 +80,8 @@ TENSOR_PARALLEL = {"all_gather_into_tensor": "tensor-parallel all-gather",
                    "reduce_scatter_tensor": "tensor-parallel reduce-scatter",
                    "all_reduce": "tensor-parallel all-reduce"}
 PIPELINE = {"send": "pipeline send/recv", "broadcast_": "pipeline loss broadcast"}
+EXPERT_PARALLEL = {**FSDP, "all_to_all_single": "expert-parallel all-to-all",
+                   "alltoall_base_": "expert-parallel count exchange"}
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -350,3 +370,69 @@ def test_fsdp_bytes_per_rank_are_the_predicted_shares_at_fake_worlds(world):
     for kind in ("params", "grads", "optimizer"):
         # FSDP2 pads each parameter's first dimension to a multiple of the world
         assert measured[kind] == pytest.approx(predicted[kind], rel=0.02), kind
+
+
+# --- expert parallel: two real gloo ranks ------------------------------------------------------
+
+# The tiny MoE decoder (a dense layer, then 2 MoE layers) with every token routed to all 4 of its
+# experts: each rank then sends exactly half its rows to the other (1 / ep kept), the even
+# routing the planner assumes by default (load imbalance 1).
+EVEN_ROUTING = {"n_experts": 4, "top_k": 4}
+
+
+class _Holder(torch.nn.Module):
+    """As a LightningModule holds the network (``net``), for the strategy's ``split``."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net(tokens)
+
+
+def _expert_parallel_counts(rank: int, world: int):
+    """One forward-backward of the MoE decoder as the FSDP strategy splits it with
+    ``expert_parallel_size=2`` (experts over both ranks, everything else FSDP2), counted after
+    an uncounted one."""
+    from litscale.models.moe import build_moe
+    from litscale.strategies import FSDPStrategy
+
+    torch.manual_seed(0)
+    module = _Holder(build_moe(vocab_size=VOCAB, block_size=SEQ, **EVEN_ROUTING))
+    strategy = FSDPStrategy(expert_parallel_size=world)
+    shape, names = strategy.mesh_layout(strategy.resolve_mesh(world))
+    strategy.split(module, init_device_mesh("cpu", shape, mesh_dim_names=names))
+    tokens = torch.randint(VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        F.cross_entropy(module(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+
+    return _counted_step(module, CollectiveCounter(world, EXPERT_PARALLEL), step=step)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_expert_parallel_step_exchanges_the_predicted_all_to_all_bytes_on_two_ranks():
+    """Per MoE layer, the rows (64 tokens x top-4 x width 64, fp32) go to their experts' rank
+    and back in forward and their gradients the other way in backward: 4 all-to-alls, each
+    sending half the rows; once per layer and forward the rows per expert; FSDP2's gathers and
+    scatters of the rest, the experts apart (one rank holds each: nothing to gather)."""
+    from litscale.models.moe import build_moe
+
+    with torch.device("meta"):
+        facts = model_facts(build_moe(vocab_size=VOCAB, block_size=SEQ, **EVEN_ROUTING), seq_len=SEQ,
+                            vocab_size=VOCAB)
+    plan = Plan("fsdp", MeshSizes(data_shard=2, expert=2), micro_batch=2, accumulation=1)
+    predicted = {c.name: c for c in collectives(plan, facts, CLUSTER)}
+    moe = facts.moe
+    rows_bytes = 2 * SEQ * moe.top_k * facts.hidden * 4  # one exchange's input, fp32
+    assert predicted["expert-parallel all-to-all"].calls == 4 * moe.layers == 8
+    assert predicted["expert-parallel all-to-all"].bytes_per_rank == 4 * moe.layers * rows_bytes / 2
+    assert predicted["expert-parallel count exchange"].bytes_per_rank == moe.layers * moe.n_experts * 8 / 2
+    for calls, sent in run_distributed(_expert_parallel_counts, 2, timeout=280):
+        assert calls == {name: c.calls for name, c in predicted.items()}
+        assert sent["expert-parallel all-to-all"] == predicted["expert-parallel all-to-all"].bytes_per_rank
+        assert sent["expert-parallel count exchange"] == predicted["expert-parallel count exchange"].bytes_per_rank
+        for name in FSDP.values():  # FSDP2 pads each parameter's first dimension to a multiple of the world
+            assert sent[name] == pytest.approx(predicted[name].bytes_per_rank, rel=2e-3), name

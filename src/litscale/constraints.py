@@ -16,6 +16,7 @@ PositiveInt = Annotated[int, Ge(1)]
 NonNegativeInt = Annotated[int, Ge(0)]
 PositiveFloat = Annotated[float, Gt(0)]
 NonNegativeFloat = Annotated[float, Ge(0)]
+AtLeastOne = Annotated[float, Ge(1)]  # a ratio of the most to the mean
 Fraction = Annotated[float, Interval(ge=0, le=1)]
 # A share that cannot be all or nothing: a held-out split, a top-k ratio's open end.
 OpenFraction = Annotated[float, Interval(gt=0, lt=1)]

@@ -90,15 +90,28 @@ def estimate_bytes(*, num_params: float, world_size: int, zero_stage: int, param
 
 
 def state_bytes_per_rank(*, num_params: int, mesh: MeshSizes, sharding: Sharding, param_bytes: int,
-                         optimizer_bytes_per_param: int, at_peak: bool = False) -> dict[str, float]:
+                         optimizer_bytes_per_param: int, at_peak: bool = False, tensor_whole_params: int = 0,
+                         expert_params: int = 0) -> dict[str, float]:
     """Parameter, gradient and optimizer bytes one rank of ``mesh`` holds of a model of
     ``num_params``: its ``1 / (tensor x pipeline)`` share, sharded over the data-shard ranks by
     ``sharding`` (between steps, or ``at_peak`` inside one): with the context folded in, as
     context-parallel ranks share the sharding (``litscale.strategies.context_parallel``). The
-    memory callback's estimate and the planner's memory both come from here."""
+    memory callback's estimate and the planner's memory both come from here.
+
+    A mixture of experts: ``tensor_whole_params`` of them (its MoE layers) are held whole by
+    every tensor-parallel rank; of those, the ``expert_params`` of the routed experts are split
+    over ``mesh.expert`` ranks and, where it is above 1, sharded over the data x context ranks
+    left (the expert-data ranks, all of them, replicas included: ``strategies/expert_parallel.py``)."""
     stage = sharding.peak_stage if at_peak else sharding.zero_stage
     master = 4 if sharding.fp32_master_copy else 0
     shards = mesh.data_shard * mesh.context
-    return estimate_bytes(num_params=num_params / (mesh.tensor * mesh.pipeline), world_size=shards,
-                          zero_stage=stage if shards > 1 else 0, param_bytes=param_bytes,
-                          optimizer_bytes_per_param=optimizer_bytes_per_param + master)
+
+    def sharded(count: float, over: int) -> dict[str, float]:
+        return estimate_bytes(num_params=count, world_size=over, zero_stage=stage if over > 1 else 0,
+                              param_bytes=param_bytes, optimizer_bytes_per_param=optimizer_bytes_per_param + master)
+
+    experts = expert_params if mesh.expert > 1 else 0
+    parts = [sharded((num_params - tensor_whole_params) / (mesh.tensor * mesh.pipeline), shards),
+             sharded((tensor_whole_params - experts) / mesh.pipeline, shards),
+             sharded(experts / (mesh.pipeline * mesh.expert), mesh.data * mesh.context // mesh.expert)]
+    return {key: sum(part[key] for part in parts) for key in parts[0]}

@@ -187,10 +187,36 @@ def _dry_run(cfg: DictConfig, layout: RunLayout) -> float | None:
 
 
 def facts_of(cfg: DictConfig) -> ModelFacts:
-    """The composed model's facts, read off a meta-device copy."""
+    """The composed model's facts, read off a meta-device copy; a mixture of experts' load
+    imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
+    of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
     from litscale.app.validation import meta_net
 
-    return model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    plan = cfg.get("plan") or {}
+    if facts.moe is None:
+        return facts
+    moe = dataclasses.replace(facts.moe, load_imbalance=float(plan.get("moe_load_imbalance", 1.0)))
+    if plan.get("moe_load_from"):
+        moe = dataclasses.replace(moe, tokens_per_expert=measured_tokens_per_expert(str(plan.moe_load_from), moe))
+    return dataclasses.replace(facts, moe=moe)
+
+
+def measured_tokens_per_expert(path: str, moe) -> tuple[tuple[float, ...], ...]:
+    """A run's ``moe/tokens_per_expert`` (per MoE layer) from its ``summary.json``, checked
+    against the model planned; ``ConfigError`` in one line where it cannot be read or does not fit."""
+    import json
+
+    key = "plan.moe_load_from"
+    try:
+        with open(path) as file:
+            rows = json.load(file).get("moe/tokens_per_expert")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}={path} cannot be read ({error}); allowed: a run's summary.json") from error
+    if not rows or any(len(row) != moe.n_experts for row in rows):
+        raise ConfigError(f"{key}={path} has no moe/tokens_per_expert of {moe.n_experts} experts per layer; "
+                          f"allowed: the summary.json of a run of this mixture of experts")
+    return tuple(tuple(float(count) for count in row) for row in rows)
 
 
 def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
@@ -299,6 +325,8 @@ def overrides(plan: Plan, cluster: Cluster) -> list[str]:
         found.append(f"strategy.tensor_parallel_size={mesh.tensor}")
     if mesh.context > 1:
         found.append(f"strategy.context_parallel_size={mesh.context}")
+    if mesh.expert > 1:
+        found.append(f"strategy.expert_parallel_size={mesh.expert}")
     if plan.strategy == "pipeline":
         found += [f"strategy.pipeline_parallel_size={mesh.pipeline}", f"strategy.tensor_parallel_size={mesh.tensor}",
                   f"strategy.data_parallel_size={mesh.data}", f"strategy.microbatches={plan.microbatches}",

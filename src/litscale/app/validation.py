@@ -30,7 +30,7 @@ from litscale.arguments import (
     signature_annotations,
 )
 from litscale.checkpoints import network_shapes, resolve_ckpt_path
-from litscale.constraints import NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.constraints import AtLeastOne, NonNegativeInt, PositiveFloat, PositiveInt
 from litscale.errors import ConfigError
 from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
 
@@ -84,6 +84,8 @@ class PlanSchema:
     verify: NonNegativeInt  # run the top k as short jobs here; print predicted vs measured
     verify_steps: PositiveInt
     predict_run: bool  # an ordinary run's summary: the planner's prediction from what plan=show timed
+    moe_load_imbalance: AtLeastOne = 1.0  # expert parallel's busiest rank over an even split
+    moe_load_from: str | None = None  # a run's summary.json, whose moe/tokens_per_expert measure it
 
 
 @dataclass

@@ -6,7 +6,9 @@ estimates every run beside its measurement), plus activations traced on the meta
 checkpointing, tensor parallel and the micro-batches a pipeline stage holds in flight.
 Communication: bytes of each collective of a step (ring algorithms), timed with the
 cluster's alpha-beta figures. Time: FLOPs over calibrated throughput, plus the communication
-that backward cannot hide, stretched by the pipeline bubble.
+that backward cannot hide, stretched by the pipeline bubble. A mixture of experts' parts
+(the MoE layers tensor parallel leaves whole, expert parallel's sharding and all-to-all) are
+in ``moe_cost.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,12 @@ from dataclasses import dataclass, field
 from litscale.layout import MeshSizes
 from litscale.planner.cluster import Cluster
 from litscale.planner.model_facts import ModelFacts
+from litscale.planner.moe_cost import (
+    all_to_all,
+    data_sharded_params,
+    expert_fsdp_collectives,
+    flops_per_token_per_rank,
+)
 from litscale.sharding import Sharding, state_bytes_per_rank
 
 # Optimizer state per parameter (AdamW: two fp32 moments) and the fp32 master copy kept when
@@ -63,6 +71,7 @@ class Plan:
         mesh = self.mesh
         parts = [self.strategy, f"pp{mesh.pipeline}", f"dp{mesh.data}",
                  *([f"cp{mesh.context}"] if mesh.context > 1 else []), f"tp{mesh.tensor}",
+                 *([f"ep{mesh.expert}"] if mesh.expert > 1 else []),
                  f"mb{self.micro_batch}", f"acc{self.accumulation}"]
         if self.mesh.pipeline > 1:
             parts.append(f"{self.schedule}x{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
@@ -121,9 +130,11 @@ def predict(plan: Plan, facts: ModelFacts, cluster: Cluster) -> Prediction:
 def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str, float]:
     sharding, param_bytes = sharding_of_plan(plan.strategy), DTYPE_BYTES[plan.param_dtype]
     master = 4 if param_bytes < 4 and not sharding.fp32_master_copy else 0  # 16-bit parameters' fp32 copy
+    moe = facts.moe
     states = state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=sharding,
                                   param_bytes=param_bytes, optimizer_bytes_per_param=ADAM_STATE_BYTES + master,
-                                  at_peak=True)
+                                  at_peak=True, tensor_whole_params=moe.layer_params if moe else 0,
+                                  expert_params=moe.expert_params if moe else 0)
     memory = {"params": states["memory/estimate_params_bytes"], "grads": states["memory/estimate_grads_bytes"],
               "optimizer": states["memory/estimate_optimizer_bytes"],
               "activations": activation_bytes(plan, facts)}
@@ -172,8 +183,9 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     reduce-scatter (n-1)/n), timed with one latency per ring message."""
     mesh, found = plan.mesh, []
     share = 1 / (mesh.tensor * mesh.pipeline)
-    grad_bytes = facts.num_params * share * 4  # gradients reduced in fp32
-    param_bytes = facts.num_params * share * DTYPE_BYTES[plan.param_dtype]
+    sharded, _ = data_sharded_params(plan, facts)  # a mixture of experts' routed experts apart (moe_cost.py)
+    grad_bytes = sharded * 4  # gradients reduced in fp32
+    param_bytes = sharded * DTYPE_BYTES[plan.param_dtype]
     # FSDP shards over data x context: context-parallel ranks hold the same parameters.
     shards = mesh.data_shard * mesh.context
     data_link = cluster.link_for(mesh.data * mesh.context, mesh.tensor)
@@ -199,6 +211,7 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
             ring("parameter all-gather", acc * (2 * param_bytes - root_share), acc * (2 * units + 1),
                  shards, data_link, 1)
             ring("gradient reduce-scatter", acc * grad_bytes, acc * (units + 1), shards, data_link, 1)
+            expert_fsdp_collectives(plan, facts, cluster, ring, DTYPE_BYTES[plan.param_dtype])
         else:  # ZeRO-1/2 (and a pipeline's stage): gradients scattered in buckets, parameters gathered once
             ring("parameter all-gather", param_bytes, 1, shards, data_link, 1)
             ring("gradient reduce-scatter", (acc if stage == 2 else 1) * grad_bytes, acc if stage == 2 else 1,
@@ -209,6 +222,7 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     micro = plan.micro_batch // plan.microbatches
     activation = facts.boundary_bytes(micro) * DTYPE_BYTES[plan.compute_dtype] / 4 / mesh.context
     runs = plan.accumulation * plan.microbatches  # forward-backwards per step
+    found += [Collective(*exchange) for exchange in all_to_all(plan, facts, cluster, DTYPE_BYTES[plan.compute_dtype])]
     if mesh.context > 1:
         # Each attention gathers the keys and values of the whole sequence in forward (two
         # all-gathers) and reduce-scatters their gradients in backward (litscale's
@@ -281,7 +295,7 @@ def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
     timed = timed_forward_backward_s(plan, facts)
     if timed is not None:
         return count * timed
-    flops = facts.flops_per_token * count * micro * facts.seq_len / (plan.mesh.tensor * plan.mesh.context)
+    flops = flops_per_token_per_rank(plan, facts) * count * micro * facts.seq_len / plan.mesh.context
     return flops / cluster.flops(plan.compute_dtype)
 
 
@@ -349,7 +363,8 @@ def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
         prediction.bubble = (mesh.pipeline - 1) / (work + mesh.pipeline - 1)
         compute /= 1 - prediction.bubble
     hideable = {"gradient all-reduce", "gradient reduce-scatter", "parameter all-gather",
-                "gradient all-reduce (replicas)", "pipeline send/recv"}
+                "gradient all-reduce (replicas)", "pipeline send/recv", "expert parameter all-gather",
+                "expert gradient reduce-scatter"}
     hidden_comm = sum(c.seconds for c in prediction.collectives if c.name in hideable)
     exposed = max(0.0, hidden_comm - cluster.overlap * compute * 2 / 3)  # backward: 2/3 of compute
     exposed += sum(c.seconds for c in prediction.collectives if c.name not in hideable)

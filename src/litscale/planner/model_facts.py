@@ -1,5 +1,6 @@
 """What the planner needs to know of a model, read off a meta-device copy: its size, FLOPs per
-token, layers, width, and the bytes autograd saves for backward (the activations)."""
+token, layers, width, the bytes autograd saves for backward (the activations), and, for a
+mixture of experts, what expert parallel shards and moves (``MoEFacts``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,45 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class MoEFacts:
+    """A mixture of experts as the planner costs it: ``layers`` MoE layers of ``n_experts``
+    routed experts, each token sent to ``top_k``; ``expert_params`` the routed experts'
+    parameters of all of them (what expert parallel shards); ``layer_params`` and
+    ``layer_flops_per_token`` the MoE layers' whole (router, routed and shared experts), which
+    tensor parallel leaves whole on every rank (``models/moe_parallel.py``), FLOPs of the active
+    experts only; ``active_params`` a token's share of the model.
+
+    ``load_imbalance``: the busiest expert-parallel rank's rows over an even split's, the same
+    at every EP size (a stated assumption, ``plan.moe_load_imbalance``), unless
+    ``tokens_per_expert`` (per MoE layer, a run's ``moe/tokens_per_expert``) measures it for
+    each size (``imbalance``)."""
+
+    layers: int
+    n_experts: int
+    top_k: int
+    expert_params: int
+    layer_params: int
+    layer_flops_per_token: float
+    active_params: int
+    load_imbalance: float = 1.0
+    tokens_per_expert: tuple[tuple[float, ...], ...] = ()
+
+    def imbalance(self, expert_parallel_size: int) -> float:
+        """Rows the busiest of ``expert_parallel_size`` ranks exchanges over the mean: measured
+        (each layer's busiest block of ``n_experts / ep`` experts over the mean block, the blocks
+        as expert parallel places them, averaged over the layers), else the stated figure."""
+        if not self.tokens_per_expert:
+            return self.load_imbalance
+        ratios = []
+        for layer in self.tokens_per_expert:
+            block = len(layer) // expert_parallel_size
+            blocks = [sum(layer[i:i + block]) for i in range(0, len(layer), block)]
+            mean = sum(blocks) / len(blocks)
+            ratios.append(max(blocks) / mean if mean else 1.0)
+        return sum(ratios) / len(ratios)
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """``activation_bytes`` per sample (fp32, no activation checkpointing), traced at micro
     batch 1 and 2 so a fixed part (independent of the batch) is told from the per-sample one."""
@@ -54,6 +94,7 @@ class ModelFacts:
     # Key (and value) features per token of each attention layer, where the model can split its
     # sequence (``context_parallel_attention``); 0 where it cannot.
     kv_width: int = 0
+    moe: MoEFacts | None = None  # a mixture of experts' (None for a dense model)
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
 
     def activations(self, micro_batch: int) -> float:
@@ -114,7 +155,27 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int) -> ModelFacts:
                       activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units,
                       vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
                       pipeline_blocks=len(net.pipeline_blocks()) if hasattr(net, "pipeline_blocks") else 0,
-                      kv_width=_kv_width(net))
+                      kv_width=_kv_width(net), moe=moe_facts(net))
+
+
+def moe_facts(net: nn.Module) -> MoEFacts | None:
+    """The MoE facts of a network that declares grouped experts (``expert_modules``), read off
+    its modules: each declared module's parent is its MoE layer (router, experts, shared
+    experts); None for a dense network."""
+    from litscale.strategies.expert_parallel import find_expert_modules
+
+    experts = find_expert_modules(net)
+    config = getattr(net, "config", None)
+    if not experts or not hasattr(config, "n_experts"):
+        return None
+    names = {id(module): name for name, module in net.named_modules()}
+    layers = [net.get_submodule(names[id(module)].rpartition(".")[0]) for module in experts]
+    expert_params = sum(p.numel() for module in experts for p in module.parameters())
+    layer_params = sum(p.numel() for layer in layers for p in layer.parameters())
+    unchosen = expert_params * (config.n_experts - config.top_k) // config.n_experts
+    return MoEFacts(layers=len(experts), n_experts=config.n_experts, top_k=config.top_k, expert_params=expert_params,
+                    layer_params=layer_params, layer_flops_per_token=6.0 * (layer_params - unchosen),
+                    active_params=sum(p.numel() for p in net.parameters()) - unchosen)
 
 
 def _kv_width(net: nn.Module) -> int:

@@ -3,6 +3,7 @@ plan cannot run, predicted and ranked by step time."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from litscale.layout import MeshSizes
@@ -34,8 +35,24 @@ def context_sizes(ranks: int, facts: ModelFacts) -> list[int]:
     return [c for c in divisors(ranks) if c == 1 or (facts.kv_width and facts.seq_len % (2 * c) == 0)]
 
 
+def expert_sizes(mesh: MeshSizes, facts: ModelFacts) -> list[MeshSizes]:
+    """``mesh``, and for a mixture of experts the same mesh with each expert-parallel size the
+    layout allows (a divisor of its data x context ranks; what else the strategy refuses is
+    pruned with its own line, ``why_not``)."""
+    if facts.moe is None:
+        return [mesh]
+    return [dataclasses.replace(mesh, expert=e) for e in divisors(mesh.data * mesh.context)]
+
+
 def meshes(strategy: str, cluster: Cluster, facts: ModelFacts) -> list[MeshSizes]:
-    """The meshes a strategy can take on the cluster's world."""
+    """The meshes a strategy can take on the cluster's world (expert parallel in the strategies
+    that have it: FSDP and tensor parallel)."""
+    if strategy in ("fsdp", "tensor_parallel"):
+        return [with_experts for mesh in _meshes(strategy, cluster, facts) for with_experts in expert_sizes(mesh, facts)]
+    return _meshes(strategy, cluster, facts)
+
+
+def _meshes(strategy: str, cluster: Cluster, facts: ModelFacts) -> list[MeshSizes]:
     world = cluster.world_size
     if strategy == "ddp":
         return [MeshSizes(data_replicate=world)]
@@ -79,6 +96,13 @@ def why_not(plan: Plan, cluster: Cluster, facts: ModelFacts, global_batch: int) 
         return f"tensor parallel {mesh.tensor} would cross nodes ({cluster.devices_per_node} devices per node)"
     if mesh.tensor > 1 and facts.heads % mesh.tensor:
         return f"{facts.heads} attention heads do not split over tensor parallel {mesh.tensor}"
+    if mesh.expert > 1:  # the strategies' own rule
+        from litscale.strategies.expert_parallel import check_expert_parallel_sizes
+
+        try:
+            check_expert_parallel_sizes(mesh.expert, facts.moe.n_experts if facts.moe else None, mesh.context)
+        except ValueError as error:
+            return str(error)
     stages = mesh.pipeline * plan.virtual_stages
     if mesh.pipeline > 1:  # the pipeline strategy's own rule (an uneven split runs, costed by its busiest rank)
         from litscale.strategies.stages import check_enough_blocks

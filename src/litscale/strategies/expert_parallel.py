@@ -57,14 +57,24 @@ def check_expert_parallel_fits(net: nn.Module, expert_parallel_size: int, contex
     context, which no parity test checks yet."""
     if expert_parallel_size == 1:
         return
+    config = getattr(net, "config", None)
+    n_experts = getattr(config, "n_experts", None)
+    check_expert_parallel_sizes(expert_parallel_size, n_experts if find_expert_modules(net) else None,
+                                context_parallel_size, model_name=type(net).__name__)
+
+
+def check_expert_parallel_sizes(expert_parallel_size: int, n_experts: int | None, context_parallel_size: int = 1,
+                                *, model_name: str = "the model") -> None:
+    """``check_expert_parallel_fits`` on numbers (``n_experts`` None: a model without
+    experts), for the planner's search, which has a model's facts rather than the model."""
+    if expert_parallel_size == 1:
+        return
     if context_parallel_size > 1:
         raise ValueError(f"strategy.expert_parallel_size={expert_parallel_size} with context_parallel_size="
                          f"{context_parallel_size} is not supported yet; allowed: one of them 1")
-    config = getattr(net, "config", None)
-    n_experts = getattr(config, "n_experts", None)
-    if not find_expert_modules(net) or not isinstance(n_experts, int):
+    if not isinstance(n_experts, int):
         raise ValueError(f"strategy.expert_parallel_size={expert_parallel_size} needs a mixture-of-experts "
-                         f"model, and {type(net).__name__} declares no experts; allowed: 1 (or model=moe)")
+                         f"model, and {model_name} declares no experts; allowed: 1 (or model=moe)")
     if n_experts % expert_parallel_size:
         raise ValueError(f"strategy.expert_parallel_size={expert_parallel_size} does not divide "
                          f"model.net.n_experts={n_experts}; allowed: a divisor of {n_experts}")
