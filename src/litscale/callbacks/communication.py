@@ -23,8 +23,9 @@ class CommunicationCallback(Callback):
     """Logs ``comm/bytes_per_step`` (sent by this rank), ``comm/dense_bytes_per_step``,
     ``comm/compress_time_s`` (per step, over the logging interval), ``comm/bytes_sent`` and
     ``comm/dense_bytes`` (this rank's totals so far) and ``comm/compression_ratio`` (their
-    ratio: over the run), and checkpoints the hook's state. ``compression`` defaults to the
-    strategy's."""
+    ratio: over the run); for parameter synchronisations (streaming DiLoCo's fragments),
+    ``comm/bytes_per_sync`` (their mean over the run) and ``comm/peak_bytes`` (the largest);
+    and checkpoints the hook's state. ``compression`` defaults to the strategy's."""
 
     def __init__(self, *, compression: CommHook | None = None) -> None:
         self.compression = compression
@@ -60,6 +61,9 @@ class CommunicationCallback(Callback):
             "comm/dense_bytes": float(totals["dense_bytes"]),
             "comm/compression_ratio": totals["dense_bytes"] / max(1, totals["bytes_sent"]),
         }
+        if totals.get("syncs"):  # parameter synchronisations (local SGD, streaming DiLoCo)
+            self.result["comm/bytes_per_sync"] = totals["sync_bytes"] / totals["syncs"]
+            self.result["comm/peak_bytes"] = float(totals["peak_bytes"])
         log_to_loggers(trainer, self.result)
 
     def state_dict(self) -> dict[str, Any]:
@@ -94,5 +98,5 @@ class CommunicationCallback(Callback):
 
 def _without_residuals(state: dict[str, Any]) -> dict[str, Any]:
     """A rank's state minus what belongs to that rank alone (its error-feedback residuals)."""
-    per_rank = {"residuals": {}, "errors": {}, "batched_errors": {}}
+    per_rank = {"residuals": {}, "errors": {}, "batched_errors": {}, "fragment_residuals": {}}
     return {**state, **{key: value for key, value in per_rank.items() if key in state}}

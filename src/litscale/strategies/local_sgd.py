@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
+from litscale.compression.outer_quantization import OuterDtype
 from litscale.compression.state import CompressionState
 from litscale.constraints import Fraction, NonNegativeInt, PositiveFloat, PositiveInt
 from litscale.strategies.ddp import DDPStrategy
@@ -67,16 +68,22 @@ class LocalSGDState(CompressionState):
 
     def after_optimizer_step(self, params: list[torch.nn.Parameter]) -> None:
         """Synchronise the parameters if this step ends a period of ``sync_every`` steps."""
-        if self._restored_outer is not None:
-            self._restore_outer(params)
-        self.optimizer_steps += 1
-        local_steps = self.optimizer_steps - self.warmup_steps
-        if local_steps == 0:
-            self.start_local_phase(params)
-        if local_steps <= 0 or local_steps % self.sync_every:
+        local_step = self.count_step(params)
+        if local_step is None or local_step % self.sync_every:
             return
         with torch.no_grad():
             self.synchronise(params)
+
+    def count_step(self, params: list[torch.nn.Parameter]) -> int | None:
+        """Count an optimizer step; the local step it was (None during warm-up). The local
+        phase starts after the last warm-up step, from a restored checkpoint's state if any."""
+        if self._restored_outer is not None:
+            self._restore_outer(params)
+        self.optimizer_steps += 1
+        local_step = self.optimizer_steps - self.warmup_steps
+        if local_step == 0:
+            self.start_local_phase(params)
+        return local_step if local_step > 0 else None
 
     def synchronise(self, params: list[torch.nn.Parameter]) -> None:
         """Every rank takes the mean of the parameters (then the outer step, if any)."""
@@ -141,6 +148,11 @@ class LocalSGDStrategy(DDPStrategy):
     ``sync_every`` optimizer steps, optionally through an outer optimizer (DiLoCo's Nesterov
     SGD, or FedOpt's heavy-ball SGD or Adam).
 
+    Streaming DiLoCo (``litscale.strategies.streaming``): ``fragments`` synchronised in turn,
+    each every ``sync_every`` steps; ``overlap_steps`` inner steps taken while a fragment's
+    exchange is in flight, then merged with ``mixing_factor``; ``outer_dtype`` the format the
+    outer gradient is sent in (with error feedback below fp32).
+
     Takes no ``compression``: there is no per-step gradient exchange to compress.
     """
 
@@ -156,16 +168,48 @@ class LocalSGDStrategy(DDPStrategy):
         outer_optimizer: OuterOptimizer = "none",
         outer_lr: PositiveFloat = 0.7,
         outer_momentum: Fraction = 0.9,
+        fragments: PositiveInt = 1,
+        outer_dtype: OuterDtype = "fp32",
+        overlap_steps: NonNegativeInt = 0,
+        mixing_factor: Fraction = 0.0,
         bucket_cap_mb: PositiveFloat = 25,
         process_group_backend: Literal["gloo", "nccl"] | None = None,
         timeout_s: PositiveInt = 1800,
     ) -> None:
-        self.local_sgd = LocalSGDState(sync_every=sync_every, warmup_steps=warmup_steps,
-                                       outer_optimizer=outer_optimizer, outer_lr=outer_lr,
-                                       outer_momentum=outer_momentum)
+        # NOTE: imported here: streaming.py builds on LocalSGDState, above.
+        from litscale.strategies.streaming import StreamingState
+
+        if fragments > sync_every:
+            raise ValueError(f"strategy.fragments={fragments} is more than strategy.sync_every={sync_every}: "
+                             f"each fragment is synchronised at its own step of a period; allowed: 1..{sync_every}")
+        if overlap_steps >= sync_every:
+            raise ValueError(f"strategy.overlap_steps={overlap_steps} is not fewer than strategy.sync_every="
+                             f"{sync_every}: a fragment's exchange must land before its next one; "
+                             f"allowed: 0..{sync_every - 1}")
+        self.local_sgd = StreamingState(sync_every=sync_every, warmup_steps=warmup_steps,
+                                        outer_optimizer=outer_optimizer, outer_lr=outer_lr,
+                                        outer_momentum=outer_momentum, fragments=fragments,
+                                        outer_dtype=outer_dtype, overlap_steps=overlap_steps,
+                                        mixing_factor=mixing_factor)
+        self.fragment_names: list[list[str]] = []  # parameter names by fragment, set at train start
         super().__init__(compression=CommHook(hook=local_sgd_hook, state=self.local_sgd),
                          bucket_cap_mb=bucket_cap_mb, process_group_backend=process_group_backend,
                          timeout_s=timeout_s)
+
+    def validate_setup(self, *, world_size: int, net: torch.nn.Module) -> None:
+        """Pre-flight: enough blocks for ``fragments``."""
+        from litscale.strategies.streaming import check_fragments
+
+        check_fragments(self.local_sgd.fragments, net)
+
+    @property
+    def result(self) -> dict[str, Any]:
+        """What ``summary.json`` keeps: bytes of the synchronisations and the fragments' sizes."""
+        state = self.local_sgd
+        sizes = [sum(p.numel() for p in state._members(self._params(), f)) for f in range(len(state.fragment_index))]
+        return {"comm/syncs": state.syncs, "comm/peak_bytes": state.peak_bytes,
+                "comm/bytes_per_sync": state.sync_bytes / max(1, state.syncs),
+                "local_sgd/fragment_params": sizes}
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.lightning_module.parameters() if p.requires_grad]
@@ -173,6 +217,12 @@ class LocalSGDStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        from litscale.strategies.streaming import parameter_fragments
+
+        module = self.lightning_module
+        self.fragment_names = parameter_fragments(module, self.local_sgd.fragments)
+        self.local_sgd.set_fragments(self.fragment_names,
+                                     [name for name, p in module.named_parameters() if p.requires_grad])
         if self.local_sgd.warmup_steps == 0 and self.local_sgd.optimizer_steps == 0:
             self.local_sgd.start_local_phase(self._params())
 
@@ -181,3 +231,8 @@ class LocalSGDStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.local_sgd.after_optimizer_step(self._params())
         return output
+
+    @override
+    def on_train_end(self) -> None:
+        self.local_sgd.finish(self._params())  # an exchange still in flight lands before the end
+        super().on_train_end()
