@@ -502,3 +502,44 @@ def test_train_py_on_bpe_tokens_resumes_exactly_inside_an_epoch(tmp_path):
         assert actual[step] == expected[step], step
     for name, tensor in final_weights(reference).items():
         assert torch.equal(final_weights(after)[name], tensor), name
+
+
+def _letters(dm: TokenDataModule, indices) -> set[str]:
+    return {chr(t) for i in indices for t in dm.train_dataset[i][0].tolist() if t < 256}
+
+
+def test_partition_by_source_gives_each_client_whole_files(tmp_path):
+    """data.partition=source over 3 clients: 24 files, each of one letter, in 6 directories;
+    each file's tokens reach one client only, every train file reaches one, and the split is
+    the same at every build."""
+    root = tmp_path / "corpus"
+    for i in range(24):
+        (root / f"pkg{i // 4}").mkdir(parents=True, exist_ok=True)
+        (root / f"pkg{i // 4}" / f"m{i:02d}.txt").write_text(chr(65 + i) * (60 + 13 * i))
+    options = {"paths": str(root / "**" / "*.txt"), "tokenizer": "byte", "partition": "source",
+               "seq_len": 8, "batch_size": 2, "val_fraction": 0.25}
+    clients = [attach(token_dm(tmp_path, **options), 3, rank) for rank in range(3)]
+    for dm in clients:
+        dm.setup()
+    parts = [list(dm.train_sampler().indices.tolist()) for dm in clients]
+    letters = [_letters(dm, part) for dm, part in zip(clients, parts, strict=True)]
+    assert all(letters) and not (letters[0] & letters[1] or letters[1] & letters[2] or letters[0] & letters[2])
+    facts = clients[0].partition_facts
+    train_files = facts["sources"]
+    assert {chr(65 + int(name[-6:-4])) for name in train_files} == letters[0] | letters[1] | letters[2]
+    assert all(name.startswith("pkg") for name in train_files)
+    histograms = np.array(facts["label_histograms"])
+    assert histograms.shape == (3, len(train_files))
+    assert ((histograms > 0).sum(axis=0) == 1).all()  # every source on exactly one client
+    assert facts["client_samples"] == [len(part) for part in parts]
+    assert facts["label_skew"] > 0.5
+    again = attach(token_dm(tmp_path, **options), 3, 1)
+    again.setup()
+    assert again.train_sampler().indices.tolist() == parts[1]
+
+
+def test_partition_by_source_is_for_token_data_only(tmp_path, outputs_root):
+    cfg, choices = compose_job(["data=digits", "model=mlp", "data.partition=source"], tmp_path / "run")
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, choices=choices)
+    assert str(info.value).startswith("data.partition='source' is not valid: expected one of: 'iid', 'dirichlet', 'shards'")

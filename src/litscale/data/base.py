@@ -185,7 +185,7 @@ class ShardedDataModule(LightningDataModule):
     def _record_partition(self, labels: Sequence[int], parts: list[list[int]]) -> None:
         """What each rank's client holds, by class: kept for summary.json and printed once."""
         histograms = label_histograms(labels, parts, int(torch.as_tensor(labels).max()) + 1)
-        how = {"dirichlet": f"dirichlet (alpha {self.alpha:g})",
+        how = {"dirichlet": f"dirichlet (alpha {self.alpha:g})", "source": "by source file",
                "shards": f"shards ({self.shards_per_client} per client)"}.get(self.partition, "iid")
         self.partition_facts = {"partition": self.partition, "label_histograms": histograms,
                                 "label_skew": label_skew(histograms),
@@ -194,7 +194,12 @@ class ShardedDataModule(LightningDataModule):
                        f"{self.partition_facts['label_skew']:.3f} (mean total-variation distance of a "
                        "client's label mix from the whole)")
         for client, histogram in enumerate(histograms):
-            rank_zero_info(f"litscale:   client {client}: {sum(histogram)} samples, by class {histogram}")
+            rank_zero_info(f"litscale:   client {client}: {sum(histogram)} samples, "
+                           f"{self._describe_labels(histogram)}")
+
+    def _describe_labels(self, histogram: list[int]) -> str:
+        """A client's labels for the log line (``TokenDataModule``: its source files)."""
+        return f"by class {histogram}"
 
     def val_sampler(self) -> DistributedSampler:
         """The validation sampler; it pads with repeated samples so every rank has equal work."""

@@ -48,11 +48,14 @@ def corpus_files(paths: str | Sequence[str] | None) -> list[str]:
     return expand_paths(paths)
 
 
-def read_documents(files: Sequence[str], text_field: str) -> Iterator[tuple[str, int]]:
-    """``(text, bytes_read)`` for every document of ``files``, in order."""
+def read_documents(files: Sequence[str], text_field: str, *,
+                   with_source: bool = False) -> Iterator[tuple[str, int] | tuple[str, int, int]]:
+    """``(text, bytes_read)`` for every document of ``files``, in order; with ``with_source``,
+    ``(text, bytes_read, index of its file in files)``."""
     readers = {"text": _read_text, "jsonl": _read_jsonl, "parquet": _read_parquet}
-    for path in files:
-        yield from readers[file_kind(path)](path, text_field)
+    for index, path in enumerate(files):
+        for document in readers[file_kind(path)](path, text_field):
+            yield (*document, index) if with_source else document
 
 
 def _read_text(path: str, text_field: str) -> Iterator[tuple[str, int]]:

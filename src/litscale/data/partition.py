@@ -8,6 +8,10 @@
 - ``shards``: samples sorted by label are cut into ``clients x shards_per_client`` shards and
   each client gets ``shards_per_client`` of them (McMahan et al. 2017's pathological split).
 
+- ``source`` (token data, ``TokenDataModule``): whole documents by source file, the corpus's
+  files in order cut into contiguous runs of about equal tokens, one run a client
+  (``contiguous_source_clients``): each client reads other packages, or other files of a corpus.
+
 Written here rather than taken from Flower Datasets' partitioners, which split a Hugging Face
 ``datasets.Dataset`` and bring that stack with them; the splits are a few lines of numpy.
 
@@ -74,6 +78,18 @@ def _shards(labels: np.ndarray, clients: int, per_client: int, rng: np.random.Ge
             f"data.partition=shards with data.shards_per_client={per_client} gives a client fewer than "
             f"{min_samples} samples (a micro batch); raise data.shards_per_client or lower data.batch_size")
     return parts
+
+
+def contiguous_source_clients(source_tokens: Sequence[int], clients: int) -> list[int]:
+    """The client of each source, sources in corpus order: contiguous runs of about
+    ``1 / clients`` of the tokens each; a source goes to the client whose share holds its middle
+    token (a source is never split)."""
+    total = float(sum(source_tokens))
+    owners, before = [], 0
+    for size in source_tokens:
+        owners.append(min(clients - 1, int((before + size / 2) * clients / total)))
+        before += size
+    return owners
 
 
 def label_histograms(labels: Sequence[int], parts: Sequence[Sequence[int]], num_classes: int) -> list[list[int]]:
@@ -145,8 +161,9 @@ def plot_label_histograms(histograms: Sequence[Sequence[int]], path: str) -> str
     axes.set_xlabel("client (rank)")
     axes.set_ylabel("training samples")
     axes.set_xticks(range(len(counts)))
-    axes.legend(title="class", fontsize=6, title_fontsize=7, ncol=2, loc="upper left",
-                bbox_to_anchor=(1, 1))
+    if counts.shape[1] <= 20:  # more (source files) would bury the bars under the legend
+        axes.legend(title="class", fontsize=6, title_fontsize=7, ncol=2, loc="upper left",
+                    bbox_to_anchor=(1, 1))
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -3,7 +3,8 @@
 ``tokens-<key>.bin`` holds every document's tokens followed by the end-of-text token, back to
 back, as uint16 (a vocabulary of at most 65536) or uint32; ``tokens-<key>.index.npz`` holds
 where each document starts, its text's UTF-8 bytes (bits per byte are per byte of text, whatever
-the tokenizer) and a hash of its text, which decides its split. The key hashes
+the tokenizer), a hash of its text, which decides its split, and the index of the file it
+came from (its source, for ``data.partition=source``; -1 when not given). The key hashes
 the files' contents, the tokenizer and the format, so a cache is reused exactly when it
 would come out the same. Both files are written under temporary names and renamed into
 place, the index first: the token file's presence marks a complete cache, and ranks or jobs
@@ -29,7 +30,7 @@ from litscale.data.tokenizer import TextTokenizer
 log = logging.getLogger(__name__)
 
 # Bump when the layout changes so stale caches are not read with new code.
-CACHE_FORMAT = 2  # 2: the UTF-8 bytes of each document, for bits per byte
+CACHE_FORMAT = 3  # 2: the UTF-8 bytes of each document, for bits per byte; 3: its source file
 # Texts handed to the tokenizer at once: its batch encoding spreads them over the cores.
 _BATCH_BYTES = 4 << 20
 
@@ -68,6 +69,7 @@ class TokenCache:
     starts: np.ndarray  # int64, one more than there are documents
     split_keys: np.ndarray  # uint64 hash of each document's text
     text_bytes: np.ndarray  # int64 UTF-8 bytes of each document's text
+    sources: np.ndarray  # int64 index of each document's file among the corpus's files (-1: unknown)
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +87,8 @@ def load_cache(stem: str) -> TokenCache:
     with np.load(stem + ".index.npz") as index:
         return TokenCache(path=stem + ".bin", dtype=np.dtype(str(index["dtype"])),
                           starts=index["starts"], split_keys=index["split_keys"],
-                          text_bytes=index["text_bytes"])
+                          text_bytes=index["text_bytes"],
+                          sources=index["sources"] if "sources" in index else np.full(len(index["split_keys"]), -1))
 
 
 def split_key(text: str) -> int:
@@ -94,13 +97,15 @@ def split_key(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
 
 
-def _batches(documents: Iterable[tuple[str, int]], progress: tqdm) -> Iterator[list[str]]:
-    batch: list[str] = []
+def _batches(documents: Iterable[tuple], progress: tqdm) -> Iterator[list[tuple[str, int]]]:
+    """Batches of ``(text, source)``; a document is ``(text, bytes_read)`` or
+    ``(text, bytes_read, source)``."""
+    batch: list[tuple[str, int]] = []
     size = 0
-    for text, bytes_read in documents:
+    for text, bytes_read, *source in documents:
         progress.update(bytes_read)
         if text:
-            batch.append(text)
+            batch.append((text, source[0] if source else -1))
             size += len(text)
         if size >= _BATCH_BYTES:
             yield batch
@@ -109,29 +114,33 @@ def _batches(documents: Iterable[tuple[str, int]], progress: tqdm) -> Iterator[l
         yield batch
 
 
-def build_cache(stem: str, documents: Iterable[tuple[str, int]], tokenizer: TextTokenizer,
+def build_cache(stem: str, documents: Iterable[tuple], tokenizer: TextTokenizer,
                 *, total_bytes: int, source: str) -> None:
     """Tokenize ``documents`` into the cache at ``stem``; a ``ValueError`` starting with
-    ``source`` (the key that names the corpus) if they hold no text."""
+    ``source`` (the key that names the corpus) if they hold no text. A document is ``(text,
+    bytes_read)`` or, with the index of its file, ``(text, bytes_read, file_index)``."""
     directory = os.path.dirname(stem)
     os.makedirs(directory, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
-    starts, keys, text_bytes = [0], [], []
+    starts, keys, text_bytes, sources = [0], [], [], []
     # The token file lands last (at the end of the block): its presence marks a complete cache.
     with atomic_file(stem + ".bin") as out, tqdm(total=total_bytes, unit="B", unit_scale=True,
                                                   desc=f"tokenizing ({tokenizer.name})",
                                                   disable=None) as progress:
-        for texts in _batches(documents, progress):
-            for text, ids in zip(texts, tokenizer.encode_batch(texts), strict=True):
+        for batch in _batches(documents, progress):
+            texts = [text for text, _ in batch]
+            for (text, file_index), ids in zip(batch, tokenizer.encode_batch(texts), strict=True):
                 if len(ids) == 0 or ids[-1] != tokenizer.eos_id:
                     ids = np.append(ids, tokenizer.eos_id)
                 ids.astype(dtype).tofile(out)
                 starts.append(starts[-1] + len(ids))
                 keys.append(split_key(text))
                 text_bytes.append(len(text.encode("utf-8")))
+                sources.append(file_index)
         if not keys:
             raise ValueError(f"{source} holds no text: every matched file or record is empty")
         with atomic_file(stem + ".index.npz") as index:
             np.savez(index, dtype=np.array(dtype.name), starts=np.array(starts, dtype=np.int64),
-                     split_keys=np.array(keys, dtype=np.uint64), text_bytes=np.array(text_bytes, dtype=np.int64))
+                     split_keys=np.array(keys, dtype=np.uint64), text_bytes=np.array(text_bytes, dtype=np.int64),
+                     sources=np.array(sources, dtype=np.int64))
     log.info("tokenized %d documents into %d tokens: %s.bin", len(keys), starts[-1], stem)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Literal
 
 import numpy as np
 import torch
+from torch.utils.data import Sampler
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
@@ -15,6 +17,7 @@ from litscale.data.base import ShardedDataModule
 from litscale.data.byte_corpus import default_cache_dir
 from litscale.data.byte_windows import MemmapWindows, coalesce, held_out_cut
 from litscale.data.documents import corpus_files, missing_paths_error, read_documents
+from litscale.data.partition import ClientSampler, contiguous_source_clients
 from litscale.data.token_cache import TokenCache, build_cache, cache_stem, is_complete, load_cache
 from litscale.data.tokenizer import load_tokenizer
 
@@ -93,6 +96,9 @@ class TokenDataModule(ShardedDataModule):
             ``~/.cache/litscale/data``.
         num_workers: DataLoader workers per rank.
         seed: Seed of the training order.
+        partition: ``iid`` (one shared order), or ``source``: each rank (a federated client)
+            trains on whole documents of its own source files (``contiguous_source_clients``);
+            a sequence is packed within one client's documents.
     """
 
     task = "causal_lm"
@@ -113,8 +119,9 @@ class TokenDataModule(ShardedDataModule):
         cache_dir: str | None = None,
         num_workers: NonNegativeInt = 0,
         seed: int = 0,
+        partition: Literal["iid", "source"] = "iid",
     ) -> None:
-        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed)
+        super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, partition=partition)
         self.tokenizer = load_tokenizer(tokenizer)
         if vocab_size is not None and vocab_size < self.tokenizer.vocab_size:
             raise ValueError(
@@ -151,7 +158,7 @@ class TokenDataModule(ShardedDataModule):
         stem = cache_stem(self.cache_dir, files, self.tokenizer, self.text_field)
         if not is_complete(stem):
             log.info("tokenizing %d files with %s into %s", len(files), self.tokenizer.name, stem)
-            build_cache(stem, read_documents(files, self.text_field), self.tokenizer,
+            build_cache(stem, read_documents(files, self.text_field, with_source=True), self.tokenizer,
                         total_bytes=sum(os.path.getsize(f) for f in files), source=self._source())
         return stem
 
@@ -162,6 +169,7 @@ class TokenDataModule(ShardedDataModule):
         # built here yet; building is atomic, so ranks building it at once are harmless.
         cache = load_cache(self._built_cache())
         train, val = self._split(cache)
+        self._cache = cache
         self.val_bytes_per_token = _bytes_per_token(cache, val)
         self._val_bytes = (cache, val)
         self.train_dataset = PackedSequences(cache.path, cache.dtype, train, self.seq_len)
@@ -181,6 +189,7 @@ class TokenDataModule(ShardedDataModule):
     def _split(self, cache: TokenCache) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         in_val = cache.split_keys < np.uint64(int(self.val_fraction * 2.0**64))
         documents = np.stack([cache.starts[:-1], cache.starts[1:]], axis=1)
+        self._train_document_ids = np.flatnonzero(~in_val)
         train = [(start, end) for start, end in documents[~in_val].tolist()]
         val = [(start, end) for start, end in documents[in_val].tolist()]
         self.train_documents, self.val_documents = len(train), len(val)
@@ -196,9 +205,57 @@ class TokenDataModule(ShardedDataModule):
                 f"{total} tokens: one train and one val sequence need {2 * (self.seq_len + 1)}"
             )
         self.split_by_document = False
+        self._train_document_ids = np.flatnonzero(cache.starts[:-1] < cut)
         self.train_documents = int(np.count_nonzero(cache.starts[:-1] < cut))
         self.val_documents = int(np.count_nonzero(cache.starts[1:] > cut))
         return [(0, cut)], [(cut, total)]
+
+
+    def train_sampler(self) -> Sampler:
+        if self.partition != "source":
+            return super().train_sampler()
+        num_replicas, rank = self.replicas()
+        parts, labels = self._source_parts(num_replicas)
+        if self.partition_facts is None:
+            self._record_partition(labels, parts)
+            self.partition_facts["sources"] = self._source_names
+        return ClientSampler(parts[rank], epoch_samples=len(self.train_dataset) // num_replicas,
+                             seed=self.seed, client=rank)
+
+    def _source_parts(self, clients: int) -> tuple[list[list[int]], list[int]]:
+        """Each client's train sequences (windows wholly inside its documents) and every
+        sequence's source (the file of its first token, numbered among the train sources)."""
+        cache, ids = self._cache, self._train_document_ids
+        if not self.split_by_document or (cache.sources[ids] < 0).any():
+            raise ValueError(f"data.partition=source needs whole documents by file, which {self._source()} "
+                             "does not split into (too few tokens for a split by document); use data.partition=iid")
+        lengths = (cache.starts[1:] - cache.starts[:-1])[ids]
+        files, source_of_document = np.unique(cache.sources[ids], return_inverse=True)
+        source_tokens = np.bincount(source_of_document, weights=lengths).astype(np.int64)
+        client_of_document = np.asarray(contiguous_source_clients(source_tokens.tolist(), clients))[source_of_document]
+        ends = np.cumsum(lengths)  # each train document's end in the packed stream
+        starts, total, seq = ends - lengths, len(self.train_dataset), self.seq_len
+        parts = []
+        for client in range(clients):
+            owned = np.flatnonzero(client_of_document == client)
+            if len(owned):
+                first = -(-int(starts[owned[0]]) // seq)
+                last = min(total, (int(ends[owned[-1]]) - seq - 1) // seq + 1)
+            if not len(owned) or last - first < self.batch_size:
+                raise ValueError(f"data.partition=source leaves client {client} fewer than data.batch_size="
+                                 f"{self.batch_size} sequences of {self._source()} over {clients} clients; "
+                                 "use fewer clients, a shorter data.seq_len or a larger corpus")
+            parts.append(list(range(first, last)))
+        document_at = np.searchsorted(ends, np.arange(total) * seq, side="right")
+        labels = source_of_document[document_at].tolist()
+        paths = corpus_files(self.paths)
+        root = os.path.commonpath(paths) if len(paths) > 1 else os.path.dirname(paths[0])
+        self._source_names = [os.path.relpath(paths[f], root) for f in files.tolist()]
+        return parts, labels
+
+    def _describe_labels(self, histogram: list[int]) -> str:
+        held = [self._source_names[s] for s, count in enumerate(histogram) if count]
+        return f"from {len(held)} source files ({held[0]} ... {held[-1]})"
 
 
 def first_tokens(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
