@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.cli import run_train
+from helpers.cli import check_command, run_train
 from helpers.configs import CONF_DIR, compose_full, compose_job, group_options
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -34,15 +34,7 @@ CORES = len(os.sched_getaffinity(0))
 TWO_CORES = pytest.mark.skipif(CORES < 2, reason="needs 2 CPU cores")
 
 
-def check(overrides: list[str], capsys) -> tuple[int, str, str]:
-    """``check_command_line(overrides)`` as ``train.py`` runs it: (exit code, stdout, stderr)."""
-    code = 0
-    try:
-        check_command_line(overrides, config_dir=str(CONF_DIR), config_name="train")
-    except SystemExit as exit_info:
-        code = exit_info.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+check = check_command
 
 
 def _options(group: str) -> str:

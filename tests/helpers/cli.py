@@ -20,6 +20,21 @@ from helpers.configs import REPO_ROOT
 REPO = REPO_ROOT  # where train.py is, and where runs start
 
 
+def check_command(overrides: list[str], capsys) -> tuple[int, str, str]:
+    """``check_command_line(overrides)`` in this process, as ``train.py`` runs it before Hydra:
+    (exit code, stdout, stderr)."""
+    from helpers.configs import CONF_DIR
+    from litscale.app.preflight import check_command_line
+
+    code = 0
+    try:
+        check_command_line(overrides, config_dir=str(CONF_DIR), config_name="train")
+    except SystemExit as exit_info:
+        code = exit_info.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def run_train(*overrides: str, outputs: Path, timeout: float = 240, env: dict | None = None):
     """``python train.py <overrides>`` with outputs under ``outputs``; returns the process."""
     return subprocess.run(

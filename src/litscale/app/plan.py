@@ -21,6 +21,9 @@ GiB = 2**30
 # The longest forward-backward (by FLOPs at the probed peak) worth timing before planning on
 # this machine; longer ones are predicted from FLOPs.
 PROFILE_LIMIT_S = 2.0
+# The largest run whose ranks' first steps plan=show traces, one after the other, on this machine.
+MAX_TRACED_RANKS = 16
+MAX_TRACED_PARAMS_BYTES = 2 * GiB
 
 
 def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dict:
@@ -147,6 +150,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
         _say(f"as configured: lr {cfg.optimizer.lr:g} scaled by the {rule} rule to {lr:.4g} "
              f"(global batch {layout.global_batch}, base {cfg.lr_scaling.base_batch_size})")
     built = _dry_run(cfg, layout)
+    _trace_collectives(cfg, choices, layout, built)
     if plan is None:
         _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
         return None
@@ -184,6 +188,25 @@ def _dry_run(cfg: DictConfig, layout: RunLayout) -> float | None:
     _say(f"as configured: built on a fake process group of {built['ranks']} ranks (mesh {built['mesh']}): rank 0 "
          f"holds {_size(built['params_bytes'])} of parameters")
     return float(built["params_bytes"])
+
+
+def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, built: float | None) -> None:
+    """Each rank's first step traced on a fake process group at the configured world; raises
+    ``ConfigError`` (refused, as the launch would be) where the ranks' collectives differ.
+    ``built``: the bytes of parameters rank 0 holds. NOTE: each rank's step runs here for real,
+    one after the other, so a what-if at hundreds of ranks or of a model larger than this
+    machine is not traced (``preflight.collectives=true`` traces any run that starts here)."""
+    from litscale.app.plan_collectives import check_collectives, not_traced_reason
+
+    strategy = choices.get("strategy", "")
+    reason = not_traced_reason(strategy, cfg) if layout.world_size > 1 else None
+    if reason is None and layout.world_size > MAX_TRACED_RANKS:
+        reason = f"{layout.world_size} ranks: plan=show traces at most {MAX_TRACED_RANKS}, one after the other here"
+    elif reason is None and (built or 0) > MAX_TRACED_PARAMS_BYTES:
+        reason = (f"rank 0 holds {_size(built)} of parameters: plan=show traces at most "
+                  f"{_size(MAX_TRACED_PARAMS_BYTES)} per rank here")
+    _say(f"as configured: collectives not traced ({reason})" if reason else
+         f"as configured: {check_collectives(cfg, strategy, layout)}")
 
 
 def facts_of(cfg: DictConfig) -> ModelFacts:

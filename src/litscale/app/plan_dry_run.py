@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import multiprocessing
 import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -31,12 +33,39 @@ def built_on_fake_world(run_config: dict, world_size: int) -> dict[str, Any]:
     already validated. Returns ``{"params_bytes": bytes of the parameters rank 0 holds (its local
     shards), "mesh": the device mesh built (e.g. "replicate 2 x shard 128"), "ranks": world_size}``;
     for DeepSpeed ``params_bytes`` is None and ``skipped`` says why."""
+    return without_process_group(built_in_this_process, run_config, world_size)
+
+
+def without_process_group(work: Callable[..., Any], *args: Any) -> Any:
+    """``work(*args)`` here when this process holds no process group, else in a spawned child
+    (``work`` starts fake groups of its own, and a process holds one default group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return built_in_this_process(run_config, world_size)
+        return work(*args)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(built_in_this_process, run_config, world_size).result()
+        return pool.submit(work, *args).result()
+
+
+@contextmanager
+def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of a fake default process group of ``world_size`` ranks (its
+    collectives return at once), destroyed on leaving."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("this process holds a process group already; without_process_group "
+                           "runs the work in a child process instead")
+    # init_process_group wraps sys.excepthook (a "[rank0]:" prefix) and nothing unwraps it;
+    # restored so that building here many times does not stack the prefixes.
+    excepthook = sys.excepthook
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
@@ -64,25 +93,18 @@ def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
 
 
 def _split_on_fake_group(holder: nn.Module, strategy: Any, world_size: int) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("this process holds a process group already; call built_on_fake_world, "
-                           "which then builds in a child process")
-    shape, names = strategy.mesh_layout(strategy.resolve_mesh(world_size))
-    # init_process_group wraps sys.excepthook (a "[rank0]:" prefix) and nothing unwraps it;
-    # restored so that building here many times does not stack the prefixes.
-    excepthook = sys.excepthook
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    with fake_group(world_size):
+        mesh = strategy_mesh(strategy, world_size)
         stages = strategy.split(holder, mesh)
         return {"params_bytes": held_bytes([holder, *stages]), "mesh": describe(mesh), "ranks": world_size}
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = excepthook
+
+
+def strategy_mesh(strategy: Any, world_size: int) -> DeviceMesh:
+    """The device mesh ``strategy`` lays out at ``world_size`` ranks, on the fake group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape, names = strategy.mesh_layout(strategy.resolve_mesh(world_size))
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def describe(mesh: DeviceMesh) -> str:

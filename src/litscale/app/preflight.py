@@ -113,7 +113,7 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
 def validate_job(cfg, *, multirun: bool) -> None:
     """Validate one composed job (its ``hydra`` node included) as the job itself will."""
     from litscale.app.launch import check_launchable
-    from litscale.app.validation import only_planned, validate
+    from litscale.app.validation import only_planned, planning, validate
 
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
     on_cluster = multirun and _launcher(cfg) in CLUSTER_LAUNCHERS
@@ -124,6 +124,10 @@ def validate_job(cfg, *, multirun: bool) -> None:
     layout = validate(job, choices=choices, this_machine=here)
     if here:  # the ranks can start from this process
         check_launchable(layout.processes_per_node, layout.num_nodes)
+    if (job.get("preflight") or {}).get("collectives") and not planning(job):  # plan=show traces them itself
+        from litscale.app.plan_collectives import check_collectives
+
+        print(f"litscale: {check_collectives(job, choices.get('strategy', ''), layout)}", flush=True)
 
 
 def _cell(jobs: list[list[str]], index: int) -> str:

@@ -75,6 +75,13 @@ class LauncherSchema:
 
 
 @dataclass
+class PreflightSchema:
+    """``preflight.*``: checks before any rank starts."""
+
+    collectives: bool  # each rank's first step traced on a fake process group, compared across ranks
+
+
+@dataclass
 class PlanSchema:
     """``plan/``: train as configured, or print (``show``) / also write (``auto``) the
     planner's ranking instead."""
@@ -125,6 +132,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("plan", cfg.plan, PlanSchema)
     if cfg.get("launcher") is not None:
         check_schema("launcher", cfg.launcher, LauncherSchema)
+    if cfg.get("preflight") is not None:
+        check_schema("preflight", cfg.preflight, PreflightSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     check_data_tokenizer(cfg)
