@@ -262,11 +262,17 @@ def test_a_hang_under_torchrun_is_named_by_rank_zero(tmp_path):
 @pytest.mark.timeout(400)
 def test_with_the_default_limits_a_hang_stops_the_job_within_ninety_seconds(tmp_path):
     """The default limit: max(60 s, 20 median steps); the job stops well before the process
-    group's own timeout (30 minutes)."""
-    process, seconds = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.at_step=6", outputs=tmp_path)
+    group's own timeout (30 minutes). Timed from the hang itself, not from the launch: the
+    watchdog's own "for N s" at its stack dump, plus the dump's age when the job had ended
+    (start-up and six steps on a loaded machine are no part of the claim)."""
+    process, _ = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.at_step=6", outputs=tmp_path)
+    ended = time.time()
     assert process.returncode == 1, explain(process)
-    assert int(the_hang_line(process).group(3)) >= 60
-    assert seconds < 90 + 20, seconds  # 90 s from the hang; start-up and six steps come first
+    hang = the_hang_line(process)
+    stuck_s = int(hang.group(3))
+    dumped = min(path.stat().st_mtime for path in Path(hang.group(5)).iterdir())
+    assert stuck_s >= 60
+    assert stuck_s + (ended - dumped) < 90, (stuck_s, ended - dumped)
 
 
 @pytest.mark.full
