@@ -72,9 +72,16 @@ CPU2 = [
             "pipeline parallel change the reductions inside a matmul; allowed: strategy=single, ddp or fsdp",
         ),
         (
-            ["strategy=local_sgd"],
-            "determinism=layout_invariant is not available with strategy=local_sgd yet; "
-            "allowed: strategy=single, ddp or fsdp",
+            ["strategy=local_sgd", "strategy.sync_every=1"],
+            "determinism=layout_invariant is not available with strategy=local_sgd: each rank's optimizer steps "
+            "on its own share of the batch before the parameters are averaged, so the model depends on the number "
+            "of ranks by design (at sync_every=1 too); allowed: strategy=single, ddp or fsdp",
+        ),
+        (
+            ["strategy=deepspeed_zero"],
+            "determinism=layout_invariant is not available with strategy=deepspeed_zero: DeepSpeed's engine "
+            "reduces gradients in its own backward hooks into the partitioned buffers its optimizer steps, and "
+            "takes no gradient summed outside them; allowed: strategy=single, ddp or fsdp",
         ),
         (
             ["strategy=ddp", "compression=powersgd"],
@@ -93,7 +100,15 @@ CPU2 = [
             "batch 64",
         ),
     ],
-    ids=["tensor_parallel", "pipeline", "local_sgd", "compression", "batch", "accumulation"],
+    ids=[
+        "tensor_parallel",
+        "pipeline",
+        "local_sgd",
+        "deepspeed_zero",
+        "compression",
+        "batch",
+        "accumulation",
+    ],
 )
 def test_a_layout_the_mode_cannot_hold_is_refused_in_one_line(
     overrides, error, tmp_path, outputs_root

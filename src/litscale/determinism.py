@@ -41,6 +41,20 @@ from litscale.constraints import PositiveInt
 # The strategies whose layouts this mode makes bit-identical (their classes' names).
 STRATEGIES = ("SingleStrategy", "DDPStrategy", "FSDPStrategy")
 MODEL_PARALLEL = ("TensorParallelStrategy", "PipelineParallelStrategy")
+# Why the other data-parallel strategies cannot be made layout-invariant, by class name.
+NOT_INVARIANT = {
+    # NOTE: DeepSpeed's ZeRO optimizer steps only the flat, partitioned gradient buffers its own
+    # backward hooks fill (bucketed reduce or reduce-scatter, in its order); it has no public way
+    # to take a gradient computed elsewhere, so the fixed tree's sum cannot replace its reduction.
+    "DeepSpeedZeroStrategy": "DeepSpeed's engine reduces gradients in its own backward hooks into the "
+    "partitioned buffers its optimizer steps, and takes no gradient summed outside them",
+    # Local SGD's math, not its code: each rank's optimizer steps on that rank's share of the
+    # batch and only then are parameters averaged (AdamW's update is not linear in the gradient).
+    "LocalSGDStrategy": "each rank's optimizer steps on its own share of the batch before the parameters are "
+    "averaged, so the model depends on the number of ranks by design (at sync_every=1 too)",
+    "FederatedStrategy": "each client's optimizer steps on its own data before the models are averaged, so the "
+    "model depends on the number of clients by design",
+}
 
 
 def check_layout(
@@ -60,6 +74,11 @@ def check_layout(
         raise ValueError(
             f"determinism=layout_invariant is not available with strategy={strategy}: tensor and pipeline "
             "parallel change the reductions inside a matmul; allowed: strategy=single, ddp or fsdp"
+        )
+    if name in NOT_INVARIANT:
+        raise ValueError(
+            f"determinism=layout_invariant is not available with strategy={strategy}: {NOT_INVARIANT[name]}; "
+            "allowed: strategy=single, ddp or fsdp"
         )
     if name not in STRATEGIES:
         raise ValueError(
