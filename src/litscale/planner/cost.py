@@ -69,7 +69,9 @@ class Plan:
 
     def describe(self) -> str:
         mesh = self.mesh
-        parts = [self.strategy, f"pp{mesh.pipeline}", f"dp{mesh.data}",
+        hybrid = mesh.data_replicate > 1 and mesh.data_shard > 1  # HSDP: replicas x shards
+        data = f"dp{mesh.data_replicate}x{mesh.data_shard}" if hybrid else f"dp{mesh.data}"
+        parts = [self.strategy, f"pp{mesh.pipeline}", data,
                  *([f"cp{mesh.context}"] if mesh.context > 1 else []), f"tp{mesh.tensor}",
                  *([f"ep{mesh.expert}"] if mesh.expert > 1 else []),
                  f"mb{self.micro_batch}", f"acc{self.accumulation}"]
