@@ -144,3 +144,40 @@ def test_in_a_child_process_the_same_as_here(tmp_path):
     cfg, _, _ = _configured([*WIDE, "strategy=fsdp", "strategy.replicate_size=2"], 256, tmp_path)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     assert built_on_fake_world(run_config, 256) == built_in_this_process(run_config, 256)
+
+
+MOE = ["model=moe", "data=synthetic", "data.seq_len=32"]  # tiny: 3 layers, 2 of them MoE (8 experts), width 64
+
+
+@pytest.mark.parametrize(("world", "extra", "mesh"), [
+    (8, ["strategy.expert_parallel_size=4"], "shard 8"),
+    (8, ["strategy.expert_parallel_size=2", "strategy.replicate_size=2"], "replicate 2 x shard 4"),
+], ids=["shard8-ep4", "replicate2xshard4-ep2"])
+def test_expert_parallel_rank0_holds_its_experts_and_its_shard_of_the_rest(world, extra, mesh, tmp_path):
+    """The routed experts split over the EP ranks, then sharded over the data ranks left (all of
+    them, replicas included); the rest sharded as FSDP shards it: what the planner predicts."""
+    found, net, predicted = _built([*MOE, "strategy=fsdp", *extra], world, tmp_path)
+    shards = world // (2 if "replicate" in mesh else 1)
+    experts = sum(p.numel() for name, p in net.named_parameters() if ".experts." in name)
+    exact = (experts / world + (_elements(net) - experts) / shards) * 4  # experts: / ep, then / (world / ep)
+    assert found["params_bytes"] == exact
+    assert found["params_bytes"] == pytest.approx(predicted, rel=1e-6)
+    assert found["mesh"] == mesh
+
+
+def test_tensor_parallel_leaves_the_moe_layers_whole_and_expert_parallel_splits_their_experts(tmp_path):
+    """Data 4 x tensor 2 with EP 2 at 8 ranks: tensor parallel splits the attention, the dense
+    MLP, the embedding and the head (not the norms, as for Llama); each MoE layer's router and
+    shared expert are whole on every tensor-parallel rank and sharded over the 4 data ranks, its
+    experts split over 2 EP ranks and sharded over the 2 data ranks left. The planner splits
+    the norms too: it predicts a little less."""
+    found, net, predicted = _built([*MOE, "strategy=tensor_parallel", "strategy.tensor_parallel_size=2",
+                                    "strategy.data_parallel_size=4", "strategy.expert_parallel_size=2"], 8, tmp_path)
+    kinds = {"experts": 0, "moe_rest": 0, "norms": 0, "split": 0}
+    for name, param in net.named_parameters():
+        kind = ("experts" if ".experts." in name else "moe_rest" if ".mlp.gate." in name or "shared_experts" in name
+                else "norms" if "norm" in name else "split")
+        kinds[kind] += param.numel()
+    exact = (kinds["experts"] / 2 / 2 + (kinds["moe_rest"] + kinds["norms"]) / 4 + kinds["split"] / 2 / 4) * 4
+    assert found["params_bytes"] == pytest.approx(exact, rel=1e-6)
+    assert predicted == pytest.approx(exact - kinds["norms"] / 2 / 4 * 4, rel=1e-6)
