@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from litscale.layout import mesh_of
 from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
+from litscale.strategies.expert_parallel import moe_parameter_counts
 
 __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 
@@ -96,11 +97,13 @@ class MemoryCallback(Callback):
         self.result: dict[str, float] = {}
         self._grads: int | None = None
         self._num_params: int | None = None
+        self._moe = (0, 0)  # a mixture of experts' MoE-layer and routed-expert parameters
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Before the strategy splits the network: the formulas take the whole model's count
         # (a pipeline rank keeps only its stages, tensor parallel its slices).
         self._num_params = sum(p.numel() for p in {id(p): p for p in pl_module.parameters()}.values())
+        self._moe = moe_parameter_counts(pl_module)
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int]:
         custom = getattr(trainer.strategy, "memory_bytes", None)
@@ -136,7 +139,8 @@ class MemoryCallback(Callback):
         return state_bytes_per_rank(
             num_params=num_params, mesh=mesh_of(strategy, trainer.world_size), sharding=sharding_of(strategy),
             param_bytes=params[0].element_size() if params else 4,
-            optimizer_bytes_per_param=optimizer_state_bytes_per_param(trainer.optimizers[0]))
+            optimizer_bytes_per_param=optimizer_state_bytes_per_param(trainer.optimizers[0]),
+            tensor_whole_params=self._moe[0], expert_params=self._moe[1])
 
 
 def _mib(value: float) -> str:

@@ -162,16 +162,13 @@ def moe_facts(net: nn.Module) -> MoEFacts | None:
     """The MoE facts of a network that declares grouped experts (``expert_modules``), read off
     its modules: each declared module's parent is its MoE layer (router, experts, shared
     experts); None for a dense network."""
-    from litscale.strategies.expert_parallel import find_expert_modules
+    from litscale.strategies.expert_parallel import find_expert_modules, moe_parameter_counts
 
     experts = find_expert_modules(net)
     config = getattr(net, "config", None)
     if not experts or not hasattr(config, "n_experts"):
         return None
-    names = {id(module): name for name, module in net.named_modules()}
-    layers = [net.get_submodule(names[id(module)].rpartition(".")[0]) for module in experts]
-    expert_params = sum(p.numel() for module in experts for p in module.parameters())
-    layer_params = sum(p.numel() for layer in layers for p in layer.parameters())
+    layer_params, expert_params = moe_parameter_counts(net)
     unchosen = expert_params * (config.n_experts - config.top_k) // config.n_experts
     return MoEFacts(layers=len(experts), n_experts=config.n_experts, top_k=config.top_k, expert_params=expert_params,
                     layer_params=layer_params, layer_flops_per_token=6.0 * (layer_params - unchosen),
