@@ -78,6 +78,20 @@ CONFIGS: dict[str, tuple[str, int, list[str]]] = {
 }
 
 GOALS = {"mape": 0.15, "spearman": 0.8, "regret": 1.10}
+# The groups plan=auto chooses among: one model's configurations at 2 ranks (one global batch each).
+GROUP_NAMES = {"nano": "GPT-nano", "micro": "GPT-micro", "llama": "Llama-tiny"}
+ACCURACY_FILE = REPO / "src" / "litscale" / "planner" / "accuracy.json"
+
+
+def held_out() -> dict[str, str]:
+    """The configurations a calibrated term was fitted on, with the term: never scored. The
+    contention term is GPT-nano's step under DDP on 2 ranks at calibrate.py's probe micro batch
+    (its probe sequence is the study's, data's default 128 tokens)."""
+    from litscale.planner.calibrate import PROBE_MICRO
+
+    name = f"nano-ddp-mb{PROBE_MICRO}"
+    assert CONFIGS[name] == ("nano", 2, ["strategy=ddp", f"data.batch_size={PROBE_MICRO}"]), name
+    return {name: "contention (calibrate.py's probe step)"}
 
 
 def overrides_of(name: str) -> list[str]:
@@ -136,7 +150,10 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def metrics(runs: dict[str, dict]) -> dict:
+def metrics(all_runs: dict[str, dict], excluded: dict[str, str]) -> dict:
+    """The pooled figures and the 2-rank groups' picks, over the scored configurations only."""
+    runs = {name: run for name, run in all_runs.items() if name not in excluded}
+
     def mape(names: list[str]) -> float:
         if not names:
             return float("nan")
@@ -161,7 +178,59 @@ def metrics(runs: dict[str, dict]) -> dict:
             "mape_2_ranks": mape([n for n in names if runs[n]["ranks"] == 2]),
             "spearman": spearman([runs[n]["predicted_step_s"] for n in names],
                                  [runs[n]["measured_step_s"] for n in names]),
-            "regret": max((g["regret"] for g in by_group.values()), default=float("nan")), "groups": by_group}
+            "regret": max((g["regret"] for g in by_group.values()), default=float("nan")), "groups": by_group,
+            "per_group": group_statistics(runs), "held_out": dict(excluded)}
+
+
+def pass_pairs(passes: int) -> dict[str, list[tuple[int, int]]]:
+    """(predicted pass, measured pass) pairs: the same pass, and each pass's predictions against
+    every other pass's measurements."""
+    pairs = [(p, m) for p in range(passes) for m in range(passes)]
+    return {"same": [(p, m) for p, m in pairs if p == m], "cross": [(p, m) for p, m in pairs if p != m]}
+
+
+def group_statistics(runs: dict[str, dict]) -> dict[str, dict]:
+    """Per model, over its configurations at 2 ranks: Spearman and MAPE of the predicted against
+    the measured step time for each (predicted pass, measured pass) pair, same-pass and cross-pass;
+    ``held_out_spearman``: the lowest cross-pass Spearman, with the pair it came from."""
+    found = {}
+    for model, group in GROUP_NAMES.items():
+        members = [n for n, r in runs.items() if r["model"] == model and r["ranks"] == 2]
+        if len(members) < 3:
+            continue
+        passes = len(runs[members[0]]["measured_each"])
+        stats = {"configurations": len(members), "global_batch": runs[members[0]]["global_batch"]}
+        for kind, pairs in pass_pairs(passes).items():
+            stats[kind] = [{"predicted_pass": p + 1, "measured_pass": m + 1,
+                            "spearman": spearman([runs[n]["predicted_each"][p] for n in members],
+                                                 [runs[n]["measured_each"][m] for n in members]),
+                            "mape": statistics.fmean(abs(runs[n]["predicted_each"][p] / runs[n]["measured_each"][m] - 1)
+                                                     for n in members)} for p, m in pairs]
+        if stats["cross"]:
+            stats["held_out_spearman"] = min(stats["cross"], key=lambda pair: pair["spearman"])
+        found[group] = stats
+    return found
+
+
+def accuracy_record(results: dict) -> dict:
+    """What ``plan=auto`` in a sweep reads (``litscale.planner.trust``): each group's network as
+    composed and its held-out Spearman, with the date, machine and pass pair it came from."""
+    from hydra import compose, initialize_config_dir
+
+    groups = {}
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        for model, group in GROUP_NAMES.items():
+            stats = results["metrics"]["per_group"].get(group)
+            if stats is None or "held_out_spearman" not in stats:
+                continue
+            net = compose(config_name="train", overrides=MODELS[model]).model.net
+            held = stats["held_out_spearman"]
+            groups[group] = {"net": {"_target_": net._target_, "preset": net.preset},
+                             "configurations": stats["configurations"], "spearman": round(held["spearman"], 4),
+                             "pass": f"predicted in pass {held['predicted_pass']}, measured in pass "
+                                     f"{held['measured_pass']}"}
+    return {"source": "experiments/planner/study.py", "date": results["date"], "machine": results["machine"],
+            "held_out": sorted(results["metrics"].get("held_out", {})), "groups": groups}
 
 
 def report(results: dict) -> str:
@@ -177,9 +246,11 @@ def report(results: dict) -> str:
              "| configuration | ranks | global batch | predicted s/step | measured s/step | error | "
              "measured spread | predicted spread |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    held = m.get("held_out", {})
     for name, r in runs.items():
         error = r["predicted_step_s"] / r["measured_step_s"] - 1
-        lines.append(f"| `{name}` | {r['ranks']} | {r['global_batch']} | {r['predicted_step_s']:.4f} | "
+        shown = f"`{name}` (held out: {held[name]})" if name in held else f"`{name}`"
+        lines.append(f"| {shown} | {r['ranks']} | {r['global_batch']} | {r['predicted_step_s']:.4f} | "
                      f"{r['measured_step_s']:.4f} | {error:+.1%} | {spread(r.get('measured_each', []))} | "
                      f"{spread(r.get('predicted_each', []))} |")
 
@@ -188,9 +259,9 @@ def report(results: dict) -> str:
         return "met" if met else "**missed**"
 
     lines += ["", "| figure | reached | goal | |", "| --- | ---: | ---: | --- |",
-              f"| MAPE, all {len(runs)} configurations | {m['mape']:.1%} | <= 15% | {verdict(m['mape'], 0.15)} |",
+              f"| MAPE, all {len(runs) - len(held)} scored configurations | {m['mape']:.1%} | <= 15% | {verdict(m['mape'], 0.15)} |",
               f"| MAPE, 1 rank / 2 ranks | {m['mape_1_rank']:.1%} / {m['mape_2_ranks']:.1%} | | |",
-              f"| Spearman, all configurations | {m['spearman']:.3f} | >= 0.8 | "
+              f"| Spearman, all scored configurations | {m['spearman']:.3f} | >= 0.8 | "
               f"{verdict(m['spearman'], 0.8, True)} |",
               f"| regret, worst group | {m['regret']:.3f} | <= 1.10 | {verdict(m['regret'], 1.10)} |", "",
               "| group (2 ranks) | configurations | planner's pick | measured best | regret | Spearman | MAPE |",
@@ -199,7 +270,32 @@ def report(results: dict) -> str:
         rho = f"{g['spearman']:.3f}" if g["spearman"] is not None else "-"
         lines.append(f"| {group} | {g['configurations']} | `{g['pick']}` | `{g['best']}` | {g['regret']:.3f} | "
                      f"{rho} | {g['mape']:.1%} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *group_table(m["per_group"])]) + "\n"
+
+
+def group_table(per_group: dict[str, dict]) -> list[str]:
+    """Each model's 2-rank configurations on their own: Spearman and MAPE for each pass pair
+    (predicted pass -> measured pass), and whether plan=auto in a sweep lets the planner pick."""
+    from litscale.planner.trust import SPEARMAN_BAR
+
+    def each(pairs: list[dict], key: str, form: str) -> str:
+        return " / ".join(f"{pair[key]:{form}}" for pair in pairs)
+
+    some = next(iter(per_group.values()))
+    heads = [" / ".join(f"{p['predicted_pass']}->{p['measured_pass']}" for p in some[kind]) for kind in ("same", "cross")]
+    lines = [f"Per model group, held-out configurations excluded (passes: predicted -> measured; same-pass "
+             f"{heads[0]}, cross-pass {heads[1]}). plan=auto in a sweep picks the layout where the lowest "
+             f"cross-pass Spearman reaches {SPEARMAN_BAR} (`src/litscale/planner/accuracy.json`, written here):", "",
+             "| group (2 ranks) | configurations | Spearman same-pass | Spearman cross-pass | MAPE same-pass | "
+             "MAPE cross-pass | held-out Spearman | plan=auto |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for group, g in per_group.items():
+        rho = g["held_out_spearman"]["spearman"]
+        lines.append(f"| {group}, global batch {g['global_batch']} | {g['configurations']} | "
+                     f"{each(g['same'], 'spearman', '.3f')} | {each(g['cross'], 'spearman', '.3f')} | "
+                     f"{each(g['same'], 'mape', '.1%')} | {each(g['cross'], 'mape', '.1%')} | {rho:.3f} | "
+                     f"{'picks' if rho >= SPEARMAN_BAR else '**keeps the given layout**'} |")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:
@@ -245,8 +341,9 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
     parser.add_argument("--report-only", action="store_true", help="rewrite README and plot from results.json")
     args = parser.parse_args()
-    if args.report_only:
+    if args.report_only:  # the figures recomputed from the recorded runs
         results = json.loads((HERE / "results.json").read_text())
+        results["metrics"] = metrics(results["runs"], held_out())
     else:
         names, samples = args.only or list(CONFIGS), {}
         with tempfile.TemporaryDirectory() as outputs:
@@ -265,13 +362,13 @@ def main() -> None:
         results = {"machine": f"{os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}, "
                               f"torch {torch.__version__}",
                    "calibration": json.loads(calibration_path().read_text()),  # what local_cpu read
-                   "date": time.strftime("%Y-%m-%d"), "runs": runs, "metrics": metrics(runs)}
+                   "date": time.strftime("%Y-%m-%d"), "runs": runs, "metrics": metrics(runs, held_out())}
     text = report(results)
     print(text)
     if args.no_write:
         return
-    if not args.report_only:
-        (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    ACCURACY_FILE.write_text(json.dumps(accuracy_record(results), indent=1) + "\n")
     plot(results, HERE / "predicted_vs_measured.png")
     write_section("accuracy", "study.py", text)
 

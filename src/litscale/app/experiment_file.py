@@ -14,12 +14,14 @@ PLAN_KEYS = ("strategy", "trainer.devices", "trainer.num_nodes", "data.batch_siz
 NOT_CARRIED = ("plan", "hydra")
 
 
-def carried_overrides(user_overrides: list[str]) -> list[str]:
-    """The user's overrides that still describe the run once a plan replaces its layout."""
+def carried_overrides(user_overrides: list[str], *, keep_layout: bool = False) -> list[str]:
+    """The user's overrides that still describe the run once a plan replaces its layout
+    (``keep_layout``: the run as given, its layout included)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    dropped = NOT_CARRIED if keep_layout else PLAN_KEYS + NOT_CARRIED
     parsed = OverridesParser.create().parse_overrides(overrides=user_overrides)
-    return [o.input_line for o in parsed if not _under(o.key_or_group, PLAN_KEYS + NOT_CARRIED)]
+    return [o.input_line for o in parsed if not _under(o.key_or_group, dropped)]
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:

@@ -16,6 +16,7 @@ from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
 from litscale.planner.model_facts import ModelFacts, model_facts
 from litscale.planner.search import plans, search, why_not
+from litscale.planner.trust import Trust, trust_for
 
 GiB = 2**30
 # The longest forward-backward (by FLOPs at the probed peak) worth timing before planning on
@@ -66,11 +67,33 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     top = ranked[: int(cfg.plan.verify)]
     best = (_verify(cfg, cluster, choices, top, plan_dir) if top else None) or ranked[0]
     winner = overrides(best.plan, cluster)
-    if cfg.plan.mode == "auto":
+    if cfg.plan.mode != "auto":
+        return {"plan/winner": winner, "plan/predicted_step_s": best.step_s}
+    trust = sweep_trust(cfg, verified=bool(top))
+    if trust is not None:
+        _say(trust.line)
+    if trust is None or trust.picks:
         left = _experiment(cfg, choices, winner, plan_dir, "planned", "plan=auto's pick")
-        _say(f"written: {os.path.join(plan_dir, 'experiment', 'planned.yaml')}; run it with python train.py "
-             f"--config-dir {plan_dir} experiment=planned{''.join(' ' + o for o in left)}")
-    return {"plan/winner": winner, "plan/predicted_step_s": best.step_s}
+    else:
+        winner = []
+        left = _experiment(cfg, choices, winner, plan_dir, "planned", "the given layout (plan=auto did not pick)",
+                           keep_layout=True)
+    _say(f"written: {os.path.join(plan_dir, 'experiment', 'planned.yaml')}; run it with python train.py "
+         f"--config-dir {plan_dir} experiment=planned{''.join(' ' + o for o in left)}")
+    return {"plan/winner": winner, "plan/predicted_step_s": best.step_s,
+            **({} if trust is None else {"plan/picked": trust.picks})}
+
+
+def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
+    """In a sweep's job whose pick is not measured (no ``plan.verify``), whether the planner may
+    pick its layout (``litscale.planner.trust``: the model group's held-out Spearman); None
+    elsewhere (a single ``plan=auto`` prints its ranking for the user to judge)."""
+    from litscale.app.scaling_study import job_context
+
+    if verified or job_context(cfg).sweep_dir is None:
+        return None
+    net = cfg.model.get("net") or {"_target_": cfg.model.get("_target_")}
+    return trust_for({"_target_": net.get("_target_"), "preset": net.get("preset")})
 
 
 # A run's strategy option -> the planner's name for it (None: not modelled).
@@ -281,13 +304,14 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
 
 
 def _experiment(cfg: DictConfig, choices: dict[str, str], plan_overrides: list[str], plan_dir: str, name: str,
-                what: str) -> list[str]:
-    """Write ``<plan_dir>/experiment/<name>.yaml``: the user's run with ``plan_overrides``; return
-    the overrides a file cannot hold."""
+                what: str, *, keep_layout: bool = False) -> list[str]:
+    """Write ``<plan_dir>/experiment/<name>.yaml``: the user's run with ``plan_overrides``
+    (``keep_layout``: with its own strategy, devices and batch split); return the overrides a
+    file cannot hold."""
     from litscale.app.experiment_file import carried_overrides, write_experiment
     from litscale.app.scaling_study import job_context
 
-    run = carried_overrides(job_context(cfg).overrides)
+    run = carried_overrides(job_context(cfg).overrides, keep_layout=keep_layout)
     return write_experiment([*run, *plan_overrides], os.path.join(plan_dir, "experiment", f"{name}.yaml"),
                             groups=set(choices), comment=f"Written by litscale's planner: {what}.")
 

@@ -1,0 +1,156 @@
+"""How far plan=auto trusts the planner: the accuracy study's per-group statistics (same-pass and
+cross-pass Spearman and MAPE, checked against scipy and the formulas), and a sweep's plan=auto
+keeping the given layout below the bar, with its one line, and picking above it."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "experiments" / "planner"))
+
+import study  # noqa: E402  (experiments/planner/study.py)
+
+# Two passes of four GPT-nano configurations and three of GPT-micro at 2 ranks, and one at 1 rank
+# (not in a group). Pass 2's measurements swap GPT-nano's two fastest: the cross-pass figures differ.
+SYNTHETIC = {
+    "nano-a": ("nano", 2, [0.10, 0.12], [0.11, 0.16]),
+    "nano-b": ("nano", 2, [0.20, 0.18], [0.19, 0.14]),
+    "nano-c": ("nano", 2, [0.30, 0.33], [0.33, 0.30]),
+    "nano-d": ("nano", 2, [0.40, 0.38], [0.39, 0.45]),
+    "nano-held": ("nano", 2, [0.50, 0.50], [0.10, 0.90]),  # a calibration configuration
+    "micro-a": ("micro", 2, [1.0, 1.1], [1.2, 0.9]),
+    "micro-b": ("micro", 2, [2.0, 1.9], [1.8, 2.1]),
+    "micro-c": ("micro", 2, [3.0, 2.7], [3.3, 2.6]),
+    "nano-one": ("nano", 1, [0.2, 0.2], [0.2, 0.2]),
+}
+
+
+def synthetic_runs() -> dict[str, dict]:
+    return {name: {"model": model, "ranks": ranks, "global_batch": 16, "predicted_each": predicted,
+                   "measured_each": measured, "predicted_step_s": statistics.median(predicted),
+                   "measured_step_s": statistics.median(measured)}
+            for name, (model, ranks, predicted, measured) in SYNTHETIC.items()}
+
+
+def hand_spearman(xs: list[float], ys: list[float]) -> float:
+    """1 - 6 sum d^2 / (n (n^2 - 1)): the formula for values without ties."""
+    def ranks(values):
+        return [sorted(values).index(v) for v in values]
+
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(ranks(xs), ranks(ys), strict=True)) / (n * (n * n - 1))
+
+
+def test_each_group_is_scored_on_its_own_same_pass_and_cross_pass():
+    from scipy.stats import spearmanr
+
+    runs = synthetic_runs()
+    metrics = study.metrics(runs, {"nano-held": "a calibrated term"})
+    per_group = metrics["per_group"]
+    assert set(per_group) == {"GPT-nano", "GPT-micro"}  # no pooled figure, no 1-rank run
+    for group, model in (("GPT-nano", "nano"), ("GPT-micro", "micro")):
+        members = [n for n, (m, ranks, _, _) in SYNTHETIC.items() if m == model and ranks == 2 and n != "nano-held"]
+        stats = per_group[group]
+        assert stats["configurations"] == len(members)
+        pairs = {"same": [(0, 0), (1, 1)], "cross": [(0, 1), (1, 0)]}
+        for kind, expected in pairs.items():
+            assert [(p["predicted_pass"] - 1, p["measured_pass"] - 1) for p in stats[kind]] == expected
+            for pair, (p, m) in zip(stats[kind], expected, strict=True):
+                predicted = [SYNTHETIC[n][2][p] for n in members]
+                measured = [SYNTHETIC[n][3][m] for n in members]
+                assert pair["spearman"] == pytest.approx(spearmanr(predicted, measured).statistic, abs=1e-12)
+                assert pair["spearman"] == pytest.approx(hand_spearman(predicted, measured), abs=1e-12)
+                mape = sum(abs(a - b) / b for a, b in zip(predicted, measured, strict=True)) / len(members)
+                assert pair["mape"] == pytest.approx(mape, rel=1e-12)
+        lowest = min(stats["cross"], key=lambda pair: pair["spearman"])
+        assert stats["held_out_spearman"] == lowest
+    # GPT-nano: pass 1 ranks perfectly on its own, and 1 - 6 x 2 / 60 against pass 2's swapped pair
+    nano = per_group["GPT-nano"]
+    assert nano["same"][0]["spearman"] == 1.0 and nano["cross"][0]["spearman"] == pytest.approx(0.8)
+    assert metrics["held_out"] == {"nano-held": "a calibrated term"}
+    assert "nano-held" not in json.dumps(metrics["groups"])  # nor in the picks
+
+
+def test_the_contention_configuration_is_held_out_of_the_score():
+    from litscale.planner.calibrate import PROBE_MICRO
+
+    assert study.held_out() == {f"nano-ddp-mb{PROBE_MICRO}": "contention (calibrate.py's probe step)"}
+
+
+def test_the_shipped_accuracy_file_is_the_studys_report_of_its_results():
+    """accuracy.json is what study.py's report writes from results.json (no figure by hand)."""
+    from litscale.planner.trust import ACCURACY_FILE
+
+    results = json.loads((REPO / "experiments" / "planner" / "results.json").read_text())
+    results["metrics"] = study.metrics(results["runs"], study.held_out())
+    assert study.accuracy_record(results) == json.loads(ACCURACY_FILE.read_text())
+
+
+def accuracy(nano: float) -> dict:
+    """An accuracy file with GPT-nano's held-out Spearman ``nano``."""
+    return {"date": "2026-11-24", "groups": {
+        "GPT-nano": {"net": {"_target_": "litscale.models.gpt.build_gpt", "preset": "nano"}, "spearman": nano},
+        "GPT-micro": {"net": {"_target_": "litscale.models.gpt.build_gpt", "preset": "micro"}, "spearman": 0.95}}}
+WHERE = "(experiments/planner/study.py, 2026-11-24)"
+
+
+def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float) -> tuple[dict, str, dict]:
+    """``run_plan`` for a job of a sweep (``plan=auto``, GPT-nano's default DDP run of 2 ranks at
+    micro batch 16, planned for one H100 node; GPT-nano's held-out Spearman ``nano_spearman``);
+    returns its result, what it printed, and the experiment it wrote."""
+    from helpers.configs import compose_job
+
+    from litscale.app import plan as plan_module
+    from litscale.app import scaling_study
+    from litscale.app.validation import validate
+    from litscale.planner import trust
+
+    user = ["plan=auto", "cluster=h100_8x", "strategy=ddp", "trainer.devices=2", "data.seq_len=32"]
+    cfg, choices = compose_job(user, tmp_path / "job")
+    monkeypatch.setattr(trust, "load_accuracy", lambda: accuracy(nano_spearman))
+    monkeypatch.setattr(scaling_study, "job_context",
+                        lambda cfg: scaling_study.ScalingContext(overrides=user, sweep_dir=str(tmp_path)))
+    monkeypatch.setattr(plan_module, "_dry_run", lambda cfg, layout: None)  # not what is tested here
+    monkeypatch.setattr(plan_module, "_trace_collectives", lambda *args: None)
+    printed: list[str] = []
+    monkeypatch.setattr(plan_module, "_say", printed.append)
+    result = plan_module.run_plan(cfg, validate(cfg, choices=choices, this_machine=False), choices)
+    experiment = OmegaConf.to_container(OmegaConf.load(tmp_path / "job" / "plan" / "experiment" / "planned.yaml"))
+    return result, "\n".join(printed), experiment
+
+
+@pytest.mark.timeout(120)
+def test_plan_auto_in_a_sweep_keeps_the_given_layout_below_the_bar(tmp_path, monkeypatch):
+    result, printed, experiment = plan_auto_in_a_sweep(tmp_path, monkeypatch, 0.714)
+    line = (f"plan=auto: model group GPT-nano's held-out Spearman is 0.714, below 0.9 {WHERE}: "
+            "this job keeps its given layout")
+    assert line in printed.splitlines()
+    assert result["plan/picked"] is False and result["plan/winner"] == []
+    assert {"override /strategy": "ddp"} in experiment["defaults"] and experiment["trainer"]["devices"] == 2
+    assert "batch_size" not in experiment.get("data", {})  # the given micro batch, as composed
+
+
+@pytest.mark.timeout(120)
+def test_plan_auto_in_a_sweep_picks_above_the_bar_and_names_an_unmeasured_model(tmp_path, monkeypatch):
+    result, printed, experiment = plan_auto_in_a_sweep(tmp_path, monkeypatch, 0.95)
+    line = (f"plan=auto: model group GPT-nano's held-out Spearman is 0.950, at least 0.9 {WHERE}: "
+            "the planner picks this job's layout")
+    assert line in printed.splitlines() and result["plan/picked"] is True
+    fastest = next(x for x in printed.splitlines() if x.startswith("fastest: "))
+    assert fastest.endswith(" ".join(result["plan/winner"]))
+    assert experiment["data"]["batch_size"] == int(next(o for o in result["plan/winner"]
+                                                        if o.startswith("data.batch_size=")).split("=")[1])
+
+    from litscale.planner.trust import trust_for
+
+    unmeasured = trust_for({"_target_": "litscale.models.gpt.build_gpt", "preset": "small"}, accuracy(0.95))
+    assert unmeasured.line == (f"plan=auto: litscale.models.gpt.build_gpt preset small is in no measured model "
+                               f"group (GPT-nano, GPT-micro) {WHERE}: this job keeps its given layout")
+    assert not unmeasured.picks
