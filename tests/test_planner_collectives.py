@@ -229,6 +229,32 @@ def test_tensor_parallel_step_issues_the_predicted_gathers_scatters_and_all_redu
     _assert_tensor_parallel_predicted(fake_world, *_tensor_parallel_counts(fake_world))
 
 
+def test_tensor_parallel_step_of_a_mixture_of_experts_issues_the_predicted_collectives():
+    """The tiny MoE decoder (its 2 key/value heads split over 2 ranks at most) under the
+    tensor-parallel plan on the fake group: the dense layer as a GPT block; each MoE layer,
+    whole on both ranks, gathers its input and its output's gradient but scatters neither."""
+    from litscale.models.moe import build_moe
+    from litscale.strategies.mesh import sum_partial_gradients_after
+    from litscale.strategies.tensor_parallel import apply_declared_plan
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(0)
+        net = build_moe(vocab_size=VOCAB, block_size=SEQ)
+        apply_declared_plan(net, init_device_mesh("cpu", (2,)))
+        step = sum_partial_gradients_after(lambda: _step(net, 2), net)
+        calls, sent = _counted_step(net, CollectiveCounter(2, TENSOR_PARALLEL),
+                                    optimizer=torch.optim.AdamW(net.parameters()), step=step)
+    finally:
+        dist.destroy_process_group()
+    with torch.device("meta"):
+        facts = model_facts(build_moe(vocab_size=VOCAB, block_size=SEQ), seq_len=SEQ, vocab_size=VOCAB)
+    predicted = collectives(Plan("tensor_parallel", MeshSizes(tensor=2), micro_batch=2, accumulation=1), facts,
+                            CLUSTER)
+    assert calls == {c.name: c.calls for c in predicted}
+    assert sent == pytest.approx({c.name: c.bytes_per_rank for c in predicted})
+
+
 # --- two real gloo ranks -----------------------------------------------------------------------
 
 # Pipeline: a one-stage, an interleaved and a V-shaped schedule (stages per rank); each

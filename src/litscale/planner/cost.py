@@ -248,7 +248,11 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         gathers = runs * (4 * layers + 1 + 2 * head)
         ring("tensor-parallel all-gather", runs * ((4 * layers + 1 + head) * activation + head * logits), gathers,
              mesh.tensor, cluster.intra_node, 1)
-        ring("tensor-parallel reduce-scatter", runs * (4 * layers + head) * activation, runs * (4 * layers + head),
+        # An MoE layer, whole on every rank (models/moe_parallel.py), gathers its input in forward
+        # and its output's gradient in backward as an MLP does, but keeps its own slice of its
+        # output and of its input's gradient: no reduce-scatter.
+        scatters = 4 * layers + head - 2 * (facts.moe.layers // mesh.pipeline if facts.moe else 0)
+        ring("tensor-parallel reduce-scatter", runs * scatters * activation, runs * scatters,
              mesh.tensor, cluster.intra_node, 1)
         norms = facts.norm_tensors // mesh.pipeline
         norm_grads = facts.norm_params / mesh.pipeline * DTYPE_BYTES[plan.param_dtype]
