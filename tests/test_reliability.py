@@ -37,10 +37,7 @@ def run_dirs(outputs: Path, name: str) -> list[Path]:
 
 
 # A 2-rank job long enough to be stopped from outside once its first checkpoint (validation at
-# step 15) shows that training is under way. NOTE: validation (and its checkpoint) at step 15
-# only before the stop, an odd step where the ranks never agree to stop: a stop agreed on a
-# validation step while the signal comes during that validation resumed one step late once
-# in two runs (not yet understood).
+# step 15) shows that training is under way.
 TWO_RANKS = (*SHORT, "trainer.max_steps=40", "trainer.val_check_interval=15", "strategy=ddp",
              "trainer.devices=2", "data.batch_size=8", "callbacks.preemption.check_every_n_steps=2",
              "model.net.dropout=0.1")
@@ -108,6 +105,27 @@ def assert_resume_reproduces_the_uninterrupted_run(tmp_path: Path, setup: tuple[
         assert actual[step] == expected[step], step
     for name, tensor in final_weights(reference).items():
         assert torch.equal(final_weights(continued)[name], tensor), name
+
+
+# Validation every 4 steps, the ranks agreeing on a stop every 4: a signal during the validation
+# at step 4 is agreed on at step 8, itself a validation step.
+VALIDATING_STOP = (*SHORT, "trainer.max_steps=12", "strategy=ddp", "trainer.devices=2", "data.batch_size=8",
+                   "callbacks.preemption.check_every_n_steps=4", "model.net.dropout=0.1")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_a_stop_signalled_during_validation_and_agreed_on_a_validation_step_resumes_exactly(tmp_path,
+                                                                                          uninterrupted):
+    """The job gets SIGTERM during the validation at step 4; the ranks agree at step 8, which
+    validates too, and save there. The resumed run logs every step at the uninterrupted run's
+    index with its loss, and ends with its weights. (Saved after step 8 rather than at the end
+    of its validation, the resumed run logged each step one index late.)"""
+    stopped = run_train(*VALIDATING_STOP, "name=resumed", *fault(4, "sigterm", rank=0),
+                        "+callbacks.fault.during=validation", outputs=tmp_path)
+    assert stopped.returncode == 0, explain(stopped)
+    assert "stopping at step 8 on a termination signal" in stopped.stderr, explain(stopped)
+    assert_resume_reproduces_the_uninterrupted_run(tmp_path, VALIDATING_STOP, 8, uninterrupted(VALIDATING_STOP))
 
 
 @pytest.mark.slow
@@ -289,6 +307,8 @@ def test_auto_skips_a_deepspeed_directory_whose_save_did_not_finish(tmp_path):
 def test_ranks_agree_on_a_stop_signal_every_n_optimizer_steps():
     from types import SimpleNamespace
 
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
     from litscale.callbacks.preemption import (
         PreemptionCheckpoint,
         disable_lightning_sigterm_broadcast,
@@ -303,8 +323,10 @@ def test_ranks_agree_on_a_stop_signal_every_n_optimizer_steps():
             return decision
 
     flag = SimpleNamespace(received_sigterm=False)  # what Lightning reads to stop
+    saved = []
     trainer = SimpleNamespace(world_size=2, global_step=0, sanity_checking=False,
-                              strategy=Strategy(), _signal_connector=flag)
+                              strategy=Strategy(), _signal_connector=flag,
+                              save_checkpoint=lambda path, weights_only: saved.append((path, trainer.global_step)))
     callback = PreemptionCheckpoint(dirpath="unused", check_every_n_steps=10)
     callback._checked_at_step = 0
     for batch in range(50):  # 2 batches of gradient accumulation per optimizer step
@@ -320,6 +342,11 @@ def test_ranks_agree_on_a_stop_signal_every_n_optimizer_steps():
     assert not flag.received_sigterm
     callback.on_validation_end(trainer, None)
     assert flag.received_sigterm
+    # saved at the end of that validation, where Lightning's restore expects a validated step's
+    # checkpoint; not again when Lightning then stops
+    assert saved == [(os.path.join("unused", "last.ckpt"), 20)]
+    callback.on_exception(trainer, None, SIGTERMException())
+    assert saved == [(os.path.join("unused", "last.ckpt"), 20)]
 
     class EpochLoop:
         def _broadcast_sigterm_tensor(self) -> None:  # Lightning's per-batch collective

@@ -47,6 +47,7 @@ class PreemptionCheckpoint(Callback):
         self.signalled = False  # this rank got a stop signal
         self.stopping = False  # the ranks agreed to stop
         self._checked_at_step = -1
+        self._saved_at_step = -1
         self._trainer: Trainer | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -99,12 +100,21 @@ class PreemptionCheckpoint(Callback):
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.stopping and not trainer.sanity_checking:
+            # NOTE: saved here, where ModelCheckpoint saves, and not after the step: Lightning's
+            # restore takes a checkpoint of a step that validated for one saved at the end of that
+            # validation, before the loop counts the step as logged, and counts it again on resume.
+            # Saved after the step instead, the resumed run logged every step one step late.
+            self._save(trainer)
             _set_lightning_stop_flag(trainer, True)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking:
             return
-        self.saved_path = os.path.join(self.dirpath, "last.ckpt")
+        if self._saved_at_step != trainer.global_step:  # not saved at this step's validation
+            self._save(trainer)
+
+    def _save(self, trainer: Trainer) -> None:
+        self.saved_path, self._saved_at_step = os.path.join(self.dirpath, "last.ckpt"), trainer.global_step
         # Every rank: sharded strategies save together. The full state (optimizer, loops), to resume.
         trainer.save_checkpoint(self.saved_path, weights_only=False)
         rank_zero_info(f"litscale: stopping at step {trainer.global_step} on a termination signal; "
