@@ -95,13 +95,13 @@ def test_the_shipped_accuracy_file_is_the_studys_report_of_its_results():
 
 def accuracy(nano: float) -> dict:
     """An accuracy file with GPT-nano's held-out Spearman ``nano``."""
-    return {"date": "2026-11-24", "groups": {
-        "GPT-nano": {"net": {"_target_": "litscale.models.gpt.build_gpt", "preset": "nano"}, "spearman": nano},
-        "GPT-micro": {"net": {"_target_": "litscale.models.gpt.build_gpt", "preset": "micro"}, "spearman": 0.95}}}
+    gpt = {"_target_": "litscale.models.gpt.build_gpt", "dropout": 0.0}
+    return {"date": "2026-11-24", "groups": {"GPT-nano": {"net": {**gpt, "preset": "nano"}, "spearman": nano},
+                                             "GPT-micro": {"net": {**gpt, "preset": "micro"}, "spearman": 0.95}}}
 WHERE = "(experiments/planner/study.py, 2026-11-24)"
 
 
-def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float) -> tuple[dict, str, dict]:
+def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float, *overrides: str) -> tuple[dict, str, dict]:
     """``run_plan`` for a job of a sweep (``plan=auto``, GPT-nano's default DDP run of 2 ranks at
     micro batch 16, planned for one H100 node; GPT-nano's held-out Spearman ``nano_spearman``);
     returns its result, what it printed, and the experiment it wrote."""
@@ -112,7 +112,7 @@ def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float) -> tuple[d
     from litscale.app.validation import validate
     from litscale.planner import trust
 
-    user = ["plan=auto", "cluster=h100_8x", "strategy=ddp", "trainer.devices=2", "data.seq_len=32"]
+    user = ["plan=auto", "cluster=h100_8x", "strategy=ddp", "trainer.devices=2", "data.seq_len=32", *overrides]
     cfg, choices = compose_job(user, tmp_path / "job")
     monkeypatch.setattr(trust, "load_accuracy", lambda: accuracy(nano_spearman))
     monkeypatch.setattr(scaling_study, "job_context",
@@ -150,7 +150,28 @@ def test_plan_auto_in_a_sweep_picks_above_the_bar_and_names_an_unmeasured_model(
 
     from litscale.planner.trust import trust_for
 
-    unmeasured = trust_for({"_target_": "litscale.models.gpt.build_gpt", "preset": "small"}, accuracy(0.95))
-    assert unmeasured.line == (f"plan=auto: litscale.models.gpt.build_gpt preset small is in no measured model "
-                               f"group (GPT-nano, GPT-micro) {WHERE}: this job keeps its given layout")
-    assert not unmeasured.picks
+    gpt = {"_target_": "litscale.models.gpt.build_gpt", "dropout": 0.0, "vocab_size": 256, "block_size": 32}
+    assert trust_for({**gpt, "preset": "micro"}, accuracy(0.95)).picks  # the data's shape is not the model
+    for other in ({**gpt, "preset": "small"}, {**gpt, "preset": "nano", "n_layer": 8}):
+        unmeasured = trust_for(other, accuracy(0.95))
+        assert unmeasured.line() == (f"plan=auto: litscale.models.gpt.build_gpt preset {other['preset']} as "
+                                     f"configured is in no measured model group (GPT-nano, GPT-micro) {WHERE}: "
+                                     "this job keeps its given layout")
+        assert not unmeasured.picks
+
+
+@pytest.mark.timeout(120)
+def test_plan_auto_in_a_sweep_replaces_a_given_layout_that_does_not_fit_below_the_bar(tmp_path, monkeypatch):
+    """Keeping the given layout must not run a job out of memory: with the device's memory half
+    of what the given layout needs, the pick is written all the same, and the line says why."""
+    _, printed, _ = plan_auto_in_a_sweep(tmp_path / "fits", monkeypatch, 0.714)
+    given = next(x for x in printed.splitlines() if x.startswith("as configured: ddp "))
+    needs = float(given.split(": ")[2].split(" GiB per rank")[0])
+    memory = f"cluster.device_memory_bytes={int(needs / 2 * 2**30)}"
+    result, printed, experiment = plan_auto_in_a_sweep(tmp_path / "too_big", monkeypatch, 0.714, memory)
+    line = (f"plan=auto: model group GPT-nano's held-out Spearman is 0.714, below 0.9 {WHERE}, but the given "
+            "layout does not fit: the planner picks this job's layout")
+    assert line in printed.splitlines() and result["plan/picked"] is True
+    assert experiment["data"]["batch_size"] == int(next(o for o in result["plan/winner"]
+                                                        if o.startswith("data.batch_size=")).split("=")[1])
+    assert experiment["data"]["batch_size"] < 16

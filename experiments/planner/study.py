@@ -214,8 +214,12 @@ def group_statistics(runs: dict[str, dict]) -> dict[str, dict]:
 
 def accuracy_record(results: dict) -> dict:
     """What ``plan=auto`` in a sweep reads (``litscale.planner.trust``): each group's network as
-    composed and its held-out Spearman, with the date, machine and pass pair it came from."""
+    composed (its architecture: the data's shape left out) and its held-out Spearman, with the
+    date, machine and pass pair it came from."""
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from litscale.planner.trust import architecture
 
     groups = {}
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -223,9 +227,9 @@ def accuracy_record(results: dict) -> dict:
             stats = results["metrics"]["per_group"].get(group)
             if stats is None or "held_out_spearman" not in stats:
                 continue
-            net = compose(config_name="train", overrides=MODELS[model]).model.net
+            net = OmegaConf.to_container(compose(config_name="train", overrides=MODELS[model]).model.net, resolve=True)
             held = stats["held_out_spearman"]
-            groups[group] = {"net": {"_target_": net._target_, "preset": net.preset},
+            groups[group] = {"net": architecture(net),
                              "configurations": stats["configurations"], "spearman": round(held["spearman"], 4),
                              "pass": f"predicted in pass {held['predicted_pass']}, measured in pass "
                                      f"{held['measured_pass']}"}

@@ -59,7 +59,7 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     too_big = _as_configured(cfg, choices, layout, cluster, facts, configured, fitting=bool(ranked))
     if ranked:
         _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(overrides(ranked[0].plan, cluster))}")
-    if too_big:  # plan=show is a dry run: refused as the launch would be, after the plans that fit
+    if too_big and cfg.plan.mode == "show":  # a dry run: refused as the launch would be, after the plans that fit
         raise ConfigError(too_big)
     if not ranked:
         return {}
@@ -71,8 +71,8 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
         return {"plan/winner": winner, "plan/predicted_step_s": best.step_s}
     trust = sweep_trust(cfg, verified=bool(top))
     if trust is not None:
-        _say(trust.line)
-    if trust is None or trust.picks:
+        _say(trust.line(given_fits=not too_big))
+    if trust is None or trust.picks or too_big:
         left = _experiment(cfg, choices, winner, plan_dir, "planned", "plan=auto's pick")
     else:
         winner = []
@@ -81,7 +81,7 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     _say(f"written: {os.path.join(plan_dir, 'experiment', 'planned.yaml')}; run it with python train.py "
          f"--config-dir {plan_dir} experiment=planned{''.join(' ' + o for o in left)}")
     return {"plan/winner": winner, "plan/predicted_step_s": best.step_s,
-            **({} if trust is None else {"plan/picked": trust.picks})}
+            **({} if trust is None else {"plan/picked": trust.picks or bool(too_big)})}
 
 
 def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
@@ -93,7 +93,7 @@ def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
     if verified or job_context(cfg).sweep_dir is None:
         return None
     net = cfg.model.get("net") or {"_target_": cfg.model.get("_target_")}
-    return trust_for({"_target_": net.get("_target_"), "preset": net.get("preset")})
+    return trust_for(OmegaConf.to_container(net, resolve=True))
 
 
 # A run's strategy option -> the planner's name for it (None: not modelled).
@@ -159,9 +159,9 @@ def check_devices_per_node(layout: RunLayout, cluster: Cluster, choices: dict[st
 def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, cluster: Cluster,
                    facts: ModelFacts, plan: Plan | None, *, fitting: bool) -> str | None:
     """Print the run as configured: its layout, LR, the strategy built on a fake process group
-    at the configured world, and the predicted memory per rank; return why ``plan=show`` refuses
-    it (before any process starts) when that memory, with the parameters as built, exceeds the
-    device's (None: it fits, or ``plan=auto``, which writes a plan that fits instead)."""
+    at the configured world, and the predicted memory per rank; return why it does not fit when
+    that memory, with the parameters as built, exceeds the device's (None: it fits): ``plan=show``
+    refuses it before any process starts, ``plan=auto`` writes a plan that fits instead."""
     from litscale.lr_scaling import scaled_lr
     from litscale.planner.cost import predict
 
@@ -193,6 +193,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
         if cfg.plan.mode == "show":
             return too_big + ("; the plans above fit" if fitting else "")
         _say(f"{too_big}; plan=auto writes the fastest plan that fits instead")
+        return too_big
     return None
 
 

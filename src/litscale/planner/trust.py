@@ -12,40 +12,47 @@ from pathlib import Path
 
 SPEARMAN_BAR = 0.9
 ACCURACY_FILE = Path(__file__).with_name("accuracy.json")
+# A network's keys that follow the data (its sequence and vocabulary), not its architecture.
+DATA_SHAPE_KEYS = ("vocab_size", "block_size")
 
 
 @dataclass(frozen=True)
 class Trust:
     picks: bool  # the planner's pick is used; otherwise the job keeps its given layout
-    line: str  # what plan=auto says about it, one line
+    reason: str  # the group and its figure, or that the model is in none
+
+    def line(self, *, given_fits: bool = True) -> str:
+        """What plan=auto says, one line; a given layout that does not fit is replaced all the same."""
+        if self.picks:
+            return f"plan=auto: {self.reason}: the planner picks this job's layout"
+        if not given_fits:
+            return f"plan=auto: {self.reason}, but the given layout does not fit: the planner picks this job's layout"
+        return f"plan=auto: {self.reason}: this job keeps its given layout"
 
 
 def load_accuracy(path: Path = ACCURACY_FILE) -> dict:
     return json.loads(path.read_text())
 
 
+def architecture(net: dict) -> dict:
+    """``model.net`` as composed, without the keys that follow the data: what names a group."""
+    return {key: value for key, value in net.items() if key not in DATA_SHAPE_KEYS}
+
+
 def trust_for(net: dict, accuracy: dict | None = None) -> Trust:
-    """May the planner pick the layout for the network ``net`` (``model.net`` as composed: its
-    ``_target_`` and ``preset`` name the group)?"""
+    """May the planner pick the layout for the network ``net`` (``model.net`` as composed)?"""
     accuracy = load_accuracy() if accuracy is None else accuracy
     groups = accuracy["groups"]
-    wanted = {"_target_": net.get("_target_"), "preset": net.get("preset")}
-    group = next((name for name, g in groups.items() if g["net"] == wanted), None)
+    group = next((name for name, g in groups.items() if g["net"] == architecture(net)), None)
     where = f"(experiments/planner/study.py, {accuracy['date']})"
     if group is None:
-        model = wanted["_target_"] + (f" preset {wanted['preset']}" if wanted["preset"] else "")
+        model = str(net.get("_target_")) + (f" preset {net['preset']}" if net.get("preset") else "")
         return Trust(
             False,
-            f"plan=auto: {model} is in no measured model group ({', '.join(groups)}) {where}: "
-            "this job keeps its given layout",
+            f"{model} as configured is in no measured model group ({', '.join(groups)}) {where}",
         )
     spearman = groups[group]["spearman"]
     ranked = f"model group {group}'s held-out Spearman is {spearman:.3f}"
     if spearman >= SPEARMAN_BAR:
-        return Trust(
-            True,
-            f"plan=auto: {ranked}, at least {SPEARMAN_BAR} {where}: the planner picks this job's layout",
-        )
-    return Trust(
-        False, f"plan=auto: {ranked}, below {SPEARMAN_BAR} {where}: this job keeps its given layout"
-    )
+        return Trust(True, f"{ranked}, at least {SPEARMAN_BAR} {where}")
+    return Trust(False, f"{ranked}, below {SPEARMAN_BAR} {where}")
