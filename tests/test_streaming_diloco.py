@@ -6,6 +6,7 @@ against streaming DiLoCo re-derived here from the paper's algorithm; one quantiz
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import pytest
@@ -36,7 +37,7 @@ from litscale.compression.outer_quantization import (
     quantize,
     quantize_with_feedback,
 )
-from litscale.strategies.streaming import StreamingState, parameter_fragments
+from litscale.strategies.streaming import InFlight, StreamingState, parameter_fragments
 
 # --- the quantized outer gradient against its formulas -------------------------------------
 
@@ -157,6 +158,48 @@ def test_each_fragment_syncs_once_a_period_one_at_a_time(sync_every, fragments):
         window = [f for step in range(start, start + sync_every) for f in due[step]]
         assert sorted(window) == list(range(fragments))
     assert due[sync_every] == [0]  # fragment 0 at the end of each period, as DiLoCo syncs
+
+
+def test_a_checkpoint_keeps_exchanges_in_flight_and_residuals():
+    """Saved between a fragment's exchange and its merge, then resumed: the merge lands as it
+    would have, and each rank's error-feedback residuals come back."""
+    options = {
+        "sync_every": 4,
+        "warmup_steps": 0,
+        "outer_optimizer": "nesterov",
+        "outer_lr": 0.7,
+        "outer_momentum": 0.9,
+        "fragments": 2,
+        "outer_dtype": "int4",
+        "overlap_steps": 1,
+        "mixing_factor": 0.5,
+    }
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    state = StreamingState(**options)
+    state.set_fragments([["a"], ["b"]], ["a", "b"])
+    state.start_local_phase(params)
+    state.residuals_by_fragment[1] = torch.randn(4)
+    state.in_flight.append(InFlight(1, due=3, quantized=True, result=torch.randn(4)))
+    state.syncs, state.sync_bytes, state.peak_bytes = 1, 100, 100
+    restored = StreamingState(**options)
+    saved = io.BytesIO()  # as a checkpoint file holds it: no tensor shared with the running state
+    torch.save(state.state_dict(), saved)
+    saved.seek(0)
+    restored.load_state_dict(torch.load(saved, weights_only=False))
+    restored.set_fragments([["a"], ["b"]], ["a", "b"])
+    restored._restore_outer(resumed_params)
+    assert not restored.identical_across_ranks  # int4 residuals: every rank's is kept
+    assert torch.equal(restored.residuals_by_fragment[1], state.residuals_by_fragment[1])
+    assert (restored.syncs, restored.sync_bytes, restored.peak_bytes) == (1, 100, 100)
+    before = [p.detach().clone() for p in params]
+    state.finish(params)
+    restored.finish(resumed_params)
+    for expected, actual in zip(params, resumed_params, strict=True):
+        assert torch.equal(actual, expected)
+    # only the fragment in flight (1) was merged
+    assert torch.equal(params[0], before[0]) and not torch.equal(params[1], before[1])
 
 
 # --- on 2 ranks, against the algorithm re-derived -------------------------------------------

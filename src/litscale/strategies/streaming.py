@@ -285,8 +285,9 @@ class StreamingState(LocalSGDState):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.syncs, self.sync_bytes = int(state["syncs"]), int(state["sync_bytes"])
-        self.peak_bytes = int(state["peak_bytes"])
+        # .get: a local SGD checkpoint from before streaming DiLoCo counted no syncs
+        self.syncs, self.sync_bytes = int(state.get("syncs", 0)), int(state.get("sync_bytes", 0))
+        self.peak_bytes = int(state.get("peak_bytes", 0))
         self.residuals_by_fragment = dict(state.get("fragment_residuals") or {})
         self.in_flight = [
             InFlight(e["fragment"], e["due"], e["quantized"], result=e["result"])
