@@ -54,8 +54,10 @@ def overrides_of(method: str, partition: str, clients: int, seed: int, rounds: i
             f"trainer.max_steps={rounds * LOCAL_STEPS}", f"trainer.val_check_interval={LOCAL_STEPS}"]
 
 
-def fit_cell(overrides: list[str], output_dir: str) -> dict:
-    """One cell on this rank, as ``train.py`` builds it; every rank calls it."""
+def fit_cell(overrides: list[str], output_dir: str, metric: str = "val/accuracy") -> dict:
+    """One cell on this rank, as ``train.py`` builds it; every rank calls it. Returns
+    ``metric`` after every validation (under its last name: ``accuracy``, ``loss``) and the
+    strategy's own ``comm/*`` figures (streaming DiLoCo's peak bytes)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from lightning.pytorch import Callback
@@ -64,13 +66,13 @@ def fit_cell(overrides: list[str], output_dir: str) -> dict:
     from litscale.app.build import build_run
     from litscale.app.validation import validate
 
-    class Accuracy(Callback):
+    class Metric(Callback):
         def __init__(self) -> None:
             self.by_step: dict[int, float] = {}
 
         def on_validation_end(self, trainer, pl_module) -> None:
             if not trainer.sanity_checking:
-                self.by_step[trainer.global_step] = float(trainer.callback_metrics["val/accuracy"])
+                self.by_step[trainer.global_step] = float(trainer.callback_metrics[metric])
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -81,11 +83,12 @@ def fit_cell(overrides: list[str], output_dir: str) -> dict:
         cfg.paths.output_dir = output_dir
     layout = validate(cfg, choices=choices)
     built = build_run(OmegaConf.to_container(cfg, resolve=True), choices, layout)
-    accuracy = Accuracy()
-    built.trainer.callbacks.append(accuracy)
+    curve = Metric()
+    built.trainer.callbacks.append(curve)
     built.trainer.fit(built.module, datamodule=built.datamodule)
     facts = built.datamodule.partition_facts or {}
-    return {"accuracy": [accuracy.by_step[step] for step in sorted(accuracy.by_step)],
+    comm = {k: v for k, v in getattr(built.trainer.strategy, "result", {}).items() if k.startswith("comm/")}
+    return {metric.split("/")[-1]: [curve.by_step[step] for step in sorted(curve.by_step)], "comm": comm,
             "num_params": sum(p.numel() for p in built.module.parameters()),
             "label_skew": facts.get("label_skew"), "client_samples": facts.get("client_samples")}
 
@@ -99,15 +102,18 @@ def _rank(rank: int, world_size: int, port: int, cells: list[dict], scratch: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     for index, cell in enumerate(cells):
-        figures = fit_cell(cell["overrides"], os.path.join(scratch, str(index)))
+        metric = cell.get("metric", "val/accuracy")
+        figures = fit_cell(cell["overrides"], os.path.join(scratch, str(index)), metric)
         if rank == 0:
-            rounds = len(figures["accuracy"])
-            per_round = 4 * figures["num_params"] * (LOCAL_STEPS if cell["method"] == "ddp" else 1)
+            name = metric.split("/")[-1]
+            rounds = len(figures[name])
+            # DDP: gradients every step; federated and DiLoCo: the parameters once a round
+            per_round = 4 * figures["num_params"] * (cell.get("local_steps", LOCAL_STEPS) if cell["method"] == "ddp" else 1)
             run = {**{k: v for k, v in cell.items() if k != "overrides"}, **figures,
                    "upload_bytes": [per_round * r for r in range(1, rounds + 1)],
                    "command": "python train.py " + " ".join(cell["overrides"])}
             results.put(run)
-            print(f"{run['command']}: accuracy {run['accuracy'][-1]:.3f}", flush=True)
+            print(f"{run['command']}: {name} {run[name][-1]:.3f}", flush=True)
     dist.destroy_process_group()
 
 
