@@ -117,9 +117,7 @@ def test_the_search_offers_the_expert_parallel_sizes_the_strategies_accept():
     from litscale.app.plan import overrides
     from litscale.strategies import FSDPStrategy, TensorParallelStrategy
 
-    # NOTE: 8 layers: with fewer, a pipeline of 4 x 2 interleaved stages over their blocks
-    # is costed by fewer layers than stages and fails (busiest_pipeline_share), a case apart from this one.
-    net, facts = _tiny_facts(n_layer=8, n_experts=6)
+    net, facts = _tiny_facts(n_experts=6)
     cluster = dataclasses.replace(CLUSTER, nodes=1, devices_per_node=4)
     ranked, pruned = search(cluster, facts, 8)
     with_experts = [p.plan for p in ranked if p.plan.mesh.expert > 1]
@@ -134,6 +132,8 @@ def test_the_search_offers_the_expert_parallel_sizes_the_strategies_accept():
         assert f"ep{mesh.expert}" in plan.describe().split()
         assert f"strategy.expert_parallel_size={mesh.expert}" in overrides(plan, cluster)
     reasons = {p.reason for p in pruned if p.plan.mesh.expert > 1}
+    assert {p.reason for p in pruned if p.plan.strategy == "deepspeed_zero3"} == {
+        "deepspeed_zero3 does not train a mixture of experts yet (its backward reads a released parameter)"}
     assert ("strategy.expert_parallel_size=4 does not divide model.net.n_experts=6; allowed: a divisor of 6"
             in reasons)
 
@@ -169,3 +169,16 @@ def test_a_runs_tokens_per_expert_set_the_imbalance(tmp_path):
     summary.write_text(json.dumps({"moe/tokens_per_expert": [[1, 2]]}))
     with pytest.raises(ConfigError, match=r"^plan.moe_load_from=.* has no moe/tokens_per_expert of 8 experts"):
         facts_of(cfg)
+
+
+def test_a_pipeline_of_more_stages_than_layers_is_costed_by_its_blocks():
+    """The tiny decoder's 3 layers and 5 blocks (embedding, layers, head) over 2 ranks of 2
+    interleaved stages: 4 stages of 2, 1, 1 and 1 blocks (in some order), a rank holding two
+    of them, 3 of the 5 blocks at most."""
+    from litscale.planner.cost import busiest_pipeline_share
+
+    _, facts = _tiny_facts()
+    assert (facts.layers, facts.pipeline_blocks) == (3, 5)
+    plan = Plan("pipeline", MeshSizes(pipeline=2), micro_batch=4, accumulation=1, microbatches=2,
+                schedule="interleaved_1f1b", virtual_stages=2)
+    assert busiest_pipeline_share(plan, facts) == 3 / 5

@@ -340,13 +340,16 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
 def busiest_pipeline_share(plan: Plan, facts: ModelFacts) -> float:
     """The share of the layers the busiest pipeline rank runs, split as the pipeline strategy
     splits them (``balanced_cuts`` over equal layers, stages placed by the schedule): 1/p where
-    the layers split evenly, more where they do not (5 layers on 2 ranks: 3/5)."""
+    the layers split evenly, more where they do not (5 layers on 2 ranks: 3/5). With more stages
+    than layers (the strategy also cuts at the embedding and the head), each block is counted
+    as a layer's work."""
     if plan.mesh.pipeline == 1:
         return 1.0
     from litscale.strategies.pipeline import SCHEDULES
     from litscale.strategies.stages import balanced_cuts, stage_ranks
 
-    stages, layers = plan.mesh.pipeline * plan.virtual_stages, max(facts.layers, 1)
+    stages = plan.mesh.pipeline * plan.virtual_stages
+    layers = max(facts.layers, 1) if stages <= facts.layers else max(facts.pipeline_blocks, stages)
     cuts = balanced_cuts([1] * layers, stages) + [layers]
     ranks = stage_ranks(stages, plan.mesh.pipeline, SCHEDULES[plan.schedule][1])
     held = [0] * plan.mesh.pipeline
