@@ -102,12 +102,16 @@ def test_all_to_all_bytes_are_tokens_top_k_width_and_the_peers_share_times_the_i
     assert measured.moe.imbalance(2) == 1.0  # blocks of 4: 8 and 8
 
 
-def test_the_moe_layers_flops_are_not_divided_by_tensor_parallel():
+def test_the_moe_layers_flops_and_optimizer_step_are_not_divided_by_tensor_parallel():
     """Compute from FLOPs: the dense 60,000 - 14,400 per token split over 2 tensor-parallel
     ranks, the MoE layers' 14,400 whole on each."""
     plan = Plan("tensor_parallel", MeshSizes(data_shard=4, tensor=2), micro_batch=2, accumulation=1)
     flops = ((60_000 - 14_400) / 2 + 14_400) * 2 * 16
     assert predict(plan, FACTS, CLUSTER).compute_s == pytest.approx(flops / CLUSTER.flops("float32"))
+    # AdamW steps the parameters whose state the rank holds: the dense 1,600 over 2 x 4, the MoE
+    # layers' 8,400 over the 4 data ranks.
+    cluster = dataclasses.replace(CLUSTER, optimizer_s_per_param=1e-9)
+    assert predict(plan, FACTS, cluster).optimizer_s == pytest.approx((1_600 / 2 / 4 + 8_400 / 4) * 1e-9)
 
 
 def test_the_search_offers_the_expert_parallel_sizes_the_strategies_accept():

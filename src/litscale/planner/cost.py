@@ -327,14 +327,16 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
         return facts.profiles[key].optimizer_step_s / plan.mesh.data_shard
     if key != "plain" and key in facts.profiles:  # timed on the shard this rank holds
         return facts.profiles[key].optimizer_step_s / plan.mesh.pipeline
-    mesh = plan.mesh
-    shards = mesh.data_shard * mesh.context
-    sharded = sharding_of_plan(plan.strategy).zero_stage >= 1 and shards > 1
-    share = 1 / (mesh.tensor * mesh.pipeline * (shards if sharded else 1))
+    # The parameters whose optimizer state this rank holds: its share as the memory counts it.
+    moe, stage = facts.moe, min(sharding_of_plan(plan.strategy).zero_stage, 1)
+    updated = state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=Sharding(zero_stage=stage),
+                                   param_bytes=0, optimizer_bytes_per_param=1,
+                                   tensor_whole_params=moe.layer_params if moe else 0,
+                                   expert_params=moe.expert_params if moe else 0)["memory/estimate_optimizer_bytes"]
     plain = facts.profiles.get("plain")
     if plain is not None:
-        return plain.optimizer_step_s * share
-    return cluster.optimizer_s_per_param * facts.num_params * share
+        return plain.optimizer_step_s * updated / facts.num_params
+    return cluster.optimizer_s_per_param * updated
 
 
 def busiest_pipeline_share(plan: Plan, facts: ModelFacts) -> float:
