@@ -159,8 +159,8 @@ def moe_section(results: dict) -> list[str]:
     lines += speed_table(speed)
     lines += [
         "",
-        "Tokens per expert over the whole run (seed of the first run, each MoE layer; an even split "
-        "is the mean):",
+        "Assignments routed to each expert over the whole run, before a capacity's drops (the first "
+        "seed, each MoE layer; an even split is the mean):",
         "",
         "| configuration | layer | tokens per expert | max / mean |",
         "|---|---:|---|---:|",
@@ -367,7 +367,7 @@ def plot_moe(results: dict, folder: Path) -> None:
     bars.set_xlabel(
         f"expert, in layer {' | layer '.join(str(i) for i in layers)} (the dashed line: an even split)"
     )
-    bars.set_ylabel("share of the layer's assignments over the run (first seed)")
+    bars.set_ylabel("share of the layer's routed assignments over the run (first seed)")
     curve_axis.axhline(1.0, color="grey", lw=0.8, ls="--")
     curve_axis.set_xlabel("step")
     curve_axis.set_title("solid: the first seed, faint: the others", fontsize=9)
@@ -375,7 +375,9 @@ def plot_moe(results: dict, folder: Path) -> None:
     for axis in (curve_axis, bars):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-    figure.suptitle("Router load over training: no balancing, aux-loss-free bias, balance loss")
+    figure.suptitle(
+        "Router load over training: no balancing, aux-loss-free bias, balance loss, a capacity"
+    )
     figure.tight_layout()
     figure.savefig(folder / "load_balance.png", dpi=110)
     plt.close(figure)

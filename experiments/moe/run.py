@@ -70,6 +70,16 @@ MOE_CONFIGS = {
         "label": "MoE, balance loss (coef 1e-2)",
         "overrides": [*MOE_BODY, "model.net.aux_loss_coef=0.01", "model.net.bias_update_rate=0"],
     },
+    # What a capacity drops when nothing balances the router (the others are dropless).
+    "moe_none_capacity": {
+        "label": "MoE, no balancing, capacity 1.25",
+        "overrides": [
+            *MOE_BODY,
+            "model.net.aux_loss_coef=0",
+            "model.net.bias_update_rate=0",
+            "model.net.capacity_factor=1.25",
+        ],
+    },
 }
 
 # Tokens/s alone: short runs of every configuration above, in rounds (a different one first
