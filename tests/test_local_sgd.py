@@ -14,7 +14,7 @@ from helpers.inprocess import train_on_pool
 
 from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook
-from litscale.strategies.local_sgd import LocalSGDState, local_sgd_hook
+from litscale.strategies.local_sgd_state import LocalSGDState, local_sgd_hook
 
 
 def _net() -> torch.nn.Module:

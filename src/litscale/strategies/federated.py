@@ -34,7 +34,7 @@ from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
 from litscale.strategies.ddp import DDPStrategy
-from litscale.strategies.local_sgd import LocalSGDState, OuterOptimizer, local_sgd_hook
+from litscale.strategies.local_sgd_state import LocalSGDState, OuterOptimizer, local_sgd_hook
 from litscale.strategies.mesh import MeshSizes
 
 

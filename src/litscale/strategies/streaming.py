@@ -42,7 +42,7 @@ from litscale.compression.outer_quantization import (
     dequantize,
     quantize_with_feedback,
 )
-from litscale.strategies.local_sgd import LocalSGDState, build_outer_optimizer
+from litscale.strategies.local_sgd_state import LocalSGDState, build_outer_optimizer
 from litscale.strategies.stages import find_blocks
 
 
