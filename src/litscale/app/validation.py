@@ -148,6 +148,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     processes = check_devices(cfg, choices, this_machine=this_machine)
     check_data_paths(cfg)
     check_compression_supported(cfg, choices)
+    check_strategy_trains_model(cfg, choices)
     layout = run_layout(cfg, processes, choices=choices)
     check_determinism(cfg, choices, layout)
     check_baseline(cfg)
@@ -367,6 +368,20 @@ def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> Non
             f"strategy={choices.get('strategy', cfg.strategy._target_)}; gradient compression "
             "applies to strategies whose data-parallel dimension uses DDP (e.g. strategy=ddp)"
         )
+
+
+def check_strategy_trains_model(cfg: DictConfig, choices: dict[str, str]) -> None:
+    """A strategy known not to train a kind of model is refused before any rank starts."""
+    net = cfg.model.get("net") if isinstance(cfg.model.get("net"), DictConfig) else {}
+    if net.get("_target_") != "litscale.models.moe.build_moe":
+        return
+    from litscale.strategies.deepspeed_zero import DeepSpeedZeroStrategy, check_mixture_of_experts
+
+    if locate_target(cfg.strategy._target_, "strategy") is DeepSpeedZeroStrategy:
+        try:
+            check_mixture_of_experts(int(cfg.strategy.get("stage", 2)), choices.get("model", "moe"))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:

@@ -93,10 +93,9 @@ def why_not(plan: Plan, cluster: Cluster, facts: ModelFacts, global_batch: int) 
     if plan.micro_batch == 0:
         return f"global batch {global_batch} does not split over {mesh.data} data-parallel ranks"
     if facts.moe is not None and plan.strategy == "deepspeed_zero3":
-        # NOTE: DeepSpeed's ZeRO-3 engine fails in the MoE decoder's backward (a parameter it
-        # released is read: "The size of tensor a (0) must match the size of tensor b (64)");
-        # until it trains, no plan recommends it.
-        return "deepspeed_zero3 does not train a mixture of experts yet (its backward reads a released parameter)"
+        from litscale.strategies.deepspeed_zero import ZERO3_MIXTURE_OF_EXPERTS
+
+        return ZERO3_MIXTURE_OF_EXPERTS
     if mesh.tensor > cluster.devices_per_node:
         return f"tensor parallel {mesh.tensor} would cross nodes ({cluster.devices_per_node} devices per node)"
     if mesh.tensor > 1 and facts.heads % mesh.tensor:
