@@ -17,6 +17,7 @@ from helpers.inprocess import train_on_pool
 from litscale.callbacks.faults import InjectFault
 from litscale.callbacks.straggler import StragglerReport, _ratio_to_peers
 from litscale.callbacks.watchdog import HangWatchdog
+from litscale.health import watchdog as watchdog_module
 from litscale.health.beats import Beat
 from litscale.health.diagnosis import Limits, RankState, find_hang
 from litscale.health.heartbeat import Heartbeat
@@ -77,11 +78,22 @@ def test_a_rank_without_heartbeats_is_named_not_responding():
 
 
 @pytest.mark.parametrize(("first_step_done", "phase", "limit"), [
-    (False, "forward", 100), (True, "validation", 50), (True, "checkpoint", 50), (True, "data", 10)])
+    (False, "forward", 100), (True, "validation", 50), (True, "checkpoint", 50), (True, "data", 10),
+    (True, "export", 50), (False, "summary", 50)])  # after fit: its own limit (here the checkpoint's)
 def test_first_step_validation_and_checkpoints_have_their_own_limits(first_step_done, phase, limit):
     ranks = states(*(Beat(rank=r, step=0, phase=phase, first_step_done=first_step_done) for r in (0, 1)))
     assert find_hang(ranks, now=limit, limits=LIMITS) is None
     assert find_hang(ranks, now=limit + 0.1, limits=LIMITS) is not None
+
+
+def test_a_rank_silent_since_before_its_first_step_is_named_at_the_silent_limit():
+    """A rank that froze whole before its heartbeat told of its first step: its last beat says
+    setup (the first step's limit), yet silence is past any limit; the step is the heard rank's."""
+    ranks = states(Beat(rank=0, step=0, phase="setup"), beat(1, 6, "backward", ALL_REDUCE))
+    ranks[0].silent_since = 0.0
+    hang = find_hang(ranks, now=11.0, limits=LIMITS)
+    assert hang.line("d") == ("hang at step 6: rank 0 not responding (no heartbeat) for 11 s; rank 1 waiting in "
+                              "backward (gradient all-reduce); stacks in d")
 
 
 def test_the_default_limit_is_twenty_median_steps_at_least_a_minute():
@@ -124,6 +136,52 @@ def test_the_watchdog_has_every_heartbeat_write_its_stacks_then_stops_with_one_l
         stacks = (tmp_path / "hang-4" / f"rank{rank}.txt").read_text()
         assert stacks.startswith(f"rank {rank} (")
         assert "test_the_watchdog_has_every_heartbeat_write_its_stacks" in stacks  # the main thread
+
+
+def test_the_standby_acts_only_once_rank_zero_and_its_watchdog_are_silent(tmp_path, capsys, monkeypatch):
+    """Rank 1's standby on one in-memory store: while rank 0's heartbeat and the primary's
+    liveness beat come, it leaves the hang alone; when both stop (rank 0 frozen whole), it names
+    rank 0 as not responding, with the stacks of the rank that still answers."""
+    monkeypatch.setattr(watchdog_module, "DUMP_WAIT_S", 0.5)  # frozen rank 0 writes none here
+    store = dist.HashStore()
+    hearts = [Heartbeat(store, rank, interval_s=0.05, exit_on_stop=False).start() for rank in (0, 1)]
+    exits: list[int] = []
+    standby = Watchdog(store, 2, limits=lambda median: Limits(0.3, 0.3, 0.3, 0.3, 0.6), stacks_root=str(tmp_path),
+                       poll_s=0.05, standby=True, exit=exits.append)
+    try:
+        hearts[0].mark(6, "forward")
+        hearts[1].mark(6, "backward", ALL_REDUCE)
+        for heart in hearts:
+            heart.first_step_done()
+        standby.start()
+        for polls in range(16):  # the primary's liveness beat, as its thread would publish it
+            store.set(watchdog_module.WATCHDOG_KEY, str(polls).encode())
+            time.sleep(0.05)
+        assert exits == []  # hung for a second, but the primary is alive: it is the primary's
+        hearts[0]._closed.set()  # rank 0 freezes: no beat, no liveness beat
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for part in (standby, *hearts):
+            part.close()
+            part._thread.join(timeout=10)
+    assert exits == [1]
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"error: hang at step 6: rank 0 not responding \(no heartbeat\) for \d+ s; rank 1 waiting in "
+                        rf"backward \(gradient all-reduce\); stacks in {re.escape(str(tmp_path))}/hang-6", line)
+    assert sorted(p.name for p in (tmp_path / "hang-6").iterdir()) == ["rank1.txt"]
+
+
+def test_the_standby_stands_down_when_the_primary_closes_and_a_done_rank_is_not_watched():
+    store = dist.HashStore()
+    standby = Watchdog(store, 2, limits=lambda median: LIMITS, stacks_root="d", standby=True)
+    store.set("beat/0", Beat(rank=0, step=3, phase="done").encode())
+    store.set("beat/1", beat(1, 3, "export").encode())
+    assert standby.check(0.0) is None and standby.done == {0} and list(standby.states) == [1]
+    store.set(watchdog_module.WATCHDOG_KEY, watchdog_module.CLOSED)
+    with pytest.raises(StopIteration):
+        standby._poll(1.0)
 
 
 # --- straggler arithmetic ---------------------------------------------------------------------
@@ -286,3 +344,45 @@ def test_a_hang_in_a_job_of_the_slurm_launchers_local_twin_is_named(tmp_path):
     logs = "\n".join(p.read_text() for p in tmp_path.rglob("*_log.err"))
     assert re.search(r"^error: hang at step 6: rank 1 stuck in forward for \d+ s; rank 0 waiting in backward "
                      r"\(gradient all-reduce\); stacks in ", logs, re.MULTILINE), explain(process)
+
+
+# --- rank 0 is watched too, and the work after fit --------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_zero_is_named_by_the_standby_on_rank_one(tmp_path):
+    """Rank 0 stops its whole process (SIGSTOP) at step 6, its watchdog thread with it: rank 1's
+    standby watchdog names it, the stacks of rank 1 (and of rank 0, resumed to take the stop
+    order) are written, and the launcher ends every rank."""
+    process, seconds = run("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.rank=0",
+                           "+callbacks.fault.kind=freeze", "+callbacks.fault.at_step=6", *QUICK, outputs=tmp_path)
+    assert process.returncode == 1, explain(process)
+    errors = [line for line in process.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, explain(process)
+    match = re.fullmatch(r"error: hang at step 6: rank 0 not responding \(no heartbeat\) for (\d+) s; rank 1 waiting "
+                         r"in backward \(gradient all-reduce\); stacks in (.*)/hang-6", errors[0])
+    assert match, explain(process)
+    assert 8 <= int(match.group(1)) < 30
+    stacks = Path(match.group(2)) / "hang-6"
+    assert sorted(p.name for p in stacks.iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert (stacks / "rank1.txt").read_text().startswith("rank 1 (")
+    assert "in backward" in (stacks / "rank1.txt").read_text()  # rank 1 waits in the all-reduce
+    assert seconds < 90, seconds
+    assert not summaries(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_hang_in_the_export_after_fit_is_named_with_its_phase(tmp_path):
+    """Rank 1 hangs in the export after fit while rank 0, its model saved, waits in the export's
+    barrier: the watch is still on, with the after-fit limit."""
+    process, seconds = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.during=export",
+                           "+callbacks.fault.at_step=0", "trainer.max_steps=4", *QUICK,
+                           "callbacks.watchdog.after_fit_timeout_s=8", outputs=tmp_path)
+    assert process.returncode == 1, explain(process)
+    match = the_hang_line(process)
+    assert match.group(1, 2, 4) == ("4", "stuck in after fit (export)", "after fit (export, in barrier)")
+    assert_stacks(match, rank1_frame="in on_after_fit")
+    assert seconds < 90, seconds
+    assert not summaries(tmp_path)

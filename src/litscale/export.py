@@ -16,6 +16,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
+from litscale.callbacks.watchdog import after_fit
+
 EXPORT_FILENAME = "model.pt"
 HF_DIRNAME = "hf"
 
@@ -69,5 +71,6 @@ def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
             from litscale.hf_export import save_hf_directory  # transformers: an optional extra
 
             save_hf_directory(getattr(module, "net", module), state_dict, os.path.join(output_dir, HF_DIRNAME))
+    after_fit(trainer, "export", "barrier")  # where a rank waits for rank 0's save
     trainer.strategy.barrier("export")
     return path

@@ -94,6 +94,7 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
     from litscale.app.build import build_run
     from litscale.app.ranks import record_rank
     from litscale.app.summary import finish_loggers, print_start, summarize
+    from litscale.callbacks.watchdog import after_fit, end_watch
     from litscale.export import export_model
     from litscale.health import flight_recorder
     from litscale.strategies.lifecycle import destroy_process_group
@@ -120,11 +121,14 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
             flight_recorder.dump(built.config.paths.output_dir, built.trainer.global_rank,
                                  reason=f"{type(error).__name__}: {error}".splitlines()[0])
             raise
+        after_fit(built.trainer, "export")  # the hang watchdog watches this work too
         export = export_model(built.trainer, built.module, built.config.paths.output_dir,
                               hugging_face=bool(spec.config.get("export_hf", False)))
+        after_fit(built.trainer, "summary")
         summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling)
         outcome = "success"
         return summary
     finally:
+        end_watch(built.trainer)
         finish_loggers(built.trainer, outcome)
         destroy_process_group()

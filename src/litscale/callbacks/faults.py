@@ -9,7 +9,10 @@ skips its gradient all-reduce at ``at_step`` and goes on, as after a data-depend
 the others wait), ``kind=wrong_shape`` (at ``at_step`` every rank all-reduces a small metric
 and this rank's is empty, as on a rank with no samples of it: the others wait in that
 all-reduce, while it goes on), ``kind=slow`` (the rank sleeps ``delay_s`` in every step from ``at_step`` on,
-``for_steps`` of them if set; with ``during=validation``, in every validation batch).
+``for_steps`` of them if set; with ``during=validation``, in every validation batch),
+``kind=freeze`` (the rank's whole process stops itself with SIGSTOP at ``at_step``, its
+heartbeat and watchdog threads with it, as under a debugger or a C call holding the GIL).
+``kind=hang`` with ``during=export`` or ``during=summary`` hangs in that work after ``fit``.
 
 A fault fires once per run, and not in a run resumed from a checkpoint: the restart that a
 fault provokes (``torchrun --max-restarts``, a requeued job, the same command again with
@@ -52,9 +55,9 @@ class InjectFault(Callback):
         *,
         at_step: NonNegativeInt,
         kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights", "hang",
-                      "skip_collective", "wrong_shape", "slow"] = "exception",
+                      "skip_collective", "wrong_shape", "slow", "freeze"] = "exception",
         rank: NonNegativeInt | None = None,
-        during: Literal["train", "validation"] = "train",
+        during: Literal["train", "validation", "export", "summary"] = "train",
         after_resume: bool = False,
         delay_s: PositiveFloat = 1.0,
         for_steps: PositiveInt | None = None,
@@ -93,6 +96,8 @@ class InjectFault(Callback):
             time.sleep(self.delay_s)
         elif self.kind == "hang" and step == self.at_step:
             time.sleep(HANG_S)
+        elif self.kind == "freeze" and step == self.at_step:
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "skip_collective" and step == self.at_step:
             # DDP reads this flag in forward: the backward that follows reduces nothing here,
             # while the other ranks' gradient all-reduce waits for this rank.
@@ -110,6 +115,13 @@ class InjectFault(Callback):
         dist.all_reduce(torch.zeros(0 if wrong else METRIC_SIZE))
         if wrong:
             self._wait_from_step = trainer.global_step
+
+    def on_after_fit(self, trainer: Trainer, work: str, collective: str | None = None) -> None:
+        """The run's work after fit (``litscale.callbacks.watchdog.after_fit``): ``kind=hang``
+        with ``during`` that work hangs there."""
+        if self.kind == "hang" and self.during == work and not self._fired and self._on_this_rank(trainer):
+            self._fired = True
+            time.sleep(HANG_S)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
         if self._wait_from_step is not None and trainer.global_step >= self._wait_from_step:

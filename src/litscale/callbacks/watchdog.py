@@ -6,6 +6,9 @@ watches them all (``litscale.health``). When no rank has moved for its limit, th
 hung: every rank writes its Python stacks to ``<dirpath>/hang-<step>/rank<N>.txt``, rank 0
 prints ``error: hang at step S: rank R stuck in ... for T s; ranks ... waiting in ...;
 stacks in ...`` and every rank exits with code 1, long before the process group's timeout.
+Rank 1 keeps a standby watchdog for a rank 0 that freezes whole (``litscale.health.watchdog``).
+The watch stays on after ``fit``, through the run's export and summary (phases ``export`` and
+``summary``, limit ``after_fit_timeout_s``), until ``end_watch``.
 
 A single process has no peer to wait for: nothing runs there.
 """
@@ -21,6 +24,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from litscale.constraints import PositiveFloat
+from litscale.health.beats import AFTER_FIT
 from litscale.health.diagnosis import Limits
 from litscale.health.heartbeat import Heartbeat
 from litscale.health.store import health_store
@@ -45,12 +49,14 @@ class HangWatchdog(Callback):
         first_step_timeout_s: PositiveFloat = 600.0,
         validation_timeout_s: PositiveFloat = 600.0,
         checkpoint_timeout_s: PositiveFloat = 600.0,
+        after_fit_timeout_s: PositiveFloat = 600.0,
         interval_s: PositiveFloat = 1.0,
     ) -> None:
         self.dirpath = dirpath
         self.timeout_s, self.min_timeout_s, self.step_multiple = timeout_s, min_timeout_s, step_multiple
         self.first_step_timeout_s = first_step_timeout_s
         self.validation_timeout_s, self.checkpoint_timeout_s = validation_timeout_s, checkpoint_timeout_s
+        self.after_fit_timeout_s = after_fit_timeout_s
         self.interval_s = interval_s
         self.heartbeat: Heartbeat | None = None
         self.watchdog: Watchdog | None = None
@@ -65,7 +71,8 @@ class HangWatchdog(Callback):
         return Limits(step_s=step_s, first_step_s=max(self.first_step_timeout_s, step_s),
                       validation_s=max(self.validation_timeout_s, step_s),
                       checkpoint_s=max(self.checkpoint_timeout_s, step_s),
-                      silent_s=min(step_s, 15 * self.interval_s))
+                      silent_s=min(step_s, 15 * self.interval_s),
+                      after_fit_s=max(self.after_fit_timeout_s, step_s))
 
     # --- start and stop ----------------------------------------------------------------------
 
@@ -74,25 +81,32 @@ class HangWatchdog(Callback):
             return
         self._collectives = dict(getattr(trainer.strategy, "phase_collectives", {}))
         rank = trainer.global_rank
+        watching = rank in (0, 1)  # rank 1: the standby, for a rank 0 frozen whole
         try:
-            # rank 0's watchdog thread gets a client of its own
-            stores = [health_store() for _ in range(2 if rank == 0 else 1)]
+            # a watchdog thread gets a client of its own
+            stores = [health_store() for _ in range(2 if watching else 1)]
         except (KeyError, ValueError, RuntimeError) as error:  # no store to reach: train unwatched
             print(f"litscale: rank {rank}: hang watchdog off, the launcher's store is out of reach "
                   f"({type(error).__name__}: {error})".splitlines()[0], file=sys.stderr, flush=True)
             return
-        self.heartbeat = Heartbeat(stores[0], rank, interval_s=self.interval_s, exit_on_stop=rank != 0).start()
-        if rank == 0:
-            self.watchdog = Watchdog(stores[1], trainer.world_size, limits=self.limits,
-                                     stacks_root=self.dirpath, poll_s=self.interval_s).start()
+        self.heartbeat = Heartbeat(stores[0], rank, interval_s=self.interval_s).start()
+        if watching:
+            self.watchdog = Watchdog(stores[1], trainer.world_size, limits=self.limits, stacks_root=self.dirpath,
+                                     poll_s=self.interval_s, standby=rank != 0).start()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._close()
+        # the watch goes on through the run's work after fit, which comes next (``end_watch``)
+        self.on_after_fit(trainer, AFTER_FIT[0])
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._close()  # a failed rank is the launcher's to report, not a hang
+        self.close()  # a failed rank is the launcher's to report, not a hang
 
-    def _close(self) -> None:
+    def on_after_fit(self, trainer: Trainer, work: str, collective: str | None = None) -> None:
+        """This rank is in ``work`` after fit (one of ``AFTER_FIT``), waiting in ``collective``."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(trainer.global_step, work, collective)
+
+    def close(self) -> None:
         for part in (self.watchdog, self.heartbeat):
             if part is not None:
                 part.close()
@@ -141,3 +155,19 @@ class HangWatchdog(Callback):
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         self._mark(trainer, "checkpoint")
+
+
+def after_fit(trainer: Trainer, work: str, collective: str | None = None) -> None:
+    """Tell the run's callbacks that this rank does ``work`` after fit (``on_after_fit``: the
+    watchdog's phase, a fault injected there), waiting in ``collective`` where it does."""
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_after_fit", None)
+        if hook is not None:
+            hook(trainer, work, collective)
+
+
+def end_watch(trainer: Trainer) -> None:
+    """The run's work is over: close the heartbeat and the watchdog (a rank done on purpose)."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, HangWatchdog):
+            callback.close()

@@ -8,9 +8,13 @@ from dataclasses import asdict, dataclass
 
 # The phases of one training step in the order a rank goes through them; ``data`` is the
 # wait for the next batch. Validation and checkpoint saves come after a step's optimizer.
-PHASES = ("setup", "data", "forward", "backward", "optimizer", "validation", "checkpoint")
+# After ``fit``, the work a run still does (``AFTER_FIT``) is watched too; ``done``: the rank
+# stopped reporting on purpose (its watch closed), so no watcher counts it as frozen.
+AFTER_FIT = ("export", "summary")
+DONE = "done"
+PHASES = ("setup", "data", "forward", "backward", "optimizer", "validation", "checkpoint", *AFTER_FIT, DONE)
 # Phases whose duration is not a step's: they get their own limits (the first step, too).
-LONG_PHASES = ("setup", "validation", "checkpoint")
+LONG_PHASES = ("setup", "validation", "checkpoint", *AFTER_FIT)
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class Beat:
         return self.step, PHASES.index(self.phase)
 
     def doing(self) -> str:
+        if self.phase in AFTER_FIT:
+            return f"after fit ({self.phase}, in {self.collective})" if self.collective else f"after fit ({self.phase})"
         return f"{self.phase} ({self.collective})" if self.collective else self.phase
 
     def encode(self) -> bytes:

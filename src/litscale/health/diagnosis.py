@@ -9,22 +9,26 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from litscale.health.beats import Beat
+from litscale.health.beats import AFTER_FIT, Beat
 
 
 @dataclass(frozen=True)
 class Limits:
     """How long a rank may stay at one place before the job counts as hung: ``step_s`` in an
     ordinary step, longer before the first step is done, in validation and in a checkpoint
-    save; ``silent_s`` without a heartbeat at all (a frozen or vanished process)."""
+    save; ``silent_s`` without a heartbeat at all (a frozen or vanished process); ``after_fit_s``
+    in the work after ``fit`` (export, summary; the checkpoint limit when not given)."""
 
     step_s: float
     first_step_s: float
     validation_s: float
     checkpoint_s: float
     silent_s: float
+    after_fit_s: float | None = None
 
     def for_beat(self, beat: Beat) -> float:
+        if beat.phase in AFTER_FIT:
+            return self.after_fit_s or self.checkpoint_s
         if not beat.first_step_done:
             return self.first_step_s
         return {"validation": self.validation_s, "checkpoint": self.checkpoint_s}.get(beat.phase, self.step_s)
@@ -74,15 +78,21 @@ class Hang:
 
 
 def find_hang(states: dict[int, RankState], now: float, limits: Limits) -> Hang | None:
-    """A hang when no rank has moved for longer than its limit; None otherwise."""
-    if not states or any(now - s.at_place_since <= limits.for_beat(s.beat) for s in states.values()):
+    """A hang when no rank has moved for longer than its limit; None otherwise. A rank silent
+    for ``silent_s`` is past its limit whatever its last beat said (a process frozen before its
+    heartbeat told of its first step must not get the first step's limit)."""
+    if not states or any(now - s.at_place_since <= limits.for_beat(s.beat)
+                         and now - s.silent_since <= limits.silent_s for s in states.values()):
         return None
     culprit = _culprit(states, now, limits)
     state = states[culprit]
     waiting = {rank: s.beat.doing() for rank, s in states.items() if rank != culprit}
-    return Hang(step=min(s.beat.step for s in states.values()), rank=culprit, doing=state.beat.doing(),
-                for_s=now - state.at_place_since, waiting=waiting,
-                silent=now - state.silent_since > limits.silent_s, culprit_step=state.beat.step)
+    silent = now - state.silent_since > limits.silent_s
+    # A silent rank's last beat may be older than its last steps: the step is the heard ranks'.
+    heard = [s.beat.step for s in states.values() if now - s.silent_since <= limits.silent_s]
+    return Hang(step=min(heard or [s.beat.step for s in states.values()]), rank=culprit,
+                doing=state.beat.doing(), for_s=now - state.at_place_since, waiting=waiting,
+                silent=silent, culprit_step=None if silent else state.beat.step)
 
 
 def _culprit(states: dict[int, RankState], now: float, limits: Limits) -> int:

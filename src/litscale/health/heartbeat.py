@@ -19,10 +19,10 @@ from dataclasses import replace
 from torch.distributed import Store
 
 from litscale.health import flight_recorder
-from litscale.health.beats import Beat
+from litscale.health.beats import DONE, Beat
 from litscale.health.stacks import dump_own_stacks
 
-STOP_KEY = "stop"  # set by the watchdog: JSON {"stacks_dir", "line", "run_dir"}
+STOP_KEY = "stop"  # set by the watchdog: JSON {"stacks_dir", "line", "run_dir", "pid"}
 DIAGNOSED_KEY = "diagnosed"  # set by the watchdog once it has matched the ranks' dumps
 
 
@@ -43,8 +43,8 @@ STOPPED_BY_WATCHDOG = "stopped by the hang watchdog"
 class Heartbeat:
     """Publishes this rank's place in training; stops the process when the job is stopped.
 
-    ``exit_on_stop=False`` on the rank that hosts the watchdog, which ends that process
-    itself once every rank's stacks are written."""
+    The process whose watchdog gave the order (its ``pid``) ends itself once every rank's
+    stacks are written; ``exit_on_stop=False`` leaves every process running (tests)."""
 
     def __init__(self, store: Store, rank: int, *, interval_s: float = 1.0, exit_on_stop: bool = True) -> None:
         self.store, self.rank, self.interval_s, self.exit_on_stop = store, rank, interval_s, exit_on_stop
@@ -68,8 +68,14 @@ class Heartbeat:
             self.beat = replace(self.beat, first_step_done=True)
 
     def close(self) -> None:
+        """Stop publishing, and say so: a rank done on purpose is not a frozen one."""
         self._closed.set()
         self._thread.join(timeout=5 * self.interval_s)
+        self.mark(self.beat.step, DONE)
+        try:
+            self._publish()
+        except Exception:  # the job's store may already be gone as the job ends
+            pass
 
     def _publish(self) -> None:
         self._seq += 1
@@ -94,7 +100,7 @@ class Heartbeat:
         if order.get("run_dir"):
             flight_recorder.dump(order["run_dir"], self.rank, reason=order["line"])
         self.store.set(dumped_key(self.rank), b"1")
-        if self.exit_on_stop:
+        if self.exit_on_stop and order.get("pid") != os.getpid():
             # NOTE: the launcher stops every rank once one exits: rank 0 must have matched
             # the dumps and printed the doctor's line first (bounded: it may be gone).
             wait_for_key(self.store, DIAGNOSED_KEY, timeout_s=DIAGNOSIS_WAIT_S)

@@ -4,12 +4,20 @@ its stacks, prints one line naming the rank the others wait for, and ends the jo
 It runs as a thread of global rank 0 under every launcher (litscale's, torchrun, srun): the
 training thread may be stuck, the thread is not. A rank 0 that dies is the launcher's to
 report, as any failed rank is.
+
+NOTE: a rank 0 whose whole process freezes (SIGSTOP, a C call holding the GIL) freezes its
+watchdog thread with it. Rank 1 therefore runs the same watchdog as a standby, which acts
+only once rank 0's heartbeat and the primary's own liveness beat (``WATCHDOG_KEY``) have both
+been silent for ``silent_s``: one mechanism under every launcher, torchrun and srun included,
+where a watchdog in litscale's launcher process would cover its own launches only. Whichever
+watchdog stops the job, the ranks' stacks, the line and the stop are the same.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -18,7 +26,7 @@ from collections.abc import Callable
 
 from torch.distributed import Store
 
-from litscale.health.beats import Beat
+from litscale.health.beats import DONE, Beat
 from litscale.health.diagnosis import Hang, Limits, RankState, find_hang
 from litscale.health.doctor import diagnose, load_dumps
 from litscale.health.heartbeat import (
@@ -39,19 +47,27 @@ HANG_ERROR = "HangDetected"
 # Set by a launcher that prints the line of a hang itself (litscale's: it reads the line from
 # the stopped ranks' errors); otherwise rank 0 prints it (torchrun, srun).
 LAUNCHER_REPORTS_ENV = "LITSCALE_LAUNCHER_REPORTS_HANGS"
+# The primary watchdog's liveness beat: its poll count, ``CLOSED`` once its watch has ended.
+WATCHDOG_KEY = "watchdog"
+CLOSED = b"closed"
+PRIMARY_RANK = 0
 
 
 class Watchdog:
     """Polls the heartbeats of ``world_size`` ranks every ``poll_s``; ``limits(median_step_s)``
-    gives the limits for the job's current median step time (None before it is known)."""
+    gives the limits for the job's current median step time (None before it is known).
+    ``standby``: acts only while rank 0 and its watchdog are silent (see the module's note)."""
 
     def __init__(self, store: Store, world_size: int, *, limits: Callable[[float | None], Limits],
-                 stacks_root: str, poll_s: float = 1.0,
+                 stacks_root: str, poll_s: float = 1.0, standby: bool = False,
                  exit: Callable[[int], None] = os._exit) -> None:
         self.store, self.world_size, self.limits = store, world_size, limits
-        self.stacks_root, self.poll_s, self.exit = stacks_root, poll_s, exit
+        self.stacks_root, self.poll_s, self.exit, self.standby = stacks_root, poll_s, exit, standby
         self.median_step_s: float | None = None  # set by the training loop of this rank
         self.states: dict[int, RankState] = {}
+        self.done: set[int] = set()  # ranks whose watch has ended on purpose
+        self._polls = 0
+        self._primary: tuple[bytes | None, float] = (None, time.monotonic())  # its beat, seen since
         self.failure: str | None = None  # why the thread stopped early (then no hang is caught)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="litscale-watchdog", daemon=True)
@@ -63,6 +79,11 @@ class Watchdog:
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5 * self.poll_s)
+        if not self.standby:
+            try:  # the standby stands down rather than take this for a frozen rank 0
+                self.store.set(WATCHDOG_KEY, CLOSED)
+            except Exception:  # the job's store may already be gone as the job ends
+                pass
 
     def check(self, now: float) -> Hang | None:
         """Read the heartbeats once; the hang, if the job is hung."""
@@ -71,18 +92,45 @@ class Watchdog:
             if data is None:
                 continue
             beat = Beat.decode(data)
-            if rank in self.states:
+            if beat.phase == DONE:
+                self.done.add(rank)
+                self.states.pop(rank, None)
+            elif rank in self.states:
                 self.states[rank].update(beat, now)
             else:
                 self.states[rank] = RankState(beat, at_place_since=now, silent_since=now)
-        if len(self.states) < self.world_size:
+        if len(self.states) + len(self.done) < self.world_size:
             return None  # a rank still starting: its process group's own timeout covers it
         return find_hang(self.states, now, self.limits(self.median_step_s))
+
+    def _poll(self, now: float) -> Hang | None:
+        """One round: the hang this watchdog is to act on, if any; raises ``StopIteration``
+        when its watch is over (the job is being stopped, or, for the standby, rank 0's watch
+        ended)."""
+        if self.store.check([STOP_KEY]):
+            raise StopIteration  # the other watchdog stopped the job (or a resumed rank 0 wakes)
+        hang = self.check(now)
+        if not self.standby:
+            self._polls += 1
+            self.store.set(WATCHDOG_KEY, str(self._polls).encode())
+            return hang
+        (primary,) = read_json_keys(self.store, [WATCHDOG_KEY])
+        if primary == CLOSED or PRIMARY_RANK in self.done:
+            raise StopIteration
+        if primary != self._primary[0]:
+            self._primary = (primary, now)
+        silent_s = self.limits(self.median_step_s).silent_s
+        rank0 = self.states.get(PRIMARY_RANK)
+        frozen = (rank0 is not None and now - rank0.silent_since > silent_s
+                  and now - self._primary[1] > silent_s)
+        return hang if frozen else None
 
     def _run(self) -> None:
         while not self._closed.wait(self.poll_s):
             try:
-                hang = self.check(time.monotonic())
+                hang = self._poll(time.monotonic())
+            except StopIteration:
+                return
             except Exception as error:
                 self.failure = report_dead_thread("hang watchdog", error, self._closed,
                                                   "this run is no longer watched for hangs")
@@ -100,17 +148,32 @@ class Watchdog:
         record_elastic_error(f"{HANG_ERROR}: {line}", time.time())
         # Every heartbeat, this rank's too, sees the order within a second and writes its stacks.
         self.store.set(STOP_KEY, json.dumps({"stacks_dir": stacks_dir, "line": line,
-                                             "run_dir": self.stacks_root}).encode())
-        if hang.silent:
-            beat = self.states[hang.rank].beat
-            if beat.host == socket.gethostname():
-                dump_stacks_of(beat.pid, os.path.join(stacks_dir, f"rank{hang.rank}.txt"),
-                               f"rank {hang.rank} (pid {beat.pid}), not responding; {line}")
-        self._wait_for_stacks()
+                                             "run_dir": self.stacks_root, "pid": os.getpid()}).encode())
+        silent = self.states[hang.rank].beat if hang.silent else None
+        if silent is not None and silent.host == socket.gethostname():
+            # from outside first (py-spy, where installed): the place where it froze
+            dump_stacks_of(silent.pid, os.path.join(stacks_dir, f"rank{silent.rank}.txt"),
+                           f"rank {silent.rank} (pid {silent.pid}), not responding; {line}")
+        self._wait_for_stacks([rank for rank in range(self.world_size) if silent is None or rank != silent.rank])
+        if silent is not None:
+            self._resume(silent)
+            self._wait_for_stacks([silent.rank])
         self._print_diagnosis()
         if not os.environ.get(LAUNCHER_REPORTS_ENV):
             print(f"error: {line}", file=sys.stderr, flush=True)
         self.exit(1)
+
+    @staticmethod
+    def _resume(beat: Beat) -> None:
+        """SIGCONT to a silent rank on this host, once the others' stacks are written: a stopped
+        process then takes the stop order like the others (its stacks, its exit). A process
+        frozen otherwise (a C call holding the GIL) is ended by the launcher's teardown."""
+        if beat.host != socket.gethostname():
+            return
+        try:
+            os.kill(beat.pid, signal.SIGCONT)
+        except OSError:  # gone already, or not ours to signal
+            pass
 
     def _print_diagnosis(self) -> None:
         """The collective doctor's line on the dumps the ranks just wrote, where it finds the
@@ -124,9 +187,9 @@ class Watchdog:
         finally:
             self.store.set(DIAGNOSED_KEY, b"1")
 
-    def _wait_for_stacks(self) -> None:
+    def _wait_for_stacks(self, ranks: list[int]) -> None:
         deadline = time.monotonic() + DUMP_WAIT_S
-        waiting = [dumped_key(rank) for rank in range(self.world_size)]
+        waiting = [dumped_key(rank) for rank in ranks]
         while waiting and time.monotonic() < deadline:
             waiting = [key for key in waiting if not self.store.check([key])]
             time.sleep(0.2)
