@@ -33,48 +33,123 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 STEPS, WARMUP = 40, 10
-COMMON = [f"trainer.max_steps={STEPS}", f"callbacks.throughput.warmup_steps={WARMUP}", "trainer.accelerator=cpu",
-          "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "cluster=local_cpu"]
-MODELS = {"nano": ["model=gpt"], "micro": ["model=gpt", "model.net.preset=micro"], "llama": ["model=llama"]}
+COMMON = [
+    f"trainer.max_steps={STEPS}",
+    f"callbacks.throughput.warmup_steps={WARMUP}",
+    "trainer.accelerator=cpu",
+    "trainer.limit_val_batches=0",
+    "trainer.enable_progress_bar=false",
+    "cluster=local_cpu",
+]
+MODELS = {
+    "nano": ["model=gpt"],
+    "micro": ["model=gpt", "model.net.preset=micro"],
+    "llama": ["model=llama"],
+}
 
 # name: (model, ranks, global batch group, overrides). Names read model-strategy-split.
 CONFIGS: dict[str, tuple[str, int, list[str]]] = {
     # One rank: the loop's own costs beside the timed forward-backward.
     "nano-single-mb16": ("nano", 1, ["strategy=single", "data.batch_size=16"]),
-    "nano-single-mb4x4": ("nano", 1, ["strategy=single", "data.batch_size=4", "trainer.accumulate_grad_batches=4"]),
+    "nano-single-mb4x4": (
+        "nano",
+        1,
+        ["strategy=single", "data.batch_size=4", "trainer.accumulate_grad_batches=4"],
+    ),
     "micro-single-mb8": ("micro", 1, ["strategy=single", "data.batch_size=8"]),
     "llama-single-mb16": ("llama", 1, ["strategy=single", "data.batch_size=16"]),
     # Two ranks, GPT-nano, global batch 16: the group the planner picks from.
     "nano-ddp-mb8": ("nano", 2, ["strategy=ddp", "data.batch_size=8"]),
-    "nano-ddp-mb4x2": ("nano", 2, ["strategy=ddp", "data.batch_size=4", "trainer.accumulate_grad_batches=2"]),
-    "nano-ddp-mb2x4": ("nano", 2, ["strategy=ddp", "data.batch_size=2", "trainer.accumulate_grad_batches=4"]),
+    "nano-ddp-mb4x2": (
+        "nano",
+        2,
+        ["strategy=ddp", "data.batch_size=4", "trainer.accumulate_grad_batches=2"],
+    ),
+    "nano-ddp-mb2x4": (
+        "nano",
+        2,
+        ["strategy=ddp", "data.batch_size=2", "trainer.accumulate_grad_batches=4"],
+    ),
     "nano-ddp-fp16-mb8": ("nano", 2, ["strategy=ddp", "compression=fp16", "data.batch_size=8"]),
-    "nano-ddp-powersgd-mb8": ("nano", 2, ["strategy=ddp", "compression=powersgd", "data.batch_size=8"]),
+    "nano-ddp-powersgd-mb8": (
+        "nano",
+        2,
+        ["strategy=ddp", "compression=powersgd", "data.batch_size=8"],
+    ),
     "nano-ddp-topk-mb8": ("nano", 2, ["strategy=ddp", "compression=topk", "data.batch_size=8"]),
     "nano-fsdp-mb8": ("nano", 2, ["strategy=fsdp", "data.batch_size=8"]),
-    "nano-fsdp-ac-mb8": ("nano", 2, ["strategy=fsdp", "data.batch_size=8", "strategy.activation_checkpointing=true"]),
-    "nano-fsdp-mb4x2": ("nano", 2, ["strategy=fsdp", "data.batch_size=4", "trainer.accumulate_grad_batches=2"]),
-    "nano-zero1-mb8": ("nano", 2, ["strategy=deepspeed_zero", "strategy.stage=1", "data.batch_size=8"]),
-    "nano-zero3-mb8": ("nano", 2, ["strategy=deepspeed_zero", "strategy.stage=3", "data.batch_size=8"]),
-    "nano-tp2-mb16": ("nano", 2, ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2",
-                                  "data.batch_size=16"]),
-    "nano-pp2-1f1b-mb16x4": ("nano", 2, ["strategy=pipeline", "strategy.pipeline_parallel_size=2",
-                                         "strategy.microbatches=4", "data.batch_size=16"]),
-    "nano-pp2-interleaved-mb16x4": ("nano", 2, ["strategy=pipeline", "strategy.pipeline_parallel_size=2",
-                                                "strategy.microbatches=4", "strategy.schedule=interleaved_1f1b",
-                                                "data.batch_size=16"]),
+    "nano-fsdp-ac-mb8": (
+        "nano",
+        2,
+        ["strategy=fsdp", "data.batch_size=8", "strategy.activation_checkpointing=true"],
+    ),
+    "nano-fsdp-mb4x2": (
+        "nano",
+        2,
+        ["strategy=fsdp", "data.batch_size=4", "trainer.accumulate_grad_batches=2"],
+    ),
+    "nano-zero1-mb8": (
+        "nano",
+        2,
+        ["strategy=deepspeed_zero", "strategy.stage=1", "data.batch_size=8"],
+    ),
+    "nano-zero3-mb8": (
+        "nano",
+        2,
+        ["strategy=deepspeed_zero", "strategy.stage=3", "data.batch_size=8"],
+    ),
+    "nano-tp2-mb16": (
+        "nano",
+        2,
+        ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "data.batch_size=16"],
+    ),
+    "nano-pp2-1f1b-mb16x4": (
+        "nano",
+        2,
+        [
+            "strategy=pipeline",
+            "strategy.pipeline_parallel_size=2",
+            "strategy.microbatches=4",
+            "data.batch_size=16",
+        ],
+    ),
+    "nano-pp2-interleaved-mb16x4": (
+        "nano",
+        2,
+        [
+            "strategy=pipeline",
+            "strategy.pipeline_parallel_size=2",
+            "strategy.microbatches=4",
+            "strategy.schedule=interleaved_1f1b",
+            "data.batch_size=16",
+        ],
+    ),
     # Two ranks, GPT-micro (11M parameters), global batch 8.
     "micro-ddp-mb4": ("micro", 2, ["strategy=ddp", "data.batch_size=4"]),
     "micro-fsdp-mb4": ("micro", 2, ["strategy=fsdp", "data.batch_size=4"]),
-    "micro-tp2-mb8": ("micro", 2, ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2",
-                                   "data.batch_size=8"]),
-    "micro-pp2-mb8x2": ("micro", 2, ["strategy=pipeline", "strategy.pipeline_parallel_size=2",
-                                     "strategy.microbatches=2", "data.batch_size=8"]),
+    "micro-tp2-mb8": (
+        "micro",
+        2,
+        ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "data.batch_size=8"],
+    ),
+    "micro-pp2-mb8x2": (
+        "micro",
+        2,
+        [
+            "strategy=pipeline",
+            "strategy.pipeline_parallel_size=2",
+            "strategy.microbatches=2",
+            "data.batch_size=8",
+        ],
+    ),
     # Two ranks, Llama-tiny, global batch 16.
     "llama-ddp-mb8": ("llama", 2, ["strategy=ddp", "data.batch_size=8"]),
     "llama-fsdp-mb8": ("llama", 2, ["strategy=fsdp", "data.batch_size=8"]),
-    "llama-tp2-mb16": ("llama", 2, ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2",
-                                    "data.batch_size=16"]),
+    "llama-tp2-mb16": (
+        "llama",
+        2,
+        ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "data.batch_size=16"],
+    ),
 }
 
 GOALS = {"mape": 0.15, "spearman": 0.8, "regret": 1.10}
@@ -104,24 +179,40 @@ def measure(name: str, outputs: Path) -> dict:
     print(f"$ python train.py {' '.join(overrides)}", flush=True)
     env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "LITSCALE_THREADS_PER_RANK": "1"}
     started = time.perf_counter()
-    process = subprocess.run([sys.executable, str(REPO / "train.py"), *overrides], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=1800)
+    process = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *overrides],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     if process.returncode:
         raise RuntimeError(f"{name} failed:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
     summary = json.loads(next((outputs / name).glob("runs/*/summary.json")).read_text())
     model, ranks, _ = CONFIGS[name]
-    return {"model": model, "ranks": ranks, "global_batch": summary["layout"]["global_batch"],
-            "command": "python train.py " + " ".join(overrides),
-            "measured_step_s": summary["perf/step_time_s"], "predicted_step_s": summary["plan/predicted_step_s"],
-            "threads_per_rank": summary.get("threads_per_rank"), "wall_s": time.perf_counter() - started}
+    return {
+        "model": model,
+        "ranks": ranks,
+        "global_batch": summary["layout"]["global_batch"],
+        "command": "python train.py " + " ".join(overrides),
+        "measured_step_s": summary["perf/step_time_s"],
+        "predicted_step_s": summary["plan/predicted_step_s"],
+        "threads_per_rank": summary.get("threads_per_rank"),
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def combined(runs: list[dict]) -> dict:
     """One configuration's passes: the median measured and predicted step times, and each pass's."""
-    return {**runs[0], "measured_step_s": statistics.median(r["measured_step_s"] for r in runs),
-            "predicted_step_s": statistics.median(r["predicted_step_s"] for r in runs),
-            "measured_each": [r["measured_step_s"] for r in runs], "predicted_each": [r["predicted_step_s"] for r in runs],
-            "wall_s": sum(r["wall_s"] for r in runs)}
+    return {
+        **runs[0],
+        "measured_step_s": statistics.median(r["measured_step_s"] for r in runs),
+        "predicted_step_s": statistics.median(r["predicted_step_s"] for r in runs),
+        "measured_each": [r["measured_step_s"] for r in runs],
+        "predicted_each": [r["predicted_step_s"] for r in runs],
+        "wall_s": sum(r["wall_s"] for r in runs),
+    }
 
 
 def spread(values: list[float]) -> str:
@@ -131,6 +222,7 @@ def spread(values: list[float]) -> str:
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Rank correlation (ties share their mean rank); hand-written to keep scipy out of the stack."""
+
     def ranks(values: list[float]) -> list[float]:
         order = sorted(range(len(values)), key=values.__getitem__)
         result = [0.0] * len(values)
@@ -157,7 +249,9 @@ def metrics(all_runs: dict[str, dict], excluded: dict[str, str]) -> dict:
     def mape(names: list[str]) -> float:
         if not names:
             return float("nan")
-        return statistics.fmean(abs(runs[n]["predicted_step_s"] / runs[n]["measured_step_s"] - 1) for n in names)
+        return statistics.fmean(
+            abs(runs[n]["predicted_step_s"] / runs[n]["measured_step_s"] - 1) for n in names
+        )
 
     names = list(runs)
     groups: dict[str, list[str]] = {}
@@ -169,24 +263,41 @@ def metrics(all_runs: dict[str, dict], excluded: dict[str, str]) -> dict:
         pick = min(members, key=lambda n: runs[n]["predicted_step_s"])
         best = min(members, key=lambda n: runs[n]["measured_step_s"])
         by_group[group] = {
-            "configurations": len(members), "pick": pick, "best": best,
+            "configurations": len(members),
+            "pick": pick,
+            "best": best,
             "regret": runs[pick]["measured_step_s"] / runs[best]["measured_step_s"],
-            "spearman": spearman([runs[n]["predicted_step_s"] for n in members],
-                                 [runs[n]["measured_step_s"] for n in members]) if len(members) > 2 else None,
-            "mape": mape(members)}
-    return {"mape": mape(names), "mape_1_rank": mape([n for n in names if runs[n]["ranks"] == 1]),
-            "mape_2_ranks": mape([n for n in names if runs[n]["ranks"] == 2]),
-            "spearman": spearman([runs[n]["predicted_step_s"] for n in names],
-                                 [runs[n]["measured_step_s"] for n in names]),
-            "regret": max((g["regret"] for g in by_group.values()), default=float("nan")), "groups": by_group,
-            "per_group": group_statistics(runs), "held_out": dict(excluded)}
+            "spearman": spearman(
+                [runs[n]["predicted_step_s"] for n in members],
+                [runs[n]["measured_step_s"] for n in members],
+            )
+            if len(members) > 2
+            else None,
+            "mape": mape(members),
+        }
+    return {
+        "mape": mape(names),
+        "mape_1_rank": mape([n for n in names if runs[n]["ranks"] == 1]),
+        "mape_2_ranks": mape([n for n in names if runs[n]["ranks"] == 2]),
+        "spearman": spearman(
+            [runs[n]["predicted_step_s"] for n in names],
+            [runs[n]["measured_step_s"] for n in names],
+        ),
+        "regret": max((g["regret"] for g in by_group.values()), default=float("nan")),
+        "groups": by_group,
+        "per_group": group_statistics(runs),
+        "held_out": dict(excluded),
+    }
 
 
 def pass_pairs(passes: int) -> dict[str, list[tuple[int, int]]]:
     """(predicted pass, measured pass) pairs: the same pass, and each pass's predictions against
     every other pass's measurements."""
     pairs = [(p, m) for p in range(passes) for m in range(passes)]
-    return {"same": [(p, m) for p, m in pairs if p == m], "cross": [(p, m) for p, m in pairs if p != m]}
+    return {
+        "same": [(p, m) for p, m in pairs if p == m],
+        "cross": [(p, m) for p, m in pairs if p != m],
+    }
 
 
 def group_statistics(runs: dict[str, dict]) -> dict[str, dict]:
@@ -201,11 +312,21 @@ def group_statistics(runs: dict[str, dict]) -> dict[str, dict]:
         passes = len(runs[members[0]]["measured_each"])
         stats = {"configurations": len(members), "global_batch": runs[members[0]]["global_batch"]}
         for kind, pairs in pass_pairs(passes).items():
-            stats[kind] = [{"predicted_pass": p + 1, "measured_pass": m + 1,
-                            "spearman": spearman([runs[n]["predicted_each"][p] for n in members],
-                                                 [runs[n]["measured_each"][m] for n in members]),
-                            "mape": statistics.fmean(abs(runs[n]["predicted_each"][p] / runs[n]["measured_each"][m] - 1)
-                                                     for n in members)} for p, m in pairs]
+            stats[kind] = [
+                {
+                    "predicted_pass": p + 1,
+                    "measured_pass": m + 1,
+                    "spearman": spearman(
+                        [runs[n]["predicted_each"][p] for n in members],
+                        [runs[n]["measured_each"][m] for n in members],
+                    ),
+                    "mape": statistics.fmean(
+                        abs(runs[n]["predicted_each"][p] / runs[n]["measured_each"][m] - 1)
+                        for n in members
+                    ),
+                }
+                for p, m in pairs
+            ]
         if stats["cross"]:
             stats["held_out_spearman"] = min(stats["cross"], key=lambda pair: pair["spearman"])
         found[group] = stats
@@ -227,53 +348,75 @@ def accuracy_record(results: dict) -> dict:
             stats = results["metrics"]["per_group"].get(group)
             if stats is None or "held_out_spearman" not in stats:
                 continue
-            net = OmegaConf.to_container(compose(config_name="train", overrides=MODELS[model]).model.net, resolve=True)
+            net = OmegaConf.to_container(
+                compose(config_name="train", overrides=MODELS[model]).model.net, resolve=True
+            )
             held = stats["held_out_spearman"]
-            groups[group] = {"net": architecture(net),
-                             "configurations": stats["configurations"], "spearman": round(held["spearman"], 4),
-                             "pass": f"predicted in pass {held['predicted_pass']}, measured in pass "
-                                     f"{held['measured_pass']}"}
-    return {"source": "experiments/planner/study.py", "date": results["date"], "machine": results["machine"],
-            "held_out": sorted(results["metrics"].get("held_out", {})), "groups": groups}
+            groups[group] = {
+                "net": architecture(net),
+                "configurations": stats["configurations"],
+                "spearman": round(held["spearman"], 4),
+                "pass": f"predicted in pass {held['predicted_pass']}, measured in pass "
+                f"{held['measured_pass']}",
+            }
+    return {
+        "source": "experiments/planner/study.py",
+        "date": results["date"],
+        "machine": results["machine"],
+        "held_out": sorted(results["metrics"].get("held_out", {})),
+        "groups": groups,
+    }
 
 
 def report(results: dict) -> str:
     runs, m = results["runs"], results["metrics"]
     calibration = results.get("calibration", {})
-    lines = [f"Machine: {results['machine']}. Recorded {results['date']} with `python experiments/planner/study.py`; "
-             f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank; "
-             f"{len(next(iter(runs.values())).get('measured_each', [0]))} pass(es), each configuration's median "
-             "reported. Calibration "
-             f"({calibration.get('measured', '?')}): gloo latency {calibration.get('latency_s', 0) * 1e3:.2f} ms, "
-             f"bandwidth {calibration.get('bandwidth_bytes_s', 0) / 1e9:.2f} GB/s, contention "
-             f"{calibration.get('contention', 1.0):.3f}.", "",
-             "| configuration | ranks | global batch | predicted s/step | measured s/step | error | "
-             "measured spread | predicted spread |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"Machine: {results['machine']}. Recorded {results['date']} with `python experiments/planner/study.py`; "
+        f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank; "
+        f"{len(next(iter(runs.values())).get('measured_each', [0]))} pass(es), each configuration's median "
+        "reported. Calibration "
+        f"({calibration.get('measured', '?')}): gloo latency {calibration.get('latency_s', 0) * 1e3:.2f} ms, "
+        f"bandwidth {calibration.get('bandwidth_bytes_s', 0) / 1e9:.2f} GB/s, contention "
+        f"{calibration.get('contention', 1.0):.3f}.",
+        "",
+        "| configuration | ranks | global batch | predicted s/step | measured s/step | error | "
+        "measured spread | predicted spread |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     held = m.get("held_out", {})
     for name, r in runs.items():
         error = r["predicted_step_s"] / r["measured_step_s"] - 1
         shown = f"`{name}` (held out: {held[name]})" if name in held else f"`{name}`"
-        lines.append(f"| {shown} | {r['ranks']} | {r['global_batch']} | {r['predicted_step_s']:.4f} | "
-                     f"{r['measured_step_s']:.4f} | {error:+.1%} | {spread(r.get('measured_each', []))} | "
-                     f"{spread(r.get('predicted_each', []))} |")
+        lines.append(
+            f"| {shown} | {r['ranks']} | {r['global_batch']} | {r['predicted_step_s']:.4f} | "
+            f"{r['measured_step_s']:.4f} | {error:+.1%} | {spread(r.get('measured_each', []))} | "
+            f"{spread(r.get('predicted_each', []))} |"
+        )
 
     def verdict(value: float, goal: float, higher_is_better: bool = False) -> str:
         met = value >= goal if higher_is_better else value <= goal
         return "met" if met else "**missed**"
 
-    lines += ["", "| figure | reached | goal | |", "| --- | ---: | ---: | --- |",
-              f"| MAPE, all {len(runs) - len(held)} scored configurations | {m['mape']:.1%} | <= 15% | {verdict(m['mape'], 0.15)} |",
-              f"| MAPE, 1 rank / 2 ranks | {m['mape_1_rank']:.1%} / {m['mape_2_ranks']:.1%} | | |",
-              f"| Spearman, all scored configurations | {m['spearman']:.3f} | >= 0.8 | "
-              f"{verdict(m['spearman'], 0.8, True)} |",
-              f"| regret, worst group | {m['regret']:.3f} | <= 1.10 | {verdict(m['regret'], 1.10)} |", "",
-              "| group (2 ranks) | configurations | planner's pick | measured best | regret | Spearman | MAPE |",
-              "| --- | ---: | --- | --- | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "| figure | reached | goal | |",
+        "| --- | ---: | ---: | --- |",
+        f"| MAPE, all {len(runs) - len(held)} scored configurations | {m['mape']:.1%} | <= 15% | {verdict(m['mape'], 0.15)} |",
+        f"| MAPE, 1 rank / 2 ranks | {m['mape_1_rank']:.1%} / {m['mape_2_ranks']:.1%} | | |",
+        f"| Spearman, all scored configurations | {m['spearman']:.3f} | >= 0.8 | "
+        f"{verdict(m['spearman'], 0.8, True)} |",
+        f"| regret, worst group | {m['regret']:.3f} | <= 1.10 | {verdict(m['regret'], 1.10)} |",
+        "",
+        "| group (2 ranks) | configurations | planner's pick | measured best | regret | Spearman | MAPE |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
     for group, g in m["groups"].items():
         rho = f"{g['spearman']:.3f}" if g["spearman"] is not None else "-"
-        lines.append(f"| {group} | {g['configurations']} | `{g['pick']}` | `{g['best']}` | {g['regret']:.3f} | "
-                     f"{rho} | {g['mape']:.1%} |")
+        lines.append(
+            f"| {group} | {g['configurations']} | `{g['pick']}` | `{g['best']}` | {g['regret']:.3f} | "
+            f"{rho} | {g['mape']:.1%} |"
+        )
     return "\n".join(lines + ["", *group_table(m["per_group"])]) + "\n"
 
 
@@ -286,19 +429,27 @@ def group_table(per_group: dict[str, dict]) -> list[str]:
         return " / ".join(f"{pair[key]:{form}}" for pair in pairs)
 
     some = next(iter(per_group.values()))
-    heads = [" / ".join(f"{p['predicted_pass']}->{p['measured_pass']}" for p in some[kind]) for kind in ("same", "cross")]
-    lines = [f"Per model group, held-out configurations excluded (passes: predicted -> measured; same-pass "
-             f"{heads[0]}, cross-pass {heads[1]}). plan=auto in a sweep picks the layout where the lowest "
-             f"cross-pass Spearman reaches {SPEARMAN_BAR} (`src/litscale/planner/accuracy.json`, written here):", "",
-             "| group (2 ranks) | configurations | Spearman same-pass | Spearman cross-pass | MAPE same-pass | "
-             "MAPE cross-pass | held-out Spearman | plan=auto |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    heads = [
+        " / ".join(f"{p['predicted_pass']}->{p['measured_pass']}" for p in some[kind])
+        for kind in ("same", "cross")
+    ]
+    lines = [
+        f"Per model group, held-out configurations excluded (passes: predicted -> measured; same-pass "
+        f"{heads[0]}, cross-pass {heads[1]}). plan=auto in a sweep picks the layout where the lowest "
+        f"cross-pass Spearman reaches {SPEARMAN_BAR} (`src/litscale/planner/accuracy.json`, written here):",
+        "",
+        "| group (2 ranks) | configurations | Spearman same-pass | Spearman cross-pass | MAPE same-pass | "
+        "MAPE cross-pass | held-out Spearman | plan=auto |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for group, g in per_group.items():
         rho = g["held_out_spearman"]["spearman"]
-        lines.append(f"| {group}, global batch {g['global_batch']} | {g['configurations']} | "
-                     f"{each(g['same'], 'spearman', '.3f')} | {each(g['cross'], 'spearman', '.3f')} | "
-                     f"{each(g['same'], 'mape', '.1%')} | {each(g['cross'], 'mape', '.1%')} | {rho:.3f} | "
-                     f"{'picks' if rho >= SPEARMAN_BAR else '**keeps the given layout**'} |")
+        lines.append(
+            f"| {group}, global batch {g['global_batch']} | {g['configurations']} | "
+            f"{each(g['same'], 'spearman', '.3f')} | {each(g['cross'], 'spearman', '.3f')} | "
+            f"{each(g['same'], 'mape', '.1%')} | {each(g['cross'], 'mape', '.1%')} | {rho:.3f} | "
+            f"{'picks' if rho >= SPEARMAN_BAR else '**keeps the given layout**'} |"
+        )
     return lines
 
 
@@ -314,17 +465,34 @@ def plot(results: dict, path: Path) -> None:
         for index, model in enumerate(MODELS):
             chosen = [r for r in runs.values() if r["ranks"] == ranks and r["model"] == model]
             if chosen:
-                axis.scatter([r["measured_step_s"] for r in chosen], [r["predicted_step_s"] for r in chosen],
-                             marker=marker, color=f"C{index}", label=f"{model}, {ranks} rank(s)")
+                axis.scatter(
+                    [r["measured_step_s"] for r in chosen],
+                    [r["predicted_step_s"] for r in chosen],
+                    marker=marker,
+                    color=f"C{index}",
+                    label=f"{model}, {ranks} rank(s)",
+                )
     values = [v for r in runs.values() for v in (r["measured_step_s"], r["predicted_step_s"])]
     low, high = min(values) * 0.8, max(values) * 1.25
     axis.plot([low, high], [low, high], color="black", lw=0.8, label="prediction = measurement")
-    axis.fill_between([low, high], [low * 0.85, high * 0.85], [low * 1.15, high * 1.15], color="grey", alpha=0.15,
-                      label="within 15%")
-    axis.set(xscale="log", yscale="log", xlim=(low, high), ylim=(low, high), xlabel="measured s/step",
-             ylabel="predicted s/step (plan/predicted_step_s)",
-             title=f"Planner on this machine: MAPE {results['metrics']['mape']:.1%}, "
-                   f"Spearman {results['metrics']['spearman']:.2f}")
+    axis.fill_between(
+        [low, high],
+        [low * 0.85, high * 0.85],
+        [low * 1.15, high * 1.15],
+        color="grey",
+        alpha=0.15,
+        label="within 15%",
+    )
+    axis.set(
+        xscale="log",
+        yscale="log",
+        xlim=(low, high),
+        ylim=(low, high),
+        xlabel="measured s/step",
+        ylabel="predicted s/step (plan/predicted_step_s)",
+        title=f"Planner on this machine: MAPE {results['metrics']['mape']:.1%}, "
+        f"Spearman {results['metrics']['spearman']:.2f}",
+    )
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -340,10 +508,16 @@ def write_section(name: str, script: str, text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="configurations to run (default: all)")
-    parser.add_argument("--passes", type=int, default=2, help="runs of each configuration (medians are reported)")
+    parser.add_argument(
+        "--only", nargs="*", choices=list(CONFIGS), help="configurations to run (default: all)"
+    )
+    parser.add_argument(
+        "--passes", type=int, default=2, help="runs of each configuration (medians are reported)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
-    parser.add_argument("--report-only", action="store_true", help="rewrite README and plot from results.json")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite README and plot from results.json"
+    )
     args = parser.parse_args()
     if args.report_only:  # the figures recomputed from the recorded runs
         results = json.loads((HERE / "results.json").read_text())
@@ -351,22 +525,30 @@ def main() -> None:
     else:
         names, samples = args.only or list(CONFIGS), {}
         with tempfile.TemporaryDirectory() as outputs:
-            for index in range(args.passes):  # every configuration once per pass: drifts in the machine's load
-                for name in names:            # fall on all of them, not on a few
+            for index in range(
+                args.passes
+            ):  # every configuration once per pass: drifts in the machine's load
+                for name in names:  # fall on all of them, not on a few
                     r = measure(name, Path(outputs) / f"pass{index}")
                     samples.setdefault(name, []).append(r)
-                    print(f"  pass {index + 1}: predicted {r['predicted_step_s']:.4f} s, measured "
-                          f"{r['measured_step_s']:.4f} s ({r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%})",
-                          flush=True)
+                    print(
+                        f"  pass {index + 1}: predicted {r['predicted_step_s']:.4f} s, measured "
+                        f"{r['measured_step_s']:.4f} s ({r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%})",
+                        flush=True,
+                    )
         runs = {name: combined(runs_of_name) for name, runs_of_name in samples.items()}
         import torch
 
         from litscale.planner.calibrate import calibration_path
 
-        results = {"machine": f"{os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}, "
-                              f"torch {torch.__version__}",
-                   "calibration": json.loads(calibration_path().read_text()),  # what local_cpu read
-                   "date": time.strftime("%Y-%m-%d"), "runs": runs, "metrics": metrics(runs, held_out())}
+        results = {
+            "machine": f"{os.cpu_count()} cores, {platform.platform()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}",
+            "calibration": json.loads(calibration_path().read_text()),  # what local_cpu read
+            "date": time.strftime("%Y-%m-%d"),
+            "runs": runs,
+            "metrics": metrics(runs, held_out()),
+        }
     text = report(results)
     print(text)
     if args.no_write:
