@@ -1,8 +1,10 @@
 """How far to trust the planner on this machine: its predicted step time beside the measured
-one for GPT-nano, GPT-micro and Llama-tiny under every strategy at 1 and 2 CPU ranks.
+one for GPT-nano, GPT-micro and Llama-tiny under every strategy at 1 and 2 CPU ranks, and for
+the tiny mixture-of-experts decoder (expert parallel) and Llama-tiny at 512 tokens (context parallel).
 
     python experiments/planner/study.py                  # every configuration, writes results
     python experiments/planner/study.py --only nano-ddp-mb8 --no-write
+    python experiments/planner/study.py --groups moe llama512  # these models only, merged into results.json
     python experiments/planner/study.py --report-only    # README table and plot from results.json
 
 Each configuration is an ordinary ``python train.py`` run with one thread per rank
@@ -45,6 +47,8 @@ MODELS = {
     "nano": ["model=gpt"],
     "micro": ["model=gpt", "model.net.preset=micro"],
     "llama": ["model=llama"],
+    "moe": ["model=moe"],
+    "llama512": ["model=llama", "data.seq_len=512"],
 }
 
 # name: (model, ranks, global batch group, overrides). Names read model-strategy-split.
@@ -150,11 +154,45 @@ CONFIGS: dict[str, tuple[str, int, list[str]]] = {
         2,
         ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "data.batch_size=16"],
     ),
+    # MoE-tiny, global batch 16: expert parallel is timed as FSDP's profile plus its all-to-all.
+    "moe-single-mb16": ("moe", 1, ["strategy=single", "data.batch_size=16"]),
+    "moe-ddp-mb8": ("moe", 2, ["strategy=ddp", "data.batch_size=8"]),
+    "moe-fsdp-mb8": ("moe", 2, ["strategy=fsdp", "data.batch_size=8"]),
+    "moe-fsdp-ep2-mb8": (
+        "moe",
+        2,
+        ["strategy=fsdp", "strategy.expert_parallel_size=2", "data.batch_size=8"],
+    ),
+    "moe-tp2-mb16": (
+        "moe",
+        2,
+        ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "data.batch_size=16"],
+    ),
+    # Llama-tiny at 512 tokens, global batch 8: context parallel splits each sequence over both ranks.
+    "llama512-single-mb8": ("llama512", 1, ["strategy=single", "data.batch_size=8"]),
+    "llama512-ddp-mb4": ("llama512", 2, ["strategy=ddp", "data.batch_size=4"]),
+    "llama512-fsdp-mb4": ("llama512", 2, ["strategy=fsdp", "data.batch_size=4"]),
+    "llama512-fsdp-cp2-mb8": (
+        "llama512",
+        2,
+        ["strategy=fsdp", "strategy.context_parallel_size=2", "data.batch_size=8"],
+    ),
+    "llama512-tp2-mb8": (
+        "llama512",
+        2,
+        ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "data.batch_size=8"],
+    ),
 }
 
 GOALS = {"mape": 0.15, "spearman": 0.8, "regret": 1.10}
 # The groups plan=auto chooses among: one model's configurations at 2 ranks (one global batch each).
-GROUP_NAMES = {"nano": "GPT-nano", "micro": "GPT-micro", "llama": "Llama-tiny"}
+GROUP_NAMES = {
+    "nano": "GPT-nano",
+    "micro": "GPT-micro",
+    "llama": "Llama-tiny",
+    "moe": "MoE-tiny",
+    "llama512": "Llama-tiny at 512 tokens",
+}
 ACCURACY_FILE = REPO / "src" / "litscale" / "planner" / "accuracy.json"
 
 
@@ -172,6 +210,36 @@ def held_out() -> dict[str, str]:
 def overrides_of(name: str) -> list[str]:
     model, ranks, extra = CONFIGS[name]
     return [*MODELS[model], *extra, f"trainer.devices={ranks}", *COMMON, f"name={name}"]
+
+
+def time_profiles(names: list[str]) -> None:
+    """``plan=show`` once per model and rank count among ``names``, at the group's global batch
+    (the smallest micro batch there, without accumulation): a run's prediction reads the
+    forward-backward a plan of its model timed here (cached), and falls back to FLOPs at the
+    calibrated peak where none has (``plan/compute_source``)."""
+    micro: dict[tuple[str, int], int] = {}
+    for name in names:
+        model, ranks, extra = CONFIGS[name]
+        batch = int(next(o for o in extra if o.startswith("data.batch_size=")).split("=")[1])
+        micro[model, ranks] = min(batch, micro.get((model, ranks), batch))
+    for (model, ranks), batch in sorted(micro.items()):
+        overrides = [
+            *MODELS[model],
+            f"data.batch_size={batch}",
+            f"trainer.devices={ranks}",
+            "trainer.accelerator=cpu",
+            "cluster=local_cpu",
+            "plan=show",
+        ]
+        print(f"$ python train.py {' '.join(overrides)}", flush=True)
+        subprocess.run(
+            [sys.executable, str(REPO / "train.py"), *overrides],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            env={**os.environ, "LITSCALE_THREADS_PER_RANK": "1"},
+            timeout=1800,
+        )
 
 
 def measure(name: str, outputs: Path) -> dict:
@@ -198,6 +266,7 @@ def measure(name: str, outputs: Path) -> dict:
         "command": "python train.py " + " ".join(overrides),
         "measured_step_s": summary["perf/step_time_s"],
         "predicted_step_s": summary["plan/predicted_step_s"],
+        "compute_source": summary.get("plan/compute_source"),
         "threads_per_rank": summary.get("threads_per_rank"),
         "wall_s": time.perf_counter() - started,
     }
@@ -343,6 +412,11 @@ def accuracy_record(results: dict) -> dict:
     from litscale.planner.trust import architecture
 
     groups = {}
+    added = {
+        name: addition["date"]
+        for addition in results.get("additions", [])
+        for name in addition["configurations"]
+    }
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         for model, group in GROUP_NAMES.items():
             stats = results["metrics"]["per_group"].get(group)
@@ -352,8 +426,12 @@ def accuracy_record(results: dict) -> dict:
                 compose(config_name="train", overrides=MODELS[model]).model.net, resolve=True
             )
             held = stats["held_out_spearman"]
+            dates = {
+                added[n] for n, r in results["runs"].items() if r["model"] == model and n in added
+            }
             groups[group] = {
                 "net": architecture(net),
+                **({"date": ", ".join(sorted(dates))} if dates else {}),
                 "configurations": stats["configurations"],
                 "spearman": round(held["spearman"], 4),
                 "pass": f"predicted in pass {held['predicted_pass']}, measured in pass "
@@ -368,6 +446,20 @@ def accuracy_record(results: dict) -> dict:
     }
 
 
+def addition_line(addition: dict) -> str:
+    """A subset run later (``--groups``/``--only``): its date, the machine's load and its calibration."""
+    calibration = addition["calibration"]
+    before, after = addition["load_average"]
+    return (
+        f"Added {addition['date']} (`--groups`/`--only`, the other configurations kept as recorded): "
+        f"{', '.join(f'`{n}`' for n in addition['configurations'])}; the machine was shared, load average "
+        f"(1, 5, 15 min) {' / '.join(f'{v:.1f}' for v in before)} before and "
+        f"{' / '.join(f'{v:.1f}' for v in after)} after, `nice -n 10`; calibration ({calibration['measured']}): "
+        f"gloo latency {calibration['latency_s'] * 1e3:.2f} ms, bandwidth "
+        f"{calibration['bandwidth_bytes_s'] / 1e9:.2f} GB/s, contention {calibration['contention']:.3f}."
+    )
+
+
 def report(results: dict) -> str:
     runs, m = results["runs"], results["metrics"]
     calibration = results.get("calibration", {})
@@ -379,6 +471,7 @@ def report(results: dict) -> str:
         f"({calibration.get('measured', '?')}): gloo latency {calibration.get('latency_s', 0) * 1e3:.2f} ms, "
         f"bandwidth {calibration.get('bandwidth_bytes_s', 0) / 1e9:.2f} GB/s, contention "
         f"{calibration.get('contention', 1.0):.3f}.",
+        *map(addition_line, results.get("additions", [])),
         "",
         "| configuration | ranks | global batch | predicted s/step | measured s/step | error | "
         "measured spread | predicted spread |",
@@ -512,6 +605,12 @@ def main() -> None:
         "--only", nargs="*", choices=list(CONFIGS), help="configurations to run (default: all)"
     )
     parser.add_argument(
+        "--groups",
+        nargs="*",
+        choices=list(MODELS),
+        help="run these models' configurations only, merged into the recorded results.json",
+    )
+    parser.add_argument(
         "--passes", type=int, default=2, help="runs of each configuration (medians are reported)"
     )
     parser.add_argument("--no-write", action="store_true", help="print, write nothing")
@@ -523,7 +622,11 @@ def main() -> None:
         results = json.loads((HERE / "results.json").read_text())
         results["metrics"] = metrics(results["runs"], held_out())
     else:
-        names, samples = args.only or list(CONFIGS), {}
+        names = args.only or [
+            n for n, (model, _, _) in CONFIGS.items() if model in (args.groups or MODELS)
+        ]
+        samples, load_before = {}, os.getloadavg()
+        time_profiles(names)
         with tempfile.TemporaryDirectory() as outputs:
             for index in range(
                 args.passes
@@ -547,8 +650,19 @@ def main() -> None:
             "calibration": json.loads(calibration_path().read_text()),  # what local_cpu read
             "date": time.strftime("%Y-%m-%d"),
             "runs": runs,
-            "metrics": metrics(runs, held_out()),
         }
+        if args.groups or args.only:  # a subset: the recorded runs kept, these added beside them
+            recorded = json.loads((HERE / "results.json").read_text())
+            addition = {key: results[key] for key in ("date", "calibration")}
+            addition.update(
+                configurations=list(runs), load_average=[os.getloadavg(), load_before][::-1]
+            )
+            results = {
+                **recorded,
+                "runs": {**recorded["runs"], **runs},
+                "additions": [*recorded.get("additions", []), addition],
+            }
+        results["metrics"] = metrics(results["runs"], held_out())
     text = report(results)
     print(text)
     if args.no_write:
