@@ -153,6 +153,10 @@ def test_plan_auto_in_a_sweep_picks_above_the_bar_and_names_an_unmeasured_model(
 
     gpt = {"_target_": "litscale.models.gpt.build_gpt", "dropout": 0.0, "vocab_size": 256, "block_size": 32}
     assert trust_for({**gpt, "preset": "micro"}, accuracy(0.95)).picks  # the data's shape is not the model
+    longer = accuracy(0.95)
+    longer["groups"]["GPT-micro at 512 tokens"] = {"net": longer["groups"]["GPT-micro"]["net"], "spearman": 0.4}
+    twice = trust_for({**gpt, "preset": "micro"}, longer)  # measured in two groups: the worse one decides
+    assert not twice.picks and twice.reason.startswith("model group GPT-micro at 512 tokens's held-out Spearman is 0.400")
     for other in ({**gpt, "preset": "small"}, {**gpt, "preset": "nano", "n_layer": 8}):
         unmeasured = trust_for(other, accuracy(0.95))
         assert unmeasured.line() == (f"plan=auto: litscale.models.gpt.build_gpt preset {other['preset']} as "
