@@ -14,6 +14,7 @@ import time
 import pytest
 from helpers.cli import REPO, cli_env, explain
 from helpers.configs import compose_full, compose_job, group_options
+from omegaconf import OmegaConf
 
 optuna = pytest.importorskip("optuna")
 
@@ -209,3 +210,102 @@ def test_each_example_search_composes_and_its_trials_validate(option, tmp_path, 
         [f"+sweeps={option}", "trainer.accelerator=cpu", *fixed, *first], tmp_path / "run"
     )
     validate(cfg, choices=choices)  # a trial's job with the first of each choice
+
+
+# --- hydra.sweeper.plan=auto: the planner picks each trial's layout before it is launched --------
+
+# A made-up calibration of this machine (``cluster=local_cpu``): 2 cores, and a matmul peak so low
+# that no plan's forward-backward is timed (FLOPs alone predict): planning costs no profile.
+SLOW_CPU = {"cores": 2, "peak_flops": {"float32": 1e6, "bfloat16": 2e6}, "bandwidth_bytes_s": 1e9,
+            "latency_s": 1e-4, "measured": "test"}
+
+
+def calibrated(cache, fraction_of_given: float) -> int:
+    """Write ``SLOW_CPU`` into ``cache`` with device memory ``fraction_of_given`` of what the
+    trial's given layout (``TRIAL``: DDP, 2 ranks, micro batch 16) is predicted to need;
+    return that need in bytes."""
+    from litscale.app import plan as plan_module
+    from litscale.app.build import build
+    from litscale.planner.cost import predict
+
+    (cache / "cluster_local_cpu.json").write_text(json.dumps({**SLOW_CPU, "memory_bytes": 2**40}))
+    cfg, choices = compose_job([*TRIAL, "cluster=local_cpu"], cache / "job")
+    layout = validate(cfg, choices=choices, this_machine=False)
+    facts = plan_module.facts_of(cfg)
+    need = predict(plan_module.configured_plan(cfg, choices, layout), facts, build(cfg.cluster)).peak_bytes
+    memory = int(need * fraction_of_given) * SLOW_CPU["cores"]
+    (cache / "cluster_local_cpu.json").write_text(json.dumps({**SLOW_CPU, "memory_bytes": memory}))
+    return int(need)
+
+
+def test_a_trial_keeps_its_layout_unless_it_does_not_fit(tmp_path, monkeypatch, outputs_root):
+    """GPT-nano's group ranks below the bar: the trial keeps DDP x 2 at micro batch 16 where it
+    fits, and takes the planner's pick (the same global batch) where it would not."""
+    from litscale.app.experiment_file import PLAN_KEYS, without
+    from litscale.app.plan import pick_layout
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("LITSCALE_CACHE", str(cache))
+    calibrated(cache, 2.0)
+    cfg, choices = compose_job([*TRIAL, "cluster=local_cpu"], tmp_path / "fits")
+    assert pick_layout(cfg, choices) == ([], (
+        "plan=auto: model group GPT-nano's held-out Spearman is 0.456, below 0.9 "
+        "(experiments/planner/study.py, 2026-11-24): this job keeps its given layout"))
+
+    calibrated(cache, 0.6)
+    cfg, choices = compose_job([*TRIAL, "cluster=local_cpu"], tmp_path / "too_big")
+    picked, line = pick_layout(cfg, choices)
+    assert line.endswith("below 0.9 (experiments/planner/study.py, 2026-11-24), but the given layout does "
+                         "not fit: the planner picks this job's layout")
+    assert sorted(o.split("=")[0] for o in picked) == sorted(PLAN_KEYS)
+    job = [*without(list(TRIAL), PLAN_KEYS), *picked]
+    planned, planned_choices = compose_job(job, tmp_path / "planned")
+    layout = validate(planned, choices=planned_choices, this_machine=False)
+    assert layout.global_batch == 32 and layout.micro_batch < 16  # the trial's batch, split smaller
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(600)
+def test_a_planned_study_trains_each_trial_with_the_layout_picked_for_it(tmp_path):
+    """``hydra.sweeper.plan=auto`` with a given layout that would not fit: each trial is
+    launched with the planner's layout, trains it, and is scored."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.environ["LITSCALE_CACHE"] = str(cache)  # for calibrated(), in this process
+    try:
+        calibrated(cache, 0.6)
+    finally:
+        del os.environ["LITSCALE_CACHE"]
+    sweep_dir = tmp_path / "sweep"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2",
+         "hydra.sweeper.plan=auto", "optimizer.lr=choice(1e-3,3e-3)", "hydra.sweeper.pruner=null",
+         *TRIAL, "cluster=local_cpu", f"hydra.sweep.dir={sweep_dir}"],
+        cwd=REPO, env=cli_env(tmp_path, {"LITSCALE_CACHE": str(cache)}), capture_output=True, text=True,
+        timeout=540)
+    assert completed.returncode == 0, explain(completed)
+    study = optuna.load_study(study_name="litscale", storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    for trial in study.trials:
+        picked = trial.user_attrs["plan"]
+        assert picked and f"litscale: trial {trial.number}: plan=auto: " in completed.stdout
+        job = OmegaConf.load(sweep_dir / str(trial.number) / ".hydra" / "overrides.yaml")
+        assert [o for o in job if o in picked] == picked  # launched with the picked layout
+        assert "strategy=ddp" not in job or "strategy=ddp" in picked
+        summary = json.loads((sweep_dir / str(trial.number) / "summary.json").read_text())
+        assert trial.values == [summary["val/loss"]]
+        micro = int(next(o for o in picked if o.startswith("data.batch_size=")).split("=")[1])
+        assert summary["micro_batch"] == micro < 16 and summary["global_batch"] == 32
+
+
+def test_an_unknown_sweeper_plan_is_refused_in_one_line(capsys):
+    from hydra_plugins.litscale_launcher.optuna_sweeper import OptunaSweeper
+
+    sweeper = OptunaSweeper(n_trials=1, plan="fastest")
+    sweeper.launcher = object()
+    with pytest.raises(SystemExit) as info:
+        sweeper._check()
+    assert info.value.code == 2
+    assert capsys.readouterr().err == "error: hydra.sweeper.plan=fastest is not an option; allowed: none, auto\n"

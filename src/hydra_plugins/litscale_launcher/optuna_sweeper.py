@@ -26,7 +26,7 @@ from typing import Any
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.litscale_launcher.optuna_space import parse, split
 
@@ -50,6 +50,7 @@ class OptunaSweeper(Sweeper):
         sampler: Any = None,
         pruner: Any = None,
         params: dict[str, str] | None = None,
+        plan: str = "none",
     ) -> None:
         self.n_trials, self.n_jobs = n_trials, n_jobs
         self.objectives = [objective] if isinstance(objective, str) else list(objective)
@@ -57,6 +58,7 @@ class OptunaSweeper(Sweeper):
         self.study_name, self.storage = study_name, storage
         self.sampler, self.pruner = sampler, pruner
         self.params = dict(params or {})
+        self.plan = plan
         self._lock = threading.Lock()
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
@@ -109,6 +111,8 @@ class OptunaSweeper(Sweeper):
                 f"hydra.sweeper.objective has {len(self.objectives)} metric(s) but "
                 f"hydra.sweeper.direction has {len(self.directions)}: give one direction per metric"
             )
+        if self.plan not in ("none", "auto"):
+            fail(f"hydra.sweeper.plan={self.plan} is not an option; allowed: none, auto")
         if self.n_jobs > 1 and isinstance(self.launcher, BasicLauncher):
             fail(
                 f"hydra.sweeper.n_jobs={self.n_jobs} needs a launcher that runs jobs apart "
@@ -138,14 +142,39 @@ class OptunaSweeper(Sweeper):
             for key, value in trial.params.items()
         ]
         try:
+            job = self._planned(trial, fixed + sampled)
             (result,) = self.launcher.launch(
-                [fixed + sampled + self._pruning(trial)], initial_job_idx=trial.number
+                [job + self._pruning(trial)], initial_job_idx=trial.number
             )
         except SystemExit:  # the job printed its error line; the search goes on
             result = None
         with self._lock:
             self._tell(study, trial, result, sampled)
         return result
+
+    def _planned(self, trial: Any, overrides: list[str]) -> list[str]:
+        """The trial's overrides, with the layout litscale's planner picks for the trial's own
+        model where ``plan=auto`` (its strategy, devices, nodes and batch split replaced)."""
+        if self.plan != "auto":
+            return overrides
+        from litscale.app.experiment_file import PLAN_KEYS, without
+        from litscale.app.plan import pick_layout
+        from litscale.app.preflight import fail
+        from litscale.errors import ConfigError
+
+        with self._lock:  # one trial's planning at a time: each may time the model on this machine
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+            choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
+            with open_dict(cfg):
+                del cfg.hydra  # as the job's own config is: Hydra's node is not the run's
+            try:
+                picked, line = pick_layout(cfg, choices)
+            except ConfigError as error:
+                fail(str(error))  # as the job would: its error line, and the trial fails
+        trial.set_user_attr("plan", picked)
+        print(f"litscale: trial {trial.number}: {line}" + (f": {' '.join(picked)}" if picked else ""),
+              flush=True)
+        return [*without(overrides, PLAN_KEYS), *picked] if picked else overrides
 
     def _pruning(self, trial: Any) -> list[str]:
         """The overrides that attach the pruning callback (single objective, a pruner set)."""

@@ -17,11 +17,15 @@ NOT_CARRIED = ("plan", "hydra")
 def carried_overrides(user_overrides: list[str], *, keep_layout: bool = False) -> list[str]:
     """The user's overrides that still describe the run once a plan replaces its layout
     (``keep_layout``: the run as given, its layout included)."""
+    return without(user_overrides, NOT_CARRIED if keep_layout else PLAN_KEYS + NOT_CARRIED)
+
+
+def without(overrides: list[str], keys: tuple[str, ...]) -> list[str]:
+    """``overrides`` less those of ``keys`` and of the keys under them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    dropped = NOT_CARRIED if keep_layout else PLAN_KEYS + NOT_CARRIED
-    parsed = OverridesParser.create().parse_overrides(overrides=user_overrides)
-    return [o.input_line for o in parsed if not _under(o.key_or_group, dropped)]
+    parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    return [o.input_line for o in parsed if not _under(o.key_or_group, keys)]
 
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:

@@ -32,19 +32,7 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     ``cfg.plan.top`` and why the others cannot run, then the run as configured (at any world
     size: no process starts); return the winner's overrides. Raise ``ConfigError`` when the
     run as configured would not fit in the cluster's device memory."""
-    from litscale.app.build import build, trusted_targets
-
-    cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
-    check_devices_per_node(layout, cluster, choices)
-    if layout.world_size > cluster.world_size:  # a what-if: the configured world, of this cluster's devices
-        cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
-    dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
-    facts = facts_of(cfg)
-    runnable = [p for p in plans(cluster, facts, layout.global_batch, **dtypes)
-                if why_not(p, cluster, facts, layout.global_batch) is None]
-    configured = configured_plan(cfg, choices, layout)
-    facts = timed_here(cfg, cluster, facts, runnable + ([configured] if configured else []))
-    ranked, pruned = search(cluster, facts, layout.global_batch, **dtypes)
+    cluster, facts, configured, ranked, pruned = _ranking(cfg, layout, choices)
     _say(f"plan: {facts.num_params / 1e6:.2f}M params, {facts.layers} layers, seq {facts.seq_len}, global batch "
          f"{layout.global_batch} on {cluster.name} ({cluster.nodes} x {cluster.devices_per_node} devices, "
          f"{cluster.device_memory_bytes / GiB:.0f} GiB each; {cluster.source or 'figures as configured'})")
@@ -82,6 +70,47 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
          f"--config-dir {plan_dir} experiment=planned{''.join(' ' + o for o in left)}")
     return {"plan/winner": winner, "plan/predicted_step_s": best.step_s,
             **({} if trust is None else {"plan/picked": trust.picks or bool(too_big)})}
+
+
+def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]
+             ) -> tuple[Cluster, ModelFacts, Plan | None, list[Prediction], list]:
+    """(cluster, model facts, the run as configured as a plan, every plan that runs fastest
+    first, the plans that cannot run) for ``cfg``'s model and global batch on ``cfg.cluster``."""
+    from litscale.app.build import build, trusted_targets
+
+    cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
+    check_devices_per_node(layout, cluster, choices)
+    if layout.world_size > cluster.world_size:  # a what-if: the configured world, of this cluster's devices
+        cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
+    dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
+    facts = facts_of(cfg)
+    runnable = [p for p in plans(cluster, facts, layout.global_batch, **dtypes)
+                if why_not(p, cluster, facts, layout.global_batch) is None]
+    configured = configured_plan(cfg, choices, layout)
+    facts = timed_here(cfg, cluster, facts, runnable + ([configured] if configured else []))
+    ranked, pruned = search(cluster, facts, layout.global_batch, **dtypes)
+    return cluster, facts, configured, ranked, pruned
+
+
+def pick_layout(cfg: DictConfig, choices: dict[str, str]) -> tuple[list[str], str]:
+    """``hydra.sweeper.plan=auto``: the layout overrides a sweeper's trial is launched with
+    ([]: its given layout) and the one line that says why. Picked before the trial starts, so
+    that its launcher (Ray, SLURM, ...) gives it the devices the picked layout uses. The pick is
+    taken where the trial's model group ranks its plans as measured (``litscale.planner.trust``)
+    or where the given layout would not fit the device's memory (by the formula: no strategy is
+    built here, as ``plan=show`` builds one, to keep each trial's planning to the cost model)."""
+    from litscale.app.validation import validate
+    from litscale.planner.cost import predict
+
+    layout = validate(cfg, choices=choices, this_machine=False)
+    cluster, facts, configured, ranked, _ = _ranking(cfg, layout, choices)
+    if not ranked:
+        return [], f"plan=auto: no plan fits on cluster={choices.get('cluster', cluster.name)}: this job keeps its given layout"
+    fits = configured is None or predict(configured, facts, cluster).peak_bytes <= cluster.device_memory_bytes
+    net = cfg.model.get("net") or {"_target_": cfg.model.get("_target_")}
+    trust = trust_for(OmegaConf.to_container(net, resolve=True))
+    picked = overrides(ranked[0].plan, cluster) if trust.picks or not fits else []
+    return picked, trust.line(given_fits=fits)
 
 
 def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
