@@ -62,3 +62,41 @@ def test_bad_zero_options_fail_in_one_line_before_any_process_starts(tmp_path, o
     assert process.returncode == 2
     assert process.stderr.strip().splitlines() == [BAD_INPUT[override]]
     assert not any(tmp_path.iterdir())  # no run dir: nothing started
+
+
+def _fit_zero3_and_check_linear(rank: int, world_size: int) -> bool:
+    """One ZeRO-3 step of a model built in ``configure_model`` (DeepSpeed's ``zero.Init`` around
+    it swaps ``F.linear``); is torch's ``F.linear`` back after the run?"""
+    import lightning as L
+    import torch
+
+    from litscale.strategies import DeepSpeedZeroStrategy
+
+    torch_linear = torch.nn.functional.linear
+
+    class Tiny(L.LightningModule):
+        def configure_model(self):
+            self.layer = torch.nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=DeepSpeedZeroStrategy(stage=3),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(Tiny(), train_dataloaders=data)
+    return torch.nn.functional.linear is torch_linear
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_zero3_run_leaves_torchs_linear_as_it_found_it():
+    """DeepSpeed leaves its own ``F.linear`` behind after ZeRO-3; the strategy's teardown puts
+    torch's back, so a later model in the process computes as it would alone."""
+    from helpers.distributed import run_distributed
+
+    assert run_distributed(_fit_zero3_and_check_linear, 1) == [True]

@@ -235,6 +235,8 @@ def _serve(rank: int, world_size: int, connection) -> None:
 
     torch.set_num_threads(1)
     threads_at_start = set(threading.enumerate())
+    global _FUNCTIONAL_AT_START
+    _FUNCTIONAL_AT_START = dict(vars(torch.nn.functional))
     while True:
         try:
             task = connection.recv_bytes()
@@ -310,8 +312,24 @@ def _fresh_interpreter_state(rank: int) -> None:
     torch.set_float32_matmul_precision("highest")
     torch.set_grad_enabled(True)
     torch.set_num_threads(1)  # 2 cores shared by every rank
+    _restore_functional()
     rank_zero_only.rank = rank  # as the strategies set it; a new interpreter read it from RANK
     warnings.onceregistry.clear()  # "once" warnings show again, as in a new interpreter
+
+
+# ``torch.nn.functional`` as the worker imported it (set in ``_serve``).
+_FUNCTIONAL_AT_START: dict = {}
+
+
+def _restore_functional() -> None:
+    """``torch.nn.functional`` as a new interpreter has it: a library may swap a function there
+    for good (DeepSpeed's ZeRO-3 does ``F.linear``: litscale's strategy puts it back, a test's
+    own use of DeepSpeed may not), and a later task's gradients would differ in the last bit."""
+    import torch.nn.functional as F
+
+    for name, value in _FUNCTIONAL_AT_START.items():
+        if getattr(F, name, None) is not value:
+            setattr(F, name, value)
 
 
 def _forget_process_groups() -> None:

@@ -154,6 +154,11 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
         self._init_deepspeed_distributed()
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        restore_torch_linear()
+
+    @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         """Lightning's call, with a device rank DeepSpeed accepts on CPU (a CPU device has no
         index; DeepSpeed compares it with 0)."""
@@ -181,6 +186,22 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
         """This rank's bytes of parameters, gradients and optimizer state, read from DeepSpeed's
         own partitioned buffers (see ``litscale.callbacks.memory``)."""
         return zero_memory_bytes(self.deepspeed_engine, self.stage)
+
+
+def restore_torch_linear() -> None:
+    """Put torch's ``torch.nn.functional.linear`` back where DeepSpeed left its own.
+
+    NOTE: ZeRO-3's ``zero.Init`` (which Lightning enters around ``configure_model``) swaps
+    ``F.linear`` for DeepSpeed's memory-efficient autograd function and leaves it swapped after
+    the run ("This will persist unless manually reset", its log says). Every later model in the
+    process then sums a bias's gradient in another order: a job run in the same process after a
+    ZeRO-3 one (a sweep's one-device jobs) differed in the last bit from the same job alone."""
+    import sys
+
+    partition = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    original = getattr(getattr(partition, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
+    if original is not None and torch.nn.functional.linear is not original:
+        torch.nn.functional.linear = original
 
 
 def _flat(tensors: Any) -> list[torch.Tensor]:
