@@ -24,7 +24,7 @@ class Cells:
     def pytest_collection_modifyitems(self, items):
         for item in items:
             Cells.found[item.nodeid] = item.get_closest_marker("full") is not None
-code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[1]], plugins=[Cells()])
+code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0", sys.argv[1]], plugins=[Cells()])
 print("CELLS" + json.dumps(Cells.found))
 sys.exit(code)
 """
