@@ -48,20 +48,21 @@ def max_steps_of(setup: tuple[str, ...]) -> int:
     return int(next(o for o in reversed(setup) if o.startswith("trainer.max_steps=")).split("=")[1])
 
 
+def devices_of(setup: tuple[str, ...]) -> int:
+    return 2 if "trainer.devices=2" in setup else 1
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The summary of the uninterrupted run of a setup, run once per module: what the
-    stopped-and-resumed runs must reproduce. NOTE: through train.py's own launcher, as the
-    stop and the resume are, not on the rank pool: on the pool, late in the full suite, the
-    2-rank resume differed from the uninterrupted run in the last bit of step 8's loss, run
-    after run, where alone (and under load) every run agreed; fresh interpreters on all three
-    sides make the comparison about the resume alone."""
+    """The summary of the uninterrupted run of a setup, run once per module and on the rank
+    pool: what the stopped-and-resumed runs must reproduce (the claim is the resume's; the
+    stops themselves go through train.py's own launcher)."""
     runs: dict[tuple[str, ...], dict] = {}
 
     def run(setup: tuple[str, ...]) -> dict:
         if setup not in runs:
             outputs = tmp_path_factory.mktemp("clean")
-            clean = run_train(*setup, "name=clean", outputs=outputs)
+            clean = train_on_pool(*setup, "name=clean", outputs=outputs, devices=devices_of(setup))
             assert clean.returncode == 0, explain(clean)
             runs[setup] = summaries(outputs)[0]
         return runs[setup]
@@ -96,7 +97,8 @@ def assert_resume_reproduces_the_uninterrupted_run(tmp_path: Path, setup: tuple[
     """``ckpt_path=auto`` continues run ``resumed`` from ``saved_step``: every later step's
     loss and the final weights equal those of the uninterrupted run (``reference``, its
     summary) bit for bit."""
-    resumed = run_train(*setup, "name=resumed", "ckpt_path=auto", outputs=tmp_path)
+    resumed = train_on_pool(*setup, "name=resumed", "ckpt_path=auto", outputs=tmp_path,
+                            devices=devices_of(setup))
     assert resumed.returncode == 0, explain(resumed)
     continued = summaries(tmp_path / "resumed")[0]
     expected, actual = train_losses(reference["output_dir"]), train_losses(continued["output_dir"])
