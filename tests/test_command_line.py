@@ -136,6 +136,7 @@ def test_only_a_combination_that_cannot_run_is_skipped():
     assert cells_to_skip([["seed=1"], ["seed=2"]], {1: "bad"}) == []  # no device count swept
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 @TWO_CORES
 def test_a_device_sweep_names_and_skips_strategy_single_at_two_devices(capsys, outputs_root):
     skipped = check_command_line(["-m", "trainer.devices=1,2", "strategy=single,ddp", "seed=3"],

@@ -238,6 +238,7 @@ def calibrated(cache, fraction_of_given: float) -> int:
     return int(need)
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_a_trial_keeps_its_layout_unless_it_does_not_fit(tmp_path, monkeypatch, outputs_root):
     """GPT-nano's group ranks below the bar: the trial keeps DDP x 2 at micro batch 16 where it
     fits, and takes the planner's pick (the same global batch) where it would not."""

@@ -148,6 +148,7 @@ def test_profile_callbacks_write_a_trace_of_the_active_steps(tmp_path):
     assert summary["perf/step_time_s"] > 0  # the default callbacks ran beside it
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_compile_option_compiles_in_place():
     torch.manual_seed(0)
     net = build_gpt(n_layer=1, n_embd=32, n_head=2, block_size=8)

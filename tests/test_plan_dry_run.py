@@ -149,6 +149,7 @@ def test_in_a_child_process_the_same_as_here(tmp_path):
 MOE = ["model=moe", "data=synthetic", "data.seq_len=32"]  # tiny: 3 layers, 2 of them MoE (8 experts), width 64
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 @pytest.mark.parametrize(("world", "extra", "mesh"), [
     (8, ["strategy.expert_parallel_size=4"], "shard 8"),
     (8, ["strategy.expert_parallel_size=2", "strategy.replicate_size=2"], "replicate 2 x shard 4"),

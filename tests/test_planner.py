@@ -238,6 +238,7 @@ def test_the_planners_choice_is_the_fastest_of_every_plan_enumerated_by_brute_fo
     assert ranked[0].step_s <= fastest * 1.01  # the planner's tie rule: within 1%, the simpler plan
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_an_8b_llama_does_not_fit_replicated_and_the_reasons_are_given():
     with torch.device("meta"):
         net = build_llama(preset="llama3_8b", vocab_size=128256, block_size=2048)
@@ -298,6 +299,7 @@ def test_plan_auto_prints_a_ranking_and_writes_the_fastest_as_an_experiment(tmp_
     assert not summaries(tmp_path)  # nothing trained
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_one(tmp_path, outputs_root, capsys):
     """No machine here has 256 devices: ``plan=show`` still lays the run out, predicts its
     memory per rank and scales its LR; a run that would not fit is refused with the figure."""
@@ -359,6 +361,7 @@ CALIBRATION = {"cores": 2, "memory_bytes": 8 * 2**30, "peak_flops": {"float32": 
                "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "measured": "test"}
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_show_timed(tmp_path, monkeypatch):
     """An ordinary run's prediction starts no child: compute from FLOPs until ``plan=show``
     has timed this model on this cluster file; then from that cache, which a second plan

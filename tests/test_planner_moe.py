@@ -143,6 +143,7 @@ def test_the_search_offers_the_expert_parallel_sizes_the_strategies_accept():
             in reasons)
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_plan_show_ranks_expert_parallel_plans_for_qwen3_moe_at_64_devices(tmp_path, outputs_root, capsys):
     """Qwen3-30B-A3B on 8 nodes of 8 H100s, no process started: the run as configured (FSDP with
     EP 8) built on a fake process group, and EP plans among those ranked."""

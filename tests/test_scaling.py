@@ -81,6 +81,7 @@ def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
     assert (tmp_path / "litscale" / "cpu_peak_flops.json").is_file()
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_a_cpu_peak_that_a_run_beat_is_measured_again_and_never_below_the_run(tmp_path, monkeypatch):
     """A peak probed while the machine was busy reads low, and MFU above 100%: a run faster than
     the cached peak replaces it with the larger of a new probe and what the run reached."""

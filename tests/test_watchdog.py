@@ -138,6 +138,7 @@ def test_the_watchdog_has_every_heartbeat_write_its_stacks_then_stops_with_one_l
         assert "test_the_watchdog_has_every_heartbeat_write_its_stacks" in stacks  # the main thread
 
 
+@pytest.mark.slow  # over a second alone: out of the quick loop
 def test_the_standby_acts_only_once_rank_zero_and_its_watchdog_are_silent(tmp_path, capsys, monkeypatch):
     """Rank 1's standby on one in-memory store: while rank 0's heartbeat and the primary's
     liveness beat come, it leaves the hang alone; when both stop (rank 0 frozen whole), it names
