@@ -80,17 +80,26 @@ def wire_bytes(strategy: str, devices: int, mode: str, gradient_bytes: float) ->
     return (2 if strategy == "ddp" else 1) * (w - 1) / w * gradient_bytes
 
 
+REPEATS = 3  # each cell's two modes alternated, medians reported (a shared machine is noisy)
+
+
 def main() -> None:
+    import statistics
+
     results = []
     for strategy, devices, micro in CELLS:
-        for mode in ("none", "layout_invariant"):
-            cell = run(strategy, devices, micro, mode)
-            cell["wire_bytes_per_step"] = wire_bytes(
-                strategy,
-                devices,
-                mode,
-                cell["gradient_bytes"] / devices if strategy == "fsdp" else cell["gradient_bytes"],
-            )
+        runs: dict[str, list[dict]] = {"none": [], "layout_invariant": []}
+        for _ in range(REPEATS):
+            for mode in runs:
+                runs[mode].append(run(strategy, devices, micro, mode))
+        for mode, cells in runs.items():
+            cell = {**cells[0],
+                    "step_time_s": statistics.median(c["step_time_s"] for c in cells),
+                    "step_times_s": [c["step_time_s"] for c in cells],
+                    "peak_rss_mib": statistics.median(c["peak_rss_mib"] for c in cells)}
+            # the whole gradient's bytes (FSDP's estimate is one rank's shard of it)
+            whole = cell["gradient_bytes"] * (devices if strategy == "fsdp" else 1)
+            cell["wire_bytes_per_step"] = wire_bytes(strategy, devices, mode, whole)
             results.append(cell)
             print(json.dumps(cell), flush=True)
     (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
