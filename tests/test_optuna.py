@@ -310,3 +310,26 @@ def test_an_unknown_sweeper_plan_is_refused_in_one_line(capsys):
         sweeper._check()
     assert info.value.code == 2
     assert capsys.readouterr().err == "error: hydra.sweeper.plan=fastest is not an option; allowed: none, auto\n"
+
+
+def test_a_resumed_study_samples_new_values_not_the_first_runs_again(tmp_path):
+    """The sampler is seeded from the config (``seed``): resumed, it must not propose the first
+    run's values again (a killed 6-trial search re-ran its first three learning rates)."""
+    from optuna.samplers import TPESampler
+
+    from hydra_plugins.litscale_launcher.optuna_sweeper import OptunaSweeper
+
+    space = {"optimizer.lr": FloatDistribution(1e-4, 3e-3, log=True)}
+
+    def sweeper() -> OptunaSweeper:
+        made = OptunaSweeper(n_trials=4, sampler=TPESampler(seed=0))
+        made.sweep_dir = tmp_path
+        return made
+
+    first = sweeper()._study()
+    drawn = [first.ask(space) for _ in range(2)]
+    for trial in drawn:
+        first.tell(trial, 1.0)
+    resumed = sweeper()._study()
+    again = [resumed.ask(space).params for _ in range(2)]
+    assert all(params not in [t.params for t in drawn] for params in again)

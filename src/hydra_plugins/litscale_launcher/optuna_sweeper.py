@@ -125,7 +125,7 @@ class OptunaSweeper(Sweeper):
     def _study(self):
         import optuna
 
-        return optuna.create_study(
+        study = optuna.create_study(
             storage=self.storage_url(),
             study_name=self.study_name,
             load_if_exists=True,
@@ -133,6 +133,11 @@ class OptunaSweeper(Sweeper):
             sampler=self.sampler,
             pruner=self.pruner,
         )
+        if study.trials and self.sampler is not None:
+            # A resumed study: the sampler, seeded as in the first run, would propose that run's
+            # values again (its random start-up trials, re-run one for one).
+            study.sampler.reseed_rng()
+        return study
 
     def _run_trial(self, study: Any, space: dict[str, Any], fixed: list[str]) -> JobReturn | None:
         with self._lock:
