@@ -38,10 +38,8 @@ TIMES := outputs/tests
 test: install-dev
 	$(BIN)/python -m pytest -m "not full" --junitxml=$(TIMES)/make-test.xml $(PYTEST_ARGS)
 
-# Three workers for the full set: much of it waits (a hang found at its limit, a Ray cluster
-# starting), and a third worker runs beside those waits.
 test-full: install-dev
-	$(BIN)/python -m pytest -m full -n 3 --junitxml=$(TIMES)/make-test-full.xml $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m full --junitxml=$(TIMES)/make-test-full.xml $(PYTEST_ARGS)
 
 durations:
 	$(BIN)/python tests/durations.py $(wildcard $(TIMES)/*.xml) $(ARGS)
