@@ -23,8 +23,8 @@ def config_groups() -> list[str]:
 
 def compose_full(overrides: list[str] = ()) -> DictConfig:
     """``conf/train.yaml`` composed with ``overrides``, the ``hydra`` node included: a copy of
-    its own for each call (a composition takes about 0.14 s, and the tests ask for the same
-    ones again: the defaults alone some 40 times in the quick loop)."""
+    its own for each call (a composition takes about 0.14 s, and some tests ask for the same
+    ones again)."""
     return copy.deepcopy(_composed(tuple(overrides)))
 
 

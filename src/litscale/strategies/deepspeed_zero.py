@@ -194,8 +194,9 @@ def restore_torch_linear() -> None:
     NOTE: ZeRO-3's ``zero.Init`` (which Lightning enters around ``configure_model``) swaps
     ``F.linear`` for DeepSpeed's memory-efficient autograd function and leaves it swapped after
     the run ("This will persist unless manually reset", its log says). Every later model in the
-    process then sums a bias's gradient in another order: a job run in the same process after a
-    ZeRO-3 one (a sweep's one-device jobs) differed in the last bit from the same job alone."""
+    process then sums a bias's gradient in another order: on the test suite's reused ranks, runs
+    after a ZeRO-3 one differed in the last bit from the same runs in a new process (and so would
+    a job run in the same process after a ZeRO-3 job of a sweep)."""
     import sys
 
     partition = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
