@@ -220,10 +220,9 @@ SLOW_CPU = {"cores": 2, "peak_flops": {"float32": 1e6, "bfloat16": 2e6}, "bandwi
             "latency_s": 1e-4, "measured": "test"}
 
 
-def calibrated(cache, fraction_of_given: float) -> int:
+def calibrated(cache, fraction_of_given: float) -> None:
     """Write ``SLOW_CPU`` into ``cache`` with device memory ``fraction_of_given`` of what the
-    trial's given layout (``TRIAL``: DDP, 2 ranks, micro batch 16) is predicted to need;
-    return that need in bytes."""
+    trial's given layout (``TRIAL``: DDP, 2 ranks, micro batch 16) is predicted to need."""
     from litscale.app import plan as plan_module
     from litscale.app.build import build
     from litscale.planner.cost import predict
@@ -235,7 +234,6 @@ def calibrated(cache, fraction_of_given: float) -> int:
     need = predict(plan_module.configured_plan(cfg, choices, layout), facts, build(cfg.cluster)).peak_bytes
     memory = int(need * fraction_of_given) * SLOW_CPU["cores"]
     (cache / "cluster_local_cpu.json").write_text(json.dumps({**SLOW_CPU, "memory_bytes": memory}))
-    return int(need)
 
 
 @pytest.mark.slow  # over a second alone: out of the quick loop
