@@ -63,25 +63,28 @@ def _parse_hint(value: str, hydra_message: str) -> str:
             "with special characters quoted: key='...')")
 
 
-def null_group_problem(overrides: list[str], options: Options, defaults: dict) -> str | None:
+def null_group_problem(overrides: list[str], options: Options,
+                       default_choices: Callable[[], dict]) -> str | None:
     """``group=null`` or ``~group``: Hydra takes a group's option by name only and fails on null
     with a traceback, and a run without its model (or any group it needs) fails in validation.
-    ``defaults`` maps each group to its default option (None: the group is optional)."""
+    ``default_choices()`` maps each group to its default option (None: the group is optional);
+    called only for such an override, as it composes the default config (0.1 s)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for override in OverridesParser.create().parse_overrides(overrides):
+        if override.value() is not None or (override.is_sweep_override() and not override.is_delete()):
+            continue  # an option, or a sweep over options: Hydra checks those
         group = override.key_or_group
-        optional = group in defaults and defaults[group] is None
-        if override.is_delete():  # ~model: as bad as model=null unless the group is optional
-            if optional or override.value() is not None:
-                continue
-        elif override.is_sweep_override() or override.value() is not None:
-            continue
         choices = options(group)
-        if choices:
-            text = f"~{group}" if override.is_delete() else f"{group}=null"
-            leave = f" (or leave {group} out: it has none by default)" if optional else ""
-            return f"{text}: the {group} group needs an option; choose one of: {', '.join(choices)}{leave}"
+        if not choices:
+            continue  # a key, not a group: its null is the job's validation's to judge
+        defaults = default_choices()
+        optional = group in defaults and defaults[group] is None
+        if override.is_delete() and optional:
+            continue  # ~group of an optional group: as if never chosen
+        text = f"~{group}" if override.is_delete() else f"{group}=null"
+        leave = f" (or leave {group} out: it has none by default)" if optional else ""
+        return f"{text}: the {group} group needs an option; choose one of: {', '.join(choices)}{leave}"
     return None
 
 

@@ -11,6 +11,7 @@ row and column can (``strategy=single`` at 2 devices) is skipped instead, with o
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -84,10 +85,13 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
         def compose_job(overrides: list[str]):
             return compose(config_name, overrides=searched + overrides, return_hydra_config=True)
 
-        defaults = dict(compose_job([]).hydra.runtime.choices)
+        @functools.cache
+        def default_choices() -> dict:
+            return dict(compose_job([]).hydra.runtime.choices)
+
         failed: dict[int, str] = {}
         for index, overrides in enumerate(jobs):
-            problem = null_group_problem(overrides, options, defaults)
+            problem = null_group_problem(overrides, options, default_choices)
             if problem:
                 fail(problem)
             try:
