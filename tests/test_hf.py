@@ -13,14 +13,19 @@ import dataclasses
 import pytest
 import torch
 from helpers.configs import compose_job
+from helpers.deferred import Deferred
 from helpers.parity import ParitySetup, assert_ranks_match, fit_on_mesh, reference
 from lightning.pytorch import Callback
-from transformers import AutoModelForCausalLM
 
-from litscale.hf_export import llama_from_hf, moe_from_hf, save_hf_directory
 from litscale.models.hf import HFCausalLM, HFModelConfig, build_hf
 from litscale.models.llama import ROPE_SCALINGS, Llama, LlamaConfig
 from litscale.models.moe import MoEConfig, MoEDecoder
+
+# transformers, and litscale.hf_export which imports it, at their first use (helpers.deferred).
+AutoModelForCausalLM = Deferred("transformers", "AutoModelForCausalLM")
+llama_from_hf = Deferred("litscale.hf_export", "llama_from_hf")
+moe_from_hf = Deferred("litscale.hf_export", "moe_from_hf")
+save_hf_directory = Deferred("litscale.hf_export", "save_hf_directory")
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64)

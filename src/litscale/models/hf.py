@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,19 +34,18 @@ from litscale.models.hf_parallel import (
     tensor_parallel_plan,
 )
 
-try:
+try:  # the configs only here; the models where one is built (below)
     import transformers
-    from transformers import (
-        CONFIG_MAPPING,
-        AutoConfig,
-        AutoModelForCausalLM,
-        PretrainedConfig,
-        PreTrainedModel,
-    )
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
 except ImportError as error:  # one line where a config names model=hf without the extra
     raise ImportError("Hugging Face models need transformers: pip install 'litscale[hf]'") from error
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# NOTE: transformers' model classes and masks are imported in the functions that use them:
+# their modules pull in transformers.generation, and with it scikit-learn and pandas (about
+# 1.5 s), which a config, a check or a planner's count of this module does not need.
 
 # With neither model.net.config nor model.net.path: a Qwen3 as small as Llama's `tiny` preset
 # (a few hundred thousand parameters), for 2-core CPU runs and tests.
@@ -91,6 +90,8 @@ class HFModelConfig:
 def load_transformers_model(config: HFModelConfig) -> PreTrainedModel:
     """The transformers model: its checkpoint's weights, or random ones from the torch seed.
     On the meta device (a pre-flight check wants shapes only) the weights are not read."""
+    from transformers import AutoModelForCausalLM
+
     transformers_config = config.transformers_config()
     if config.checkpoint is None or torch.get_default_device().type == "meta":
         return AutoModelForCausalLM.from_config(transformers_config)
@@ -179,6 +180,8 @@ def attention_masks(config: PretrainedConfig, hidden: torch.Tensor, positions: t
                     kinds: set[str]) -> dict:
     """transformers' own mask of each attention type in ``kinds``, for a batch without padding
     (``None`` where the attention kernel applies causality itself)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
     builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     return {kind: builders[kind](config=config, input_embeds=hidden, attention_mask=None,
                                  cache_position=positions, past_key_values=None, position_ids=positions[None])
@@ -297,6 +300,8 @@ def with_vocab_size(fields: dict[str, Any], vocab_size: int | None, source: str,
 
 def check_causal_lm(spec: HFModelConfig, source: str) -> None:
     """transformers has a causal LM for the config, and its positions cover the sequence."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     if spec.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{source} has model_type={spec.model_type!r}, which has no causal language model in "
                          f"transformers; allowed: a decoder, e.g. {EXAMPLE_TYPES}")
