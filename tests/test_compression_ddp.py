@@ -1,6 +1,8 @@
 """Compression hooks on several gloo ranks: attached to CPU DDP and computing the average of
 the ranks' decoded gradients; top-k 1% + error feedback against dense training through
-``train.py``; per-rank state gathered into checkpoints and a resumed run continuing exactly."""
+``train.py``; per-rank state gathered into checkpoints and a resumed run continuing exactly.
+The ``train.py`` runs are on the rank pool: their claims are what a run computes, not how it
+starts."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.cli import comm_metrics, explain, final_weights, run_train, summaries
+from helpers.cli import comm_metrics, explain, final_weights, summaries
 from helpers.distributed import run_distributed
+from helpers.inprocess import train_on_pool
 
 from litscale import compression
 from litscale.callbacks.communication import CommunicationCallback
@@ -244,8 +247,8 @@ def test_topk_one_percent_with_error_feedback_ends_within_5_percent_of_dense(tmp
     steps = ("trainer.max_steps=300", "trainer.val_check_interval=300", "trainer.log_every_n_steps=5",
              "trainer.limit_val_batches=8", "seed=0", "callbacks.model_checkpoint.save_top_k=0")
     for option in ("none", "topk"):
-        process = run_train(*SHORT_RUN, *steps, f"compression={option}", f"name={option}",
-                            outputs=tmp_path, timeout=800)
+        process = train_on_pool(*SHORT_RUN, *steps, f"compression={option}", f"name={option}",
+                                outputs=tmp_path, devices=2, timeout=800)
         assert process.returncode == 0, explain(process)
     dense, topk = summaries(tmp_path)
     assert dense["steps"] == topk["steps"] == 300
@@ -265,13 +268,13 @@ def test_resumed_powersgd_run_continues_exactly(tmp_path):
     run = (*SHORT_RUN, "compression=powersgd", "compression.start_iteration=2", "optimizer.lr=0.1",
            "+trainer.limit_train_batches=5", "trainer.val_check_interval=5",
            "callbacks.model_checkpoint.save_top_k=-1", "logger=none")
-    straight = run_train(*run, "trainer.max_steps=10", "name=straight", outputs=tmp_path)
+    straight = train_on_pool(*run, "trainer.max_steps=10", "name=straight", outputs=tmp_path, devices=2)
     assert straight.returncode == 0, explain(straight)
     checkpoint = Path(summaries(tmp_path)[0]["output_dir"]) / "checkpoints" / "step000005.ckpt"
     state = torch.load(checkpoint, weights_only=True)["callbacks"]["CommunicationCallback"]
     assert [s["iteration"] for s in state["ranks"]] == [5, 5] and state["ranks"][0]["low_rank"]
-    resumed = run_train(*run, "trainer.max_steps=10", f"ckpt_path={checkpoint}", "name=resumed",
-                        outputs=tmp_path)
+    resumed = train_on_pool(*run, "trainer.max_steps=10", f"ckpt_path={checkpoint}", "name=resumed",
+                            outputs=tmp_path, devices=2)
     assert resumed.returncode == 0, explain(resumed)
     expected, actual = (final_weights(s) for s in summaries(tmp_path))
     for key in expected:

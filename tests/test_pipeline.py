@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.cli import explain, run_train, summaries
 from helpers.distributed import run_distributed
+from helpers.inprocess import train_on_pool
 from helpers.parity import (
     TINY_WITH_BIASES,
     ParitySetup,
@@ -233,17 +234,18 @@ def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_pipeline_resumes_from_its_per_stage_checkpoint(tmp_path):
-    """5 steps + resume to 10 (each stage reloads its weights and momentum) == 10 straight."""
+    """5 steps + resume to 10 (each stage reloads its weights and momentum) == 10 straight; on the
+    rank pool (the claim is the checkpoint's, not the launcher's)."""
     run = (*(o for o in SHORT_RUN if not o.startswith(("trainer.max_steps", "trainer.val_check"))),
            "strategy=pipeline", "scheduler=constant")
-    first = run_train(*run, "trainer.max_steps=5", "trainer.val_check_interval=5", "name=resumed",
-                      outputs=tmp_path)
+    first = train_on_pool(*run, "trainer.max_steps=5", "trainer.val_check_interval=5", "name=resumed",
+                          outputs=tmp_path, devices=2)
     assert first.returncode == 0, explain(first)
-    resumed = run_train(*run, "trainer.max_steps=10", "trainer.val_check_interval=10", "name=resumed",
-                        "ckpt_path=last", outputs=tmp_path)
+    resumed = train_on_pool(*run, "trainer.max_steps=10", "trainer.val_check_interval=10", "name=resumed",
+                            "ckpt_path=last", outputs=tmp_path, devices=2)
     assert resumed.returncode == 0, explain(resumed)
-    straight = run_train(*run, "trainer.max_steps=10", "trainer.val_check_interval=10", "name=straight",
-                         outputs=tmp_path)
+    straight = train_on_pool(*run, "trainer.max_steps=10", "trainer.val_check_interval=10", "name=straight",
+                             outputs=tmp_path, devices=2)
     assert straight.returncode == 0, explain(straight)
     *_, after_resume, reference = summaries(tmp_path)
     assert after_resume["steps"] == reference["steps"] == 10
