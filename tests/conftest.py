@@ -13,6 +13,12 @@ import pytest
 # start; litscale/torchmetrics_backends.py). Imported here, before any test module imports
 # Lightning; the tests that use transformers import it themselves, as litscale does.
 os.environ.setdefault("LITSCALE_SKIP_TORCHMETRICS_BACKENDS", "1")
+# Python's default, where the environment turned it off (PYTHONDONTWRITEBYTECODE): the
+# compiled tests and sources are kept in __pycache__/, so that each pytest worker, rank and
+# train.py a test starts reads them instead of compiling again (about 2 s of each worker's
+# collection: pytest rewrites the asserts of every test module it imports).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 import litscale  # noqa: E402, F401
 
 
