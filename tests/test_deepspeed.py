@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers.cli import REPO
+from helpers.cli import REPO, explain, summaries
 from helpers.inprocess import train_on_pool
 from helpers.strategies import zero
 
@@ -100,3 +100,17 @@ def test_a_zero3_run_leaves_torchs_linear_as_it_found_it():
     from helpers.distributed import run_distributed
 
     assert run_distributed(_fit_zero3_and_check_linear, 1) == [True]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sweep_of_one_device_jobs_runs_each_in_the_sweeps_own_process(tmp_path):
+    """One-device jobs of a sweep train one after another in the sweep's process, each in a
+    process group of its own: the second must not reuse the first's (DeepSpeed keeps a clone of
+    the world group per process; on the old one it failed with "Group ... is not registered")."""
+    process = train_on_pool("-m", "strategy=deepspeed_zero", "trainer.accelerator=cpu", "trainer.devices=1",
+                            "optimizer.lr=0.001,0.0005", "trainer.max_steps=2", "trainer.limit_val_batches=2",
+                            "trainer.enable_progress_bar=false", "callbacks=none", "logger=none",
+                            outputs=tmp_path)
+    assert process.returncode == 0, explain(process)
+    assert sorted(s["choices"]["strategy"] for s in summaries(tmp_path)) == ["deepspeed_zero"] * 2

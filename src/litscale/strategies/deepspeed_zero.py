@@ -157,6 +157,7 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
     def teardown(self) -> None:
         super().teardown()
         restore_torch_linear()
+        forget_deepspeed_groups()
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
@@ -203,6 +204,22 @@ def restore_torch_linear() -> None:
     original = getattr(getattr(partition, "InsertPostInitMethodToModuleSubClasses", None), "linear_bk", None)
     if original is not None and torch.nn.functional.linear is not original:
         torch.nn.functional.linear = original
+
+
+def forget_deepspeed_groups() -> None:
+    """Drop the process groups DeepSpeed keeps for the rest of the process.
+
+    NOTE: DeepSpeed clones the world group once per process (``deepspeed.utils.groups``'s
+    ``_WORLD_GROUP``, made on the first engine's broadcast) and never again. The run's process
+    group is destroyed at its end, so a later DeepSpeed run in the same process (the next
+    one-device job of a sweep, which runs in the sweep's process) broadcast on the dead clone:
+    "Group ... is not registered". Every rank tears down, so every rank clones anew."""
+    import sys
+
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        groups._WORLD_GROUP = None
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
 
 
 def _flat(tensors: Any) -> list[torch.Tensor]:
