@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 from helpers.cli import explain, run_train, summaries
+from helpers.inprocess import train_on_pool
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -566,13 +567,14 @@ def test_plan_verify_runs_the_top_plans_here_and_writes_the_measured_fastest(tmp
 @pytest.mark.timeout(300)
 def test_an_ordinary_run_records_its_prediction_beside_its_measurement(tmp_path):
     """With this machine calibrated (a made-up calibration here), summary.json carries the
-    planner's step time and memory for the run as configured, and the closing lines say both."""
+    planner's step time and memory for the run as configured, and the closing lines say both
+    (train.py on the rank pool)."""
     figures = {"cores": 2, "memory_bytes": 8 * 2**30, "peak_flops": {"float32": 1e11, "bfloat16": 2e11},
                "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "measured": "test"}
     (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(figures))
-    process = run_train("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=12",
-                        "data.seq_len=32", "data.max_bytes=200000", "trainer.enable_progress_bar=false",
-                        outputs=tmp_path, env={"LITSCALE_CACHE": str(tmp_path)})
+    process = train_on_pool("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=12",
+                            "data.seq_len=32", "data.max_bytes=200000", "trainer.enable_progress_bar=false",
+                            outputs=tmp_path, env={"LITSCALE_CACHE": str(tmp_path)}, devices=2)
     assert process.returncode == 0, explain(process)
     (summary,) = summaries(tmp_path)
     assert summary["plan/cluster"] == "local_cpu" and summary["plan/predicted_step_s"] > 0
