@@ -213,11 +213,13 @@ SHORT_RUN = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=5", "train
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
-    """Both strategies see the same global batches, so they train to the same losses."""
-    tp = run_train(*SHORT_RUN, "strategy=tensor_parallel", "name=tp", outputs=tmp_path)
+    """Both strategies see the same global batches, so they train to the same losses (train.py
+    on the rank pool; a pipeline's exit from its own interpreters is the runnable command of
+    docs/model-parallel.md, in test_docs.py)."""
+    tp = train_on_pool(*SHORT_RUN, "strategy=tensor_parallel", "name=tp", outputs=tmp_path, devices=2)
     assert tp.returncode == 0, explain(tp)
-    pp = run_train(*SHORT_RUN, "strategy=pipeline", "strategy.schedule=1f1b", "strategy.microbatches=4",
-                   "name=pp", outputs=tmp_path)
+    pp = train_on_pool(*SHORT_RUN, "strategy=pipeline", "strategy.schedule=1f1b", "strategy.microbatches=4",
+                       "name=pp", outputs=tmp_path, devices=2)
     assert pp.returncode == 0, explain(pp)
     by_strategy = {s["choices"]["strategy"]: s for s in summaries(tmp_path)}
     for summary in by_strategy.values():
@@ -226,8 +228,6 @@ def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
         assert summary["val/loss"] < summary["val/loss_initial"]
     for key in ("train/loss", "val/loss", "val/loss_initial"):
         assert by_strategy["pipeline"][key] == pytest.approx(by_strategy["tensor_parallel"][key], rel=1e-5)
-    for process in (tp, pp):
-        assert "terminate called" not in process.stdout + process.stderr
 
 
 @pytest.mark.full  # make test-full: keeps make test within its time budget
