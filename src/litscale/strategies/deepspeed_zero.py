@@ -209,17 +209,17 @@ def restore_torch_linear() -> None:
 def forget_deepspeed_groups() -> None:
     """Drop the process groups DeepSpeed keeps for the rest of the process.
 
-    NOTE: DeepSpeed clones the world group once per process (``deepspeed.utils.groups``'s
-    ``_WORLD_GROUP``, made on the first engine's broadcast) and never again. The run's process
-    group is destroyed at its end, so a later DeepSpeed run in the same process (the next
-    one-device job of a sweep, which runs in the sweep's process) broadcast on the dead clone:
-    "Group ... is not registered". Every rank tears down, so every rank clones anew."""
+    NOTE: DeepSpeed clones the world group once per process (``deepspeed.utils.groups``, on the
+    first engine's broadcast) and forgets it only when the world is destroyed through
+    ``deepspeed.comm``, which a Lightning run does not use. The run's process group is
+    destroyed at its end, so a later DeepSpeed run in the same process (the next one-device job
+    of a sweep, which runs in the sweep's process) broadcast on the dead clone: "Group ... is
+    not registered". Every rank tears down, so every rank clones anew."""
     import sys
 
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None:
-        groups._WORLD_GROUP = None
-        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+        groups._release_process_group_references()  # what deepspeed.comm's destroy would do
 
 
 def _flat(tensors: Any) -> list[torch.Tensor]:
