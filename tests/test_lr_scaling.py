@@ -13,13 +13,18 @@ import pytest
 import torch
 from helpers.cli import explain, metrics_rows, summaries
 from helpers.configs import CONF_DIR
+from helpers.deferred import Deferred
 from helpers.distributed import run_distributed
 from helpers.inprocess import train_on_pool
 from lightning.pytorch import Callback, Trainer
 
 from litscale.lr_scaling import LRScaling, global_batch, scaled_lr
-from litscale.optimizers import LAMB, LARS
 from litscale.schedulers import constant, warmup_cosine, warmup_linear, warmup_multiplier
+
+# litscale.optimizers at its first use: pytorch_optimizer imports transformers' DeepSpeed
+# integration where transformers is installed (about 1 s; helpers.deferred).
+LAMB = Deferred("litscale.optimizers", "LAMB")
+LARS = Deferred("litscale.optimizers", "LARS")
 
 BASE_LR, BASE_BATCH, MICRO_BATCH = 0.1, 16, 8
 FORMULAS = {

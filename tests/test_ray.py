@@ -6,13 +6,16 @@ ends with one ``error: rank 1 failed: ...`` line while the sweep's other jobs fi
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.cli import explain, run_train, summaries, train_losses
 
-pytest.importorskip("ray")
+# Whether Ray is installed, without importing it: the sweeps import it in their own processes,
+# and every pytest worker collects this module.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 
 STEPS = 2
 # The shortest runs that still compare losses: 2 steps, one validation batch at the end, no

@@ -1,8 +1,8 @@
 """A name imported at its first use instead of with its test module.
 
 Every pytest worker imports every test module to collect it; a heavy library imported at the
-top of one module (transformers pulls in scikit-learn and pandas: about 1.5 s) is then paid
-by each worker, also by those that never run that module's tests."""
+top of one module (transformers' models pull in scikit-learn and pandas: about 1.5 s) is then
+paid by each worker, also by those that never run that module's tests."""
 
 from __future__ import annotations
 

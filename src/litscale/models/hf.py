@@ -18,6 +18,7 @@ Face export is asked for.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -34,18 +35,15 @@ from litscale.models.hf_parallel import (
     tensor_parallel_plan,
 )
 
-try:  # the configs only here; the models where one is built (below)
-    import transformers
-    from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
-except ImportError as error:  # one line where a config names model=hf without the extra
-    raise ImportError("Hugging Face models need transformers: pip install 'litscale[hf]'") from error
+if importlib.util.find_spec("transformers") is None:  # one line where a config names model=hf without the extra
+    raise ImportError("Hugging Face models need transformers: pip install 'litscale[hf]'")
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
-# NOTE: transformers' model classes and masks are imported in the functions that use them:
-# their modules pull in transformers.generation, and with it scikit-learn and pandas (about
-# 1.5 s), which a config, a check or a planner's count of this module does not need.
+# NOTE: transformers is imported in the functions that use it: its configs take 0.7 s, and its
+# model classes pull in transformers.generation, and with it scikit-learn and pandas (1.5 s
+# more), which importing this module (a config's target, a test module's collection) does not need.
 
 # With neither model.net.config nor model.net.path: a Qwen3 as small as Llama's `tiny` preset
 # (a few hundred thousand parameters), for 2-core CPU runs and tests.
@@ -75,6 +73,8 @@ class HFModelConfig:
         return cls(json.dumps({"model_type": model_type, **fields}, sort_keys=True), block_size, checkpoint)
 
     def transformers_config(self) -> PretrainedConfig:
+        from transformers import AutoConfig
+
         fields = json.loads(self.transformers_json)
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
@@ -274,6 +274,9 @@ def checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def _config_class(model_type: Any, key: str) -> type[PretrainedConfig]:
+    import transformers
+    from transformers import CONFIG_MAPPING
+
     if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         # Also what a config for remote code (auto_map) gets: such code is never fetched or run.
         raise ValueError(f"{key}={model_type!r} is not a model type transformers {transformers.__version__} "
