@@ -108,6 +108,10 @@ def test_ray_jobs_train_as_litscales_own_launcher(sweeps):
             "overrides.yaml",
         ]
         assert sorted(p.name for p in (run_dir / "ranks").iterdir()) == ["rank0.json", "rank1.json"]
+    # Each line litscale prints reaches the driver once: Ray Train's own print, which also logs
+    # every line through the root logger, is off in the jobs.
+    printed = ray_process.stdout + ray_process.stderr
+    assert printed.count("litscale: outputs: ") == 2 and "][root][INFO] - litscale: " not in printed, explain(ray_process)
 
 
 @pytest.mark.slow

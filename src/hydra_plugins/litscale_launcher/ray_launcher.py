@@ -29,6 +29,11 @@ from hydra_plugins.litscale_launcher.jobs import ClusterLauncher, job_resources,
 
 # Forwarded to the workers of a cluster this sweep did not start (a local one inherits them).
 FORWARDED_ENV_PREFIX = "LITSCALE_"
+# NOTE: Ray Train replaces ``print`` in its workers with one that also logs each line through
+# the root logger; litscale copies its printed lines to train.log itself, and Hydra's console
+# handler on the root logger printed every line a second time. Ray passes this variable from
+# the driver to its workers.
+RAY_PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
 
 
 class RayLauncher(ClusterLauncher):
@@ -38,6 +43,7 @@ class RayLauncher(ClusterLauncher):
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
         connect(self.params)
+        os.environ.setdefault(RAY_PRINT_PATCH_ENV, "0")
         # Pinned here: ${now:...} in the sweep dir would name another dir in each worker.
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
