@@ -159,9 +159,9 @@ def test_a_device_sweep_of_strategy_single_alone_is_refused(capsys, outputs_root
 def test_the_sweeper_leaves_out_what_train_py_skips(monkeypatch):
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from hydra_plugins.litscale_launcher.sweeper import SkippingSweeper
+    from hydra_plugins.litscale_plugins.sweeper import SkippingSweeper
 
-    assert compose_full().hydra.sweeper._target_ == "hydra_plugins.litscale_launcher.sweeper.SkippingSweeper"
+    assert compose_full().hydra.sweeper._target_ == "hydra_plugins.litscale_plugins.sweeper.SkippingSweeper"
     monkeypatch.setenv(SKIPPED_JOBS_ENV, json.dumps([["strategy=single", "trainer.devices=2"]]))
     sweeper = SkippingSweeper(max_batch_size=None)
     assert SKIPPED_JOBS_ENV not in os.environ  # the jobs a sweep starts do not inherit it

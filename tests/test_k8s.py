@@ -15,8 +15,8 @@ import yaml
 from helpers.cli import explain, run_train
 from helpers.configs import compose_full
 
-from hydra_plugins.litscale_launcher.k8s import KubernetesLauncher, job_name, submit_and_wait
-from hydra_plugins.litscale_launcher.k8s_manifests import SCHEMAS, manifest_problems
+from hydra_plugins.litscale_plugins.k8s import KubernetesLauncher, job_name, submit_and_wait
+from hydra_plugins.litscale_plugins.k8s_manifests import SCHEMAS, manifest_problems
 
 
 def manifest_for(tmp_path: Path, *overrides: str) -> dict:

@@ -17,7 +17,7 @@ from helpers.cli import REPO, explain, final_weights, run_train, summaries
 from helpers.configs import CONF_DIR, compose_full
 from helpers.distributed import free_port
 
-from hydra_plugins.litscale_launcher.slurm import (
+from hydra_plugins.litscale_plugins.slurm import (
     SlurmLauncher,
     group_by_resources,
     job_resources,

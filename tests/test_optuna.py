@@ -21,8 +21,8 @@ optuna = pytest.importorskip("optuna")
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution  # noqa: E402
 from optuna.trial import TrialState  # noqa: E402
 
-from hydra_plugins.litscale_launcher.optuna_space import parse, split  # noqa: E402
-from hydra_plugins.litscale_launcher.optuna_sweeper import (  # noqa: E402
+from hydra_plugins.litscale_plugins.optuna_space import parse, split  # noqa: E402
+from hydra_plugins.litscale_plugins.optuna_sweeper import (  # noqa: E402
     INTERRUPTED,
     finished_trials,
     objective_values,
@@ -300,7 +300,7 @@ def test_a_planned_study_trains_each_trial_with_the_layout_picked_for_it(tmp_pat
 
 
 def test_an_unknown_sweeper_plan_is_refused_in_one_line(capsys):
-    from hydra_plugins.litscale_launcher.optuna_sweeper import OptunaSweeper
+    from hydra_plugins.litscale_plugins.optuna_sweeper import OptunaSweeper
 
     sweeper = OptunaSweeper(n_trials=1, plan="fastest")
     sweeper.launcher = object()
@@ -315,7 +315,7 @@ def test_a_resumed_study_samples_new_values_not_the_first_runs_again(tmp_path):
     run's values again (a killed 6-trial search re-ran its first three learning rates)."""
     from optuna.samplers import TPESampler
 
-    from hydra_plugins.litscale_launcher.optuna_sweeper import OptunaSweeper
+    from hydra_plugins.litscale_plugins.optuna_sweeper import OptunaSweeper
 
     space = {"optimizer.lr": FloatDistribution(1e-4, 3e-3, log=True)}
 

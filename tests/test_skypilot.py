@@ -10,8 +10,8 @@ import pytest
 import yaml
 from helpers.configs import compose_full
 
-from hydra_plugins.litscale_launcher.jobs import job_resources
-from hydra_plugins.litscale_launcher.skypilot import SCHEMA, task, task_problems
+from hydra_plugins.litscale_plugins.jobs import job_resources
+from hydra_plugins.litscale_plugins.skypilot import SCHEMA, task, task_problems
 
 
 def task_for(*overrides: str) -> dict:

@@ -147,7 +147,7 @@ def _folder_options(config_dir: str, group: str) -> list[str]:
     return [f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")] if os.path.isdir(folder) else []
 
 
-# Read by the sweeper (hydra_plugins.litscale_launcher.sweeper): the jobs train.py leaves out.
+# Read by the sweeper (hydra_plugins.litscale_plugins.sweeper): the jobs train.py leaves out.
 SKIPPED_JOBS_ENV = "LITSCALE_SKIPPED_JOBS"
 
 
@@ -180,10 +180,10 @@ def cells_to_skip(jobs: list[list[str]], failed: dict[int, str]) -> list[int]:
 
 # Launchers that run each job on other machines, whose devices are not this machine's; those
 # of litscale size each job from its trainer.devices (launcher option named in messages).
-SIZING_LAUNCHERS = {"hydra_plugins.litscale_launcher.slurm.SlurmLauncher": "slurm",
-                    "hydra_plugins.litscale_launcher.ray_launcher.RayLauncher": "ray",
-                    "hydra_plugins.litscale_launcher.k8s.KubernetesLauncher": "k8s",
-                    "hydra_plugins.litscale_launcher.skypilot.SkyPilotLauncher": "skypilot"}
+SIZING_LAUNCHERS = {"hydra_plugins.litscale_plugins.slurm.SlurmLauncher": "slurm",
+                    "hydra_plugins.litscale_plugins.ray_launcher.RayLauncher": "ray",
+                    "hydra_plugins.litscale_plugins.k8s.KubernetesLauncher": "k8s",
+                    "hydra_plugins.litscale_plugins.skypilot.SkyPilotLauncher": "skypilot"}
 CLUSTER_LAUNCHERS = (*SIZING_LAUNCHERS, "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")
 
 

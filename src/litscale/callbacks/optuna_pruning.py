@@ -5,7 +5,7 @@ the study; ranks that disagree leave some in a collective the others have left. 
 alone reports the validation metric to the trial (through the study's storage, which the
 sweeper reads) and asks the pruner; its decision is broadcast, so every rank stops after the
 same validation. The sweeper added this callback to the trial's overrides
-(``hydra_plugins.litscale_launcher.optuna_sweeper``); nothing on a rank samples anything.
+(``hydra_plugins.litscale_plugins.optuna_sweeper``); nothing on a rank samples anything.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf, open_dict
 
-from hydra_plugins.litscale_launcher.jobs import job_resources
+from hydra_plugins.litscale_plugins.jobs import job_resources
 from litscale.checkpoints import newest_last_checkpoint
 
 # Executor settings that submitit takes at construction rather than as parameters.

@@ -21,13 +21,13 @@ from typing import Any
 import yaml
 from hydra.core.utils import JobReturn
 
-from hydra_plugins.litscale_launcher.jobs import (
+from hydra_plugins.litscale_plugins.jobs import (
     ClusterLauncher,
     job_resources,
     job_return,
     write_checked,
 )
-from hydra_plugins.litscale_launcher.k8s import job_name
+from hydra_plugins.litscale_plugins.k8s import job_name
 
 SCHEMA = Path(__file__).with_name("schemas") / "skypilot_task.yaml"
 RENDEZVOUS_PORT = 29500

@@ -22,13 +22,13 @@ import yaml
 from hydra.core.utils import JobReturn
 from omegaconf import DictConfig
 
-from hydra_plugins.litscale_launcher.jobs import (
+from hydra_plugins.litscale_plugins.jobs import (
     ClusterLauncher,
     job_resources,
     job_return,
     write_checked,
 )
-from hydra_plugins.litscale_launcher.k8s_manifests import (
+from hydra_plugins.litscale_plugins.k8s_manifests import (
     api_of,
     manifest_problems,
     pytorchjob,

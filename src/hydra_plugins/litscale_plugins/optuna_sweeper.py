@@ -28,7 +28,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hydra_plugins.litscale_launcher.optuna_space import parse, split
+from hydra_plugins.litscale_plugins.optuna_space import parse, split
 
 # A trial that was running when its sweep died: failed, and retried with the same values.
 INTERRUPTED = "interrupted"

@@ -25,7 +25,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from omegaconf import DictConfig, open_dict
 
-from hydra_plugins.litscale_launcher.jobs import ClusterLauncher, job_resources, job_return
+from hydra_plugins.litscale_plugins.jobs import ClusterLauncher, job_resources, job_return
 
 # Forwarded to the workers of a cluster this sweep did not start (a local one inherits them).
 FORWARDED_ENV_PREFIX = "LITSCALE_"
