@@ -303,5 +303,5 @@ def test_batched_powersgd_refused_where_torch_breaks_it(tmp_path, outputs_root):
 
 def test_compression_on_single_process_strategy_is_refused(tmp_path, outputs_root):
     cfg, choices = compose_job(["compression=powersgd"], tmp_path / "run")
-    with pytest.raises(ConfigError, match=r"^compression=powersgd is not supported by strategy=single"):
+    with pytest.raises(ConfigError, match=r"^compression=powersgd is not supported with strategy=single: it has no compression option; allowed: "):
         validate(cfg, choices=choices)

@@ -63,23 +63,23 @@ CPU2 = [
     [
         (
             ["strategy=tensor_parallel"],
-            "determinism=layout_invariant is not available with strategy=tensor_parallel: "
+            "determinism=layout_invariant is not supported with strategy=tensor_parallel: "
             "tensor and pipeline parallel change the reductions inside a matmul; allowed: strategy=single, ddp or fsdp",
         ),
         (
             ["strategy=pipeline"],
-            "determinism=layout_invariant is not available with strategy=pipeline: tensor and "
+            "determinism=layout_invariant is not supported with strategy=pipeline: tensor and "
             "pipeline parallel change the reductions inside a matmul; allowed: strategy=single, ddp or fsdp",
         ),
         (
             ["strategy=local_sgd", "strategy.sync_every=1"],
-            "determinism=layout_invariant is not available with strategy=local_sgd: each rank's optimizer steps "
+            "determinism=layout_invariant is not supported with strategy=local_sgd: each rank's optimizer steps "
             "on its own share of the batch before the parameters are averaged, so the model depends on the number "
             "of ranks by design (at sync_every=1 too); allowed: strategy=single, ddp or fsdp",
         ),
         (
             ["strategy=deepspeed_zero"],
-            "determinism=layout_invariant is not available with strategy=deepspeed_zero: DeepSpeed's engine "
+            "determinism=layout_invariant is not supported with strategy=deepspeed_zero: DeepSpeed's engine "
             "reduces gradients in its own backward hooks into the partitioned buffers its optimizer steps, and "
             "takes no gradient summed outside them; allowed: strategy=single, ddp or fsdp",
         ),

@@ -181,7 +181,6 @@ def _strategy_accepts(name: str, mesh: MeshSizes, micro: int, microbatches: int,
                       net) -> bool:
     """Whether litscale's own strategy takes this layout (its constructor and pre-flight checks,
     as a run's validation calls them): the reference for which plans can run."""
-    from litscale.app.validation import check_microbatches
     from litscale.errors import ConfigError
     from litscale.strategies import PipelineParallelStrategy, TensorParallelStrategy
 
@@ -193,10 +192,9 @@ def _strategy_accepts(name: str, mesh: MeshSizes, micro: int, microbatches: int,
             strategy = PipelineParallelStrategy(pipeline_parallel_size=mesh.pipeline, data_parallel_size=mesh.data,
                                                 tensor_parallel_size=mesh.tensor, schedule=schedule,
                                                 microbatches=microbatches, virtual_stages=virtual)
-            check_microbatches(strategy, micro)
         else:
             return True  # data parallel: every layout of the world
-        strategy.validate_setup(world_size=world, net=net)
+        strategy.validate_setup(world_size=world, net=net, micro_batch=micro)
         return strategy.resolve_mesh(world) == mesh
     except (ValueError, ConfigError):
         return False

@@ -38,29 +38,9 @@ from torch import Tensor, nn
 
 from litscale.constraints import PositiveInt
 
-# The strategies whose layouts this mode makes bit-identical (their classes' names).
-STRATEGIES = ("SingleStrategy", "DDPStrategy", "FSDPStrategy")
-MODEL_PARALLEL = ("TensorParallelStrategy", "PipelineParallelStrategy")
-# Why the other data-parallel strategies cannot be made layout-invariant, by class name.
-NOT_INVARIANT = {
-    # NOTE: DeepSpeed's ZeRO optimizer steps only the flat, partitioned gradient buffers its own
-    # backward hooks fill (bucketed reduce or reduce-scatter, in its order); it has no public way
-    # to take a gradient computed elsewhere, so the fixed tree's sum cannot replace its reduction.
-    "DeepSpeedZeroStrategy": "DeepSpeed's engine reduces gradients in its own backward hooks into the "
-    "partitioned buffers its optimizer steps, and takes no gradient summed outside them",
-    # Local SGD's math, not its code: each rank's optimizer steps on that rank's share of the
-    # batch and only then are parameters averaged (AdamW's update is not linear in the gradient).
-    "LocalSGDStrategy": "each rank's optimizer steps on its own share of the batch before the parameters are "
-    "averaged, so the model depends on the number of ranks by design (at sync_every=1 too)",
-    "FederatedStrategy": "each client's optimizer steps on its own data before the models are averaged, so the "
-    "model depends on the number of clients by design",
-}
-
 
 def check_layout(
     *,
-    strategy: str,
-    strategy_class: type,
     data_parallel: int,
     accumulation: int,
     micro_batch: int,
@@ -68,23 +48,8 @@ def check_layout(
     compression: str | None,
 ) -> None:
     """Raise ``ValueError`` (one line) where ``determinism=layout_invariant`` cannot hold for
-    this run; ``strategy`` is the name the user chose, for the message."""
-    name = strategy_class.__name__
-    if name in MODEL_PARALLEL:
-        raise ValueError(
-            f"determinism=layout_invariant is not available with strategy={strategy}: tensor and pipeline "
-            "parallel change the reductions inside a matmul; allowed: strategy=single, ddp or fsdp"
-        )
-    if name in NOT_INVARIANT:
-        raise ValueError(
-            f"determinism=layout_invariant is not available with strategy={strategy}: {NOT_INVARIANT[name]}; "
-            "allowed: strategy=single, ddp or fsdp"
-        )
-    if name not in STRATEGIES:
-        raise ValueError(
-            f"determinism=layout_invariant is not available with strategy={strategy} yet; "
-            "allowed: strategy=single, ddp or fsdp"
-        )
+    this run's layout. Which strategies allow the mode, each says itself (the strategy
+    contract, ``litscale.contract``: ``Option.LAYOUT_INVARIANT``)."""
     if compression:
         raise ValueError(
             f"determinism=layout_invariant sums exact gradients, not compression={compression}; "

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.arguments import (
     check_value,
@@ -31,6 +32,7 @@ from litscale.arguments import (
 )
 from litscale.checkpoints import network_shapes, resolve_ckpt_path
 from litscale.constraints import AtLeastOne, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.contract import contract_value, validate_setup
 from litscale.errors import ConfigError
 from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
 
@@ -144,12 +146,11 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         for name, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig) and "_target_" in node:
                 check_target_node(f"{group}.{name}", node)
-    check_precision_for_strategy(cfg, choices)
     processes = check_devices(cfg, choices, this_machine=this_machine)
     check_data_paths(cfg)
-    check_compression_supported(cfg, choices)
-    check_strategy_trains_model(cfg, choices)
-    layout = run_layout(cfg, processes, choices=choices)
+    strategy = built_strategy(cfg)
+    check_strategy_accepts(cfg, choices, strategy)
+    layout = run_layout(cfg, processes, strategy, choices=choices)
     check_determinism(cfg, choices, layout)
     check_baseline(cfg)
     check_warmup(cfg)
@@ -336,52 +337,9 @@ def check_float8_machine(precision: str | None, accelerator: str) -> None:
         raise ConfigError(f"precision={precision} needs torchao: pip install 'litscale[fp8]'")
 
 
-def check_precision_for_strategy(cfg: DictConfig, choices: dict[str, str]) -> None:
-    """fp16 needs a loss scaler that knows the gradients are sharded; Lightning's
-    ModelParallelStrategy, which the mesh strategies build on, has none and refuses fp16 only
-    after the ranks have started."""
-    if cfg.precision.lightning != "16-mixed" or "_target_" not in (cfg.get("strategy") or {}):
-        return
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    if issubclass(locate_target(cfg.strategy._target_, "strategy"), ModelParallelStrategy):
-        raise ConfigError(
-            f"precision={choices.get('precision', 'fp16_mixed')} is not supported with "
-            f"strategy={choices.get('strategy', cfg.strategy._target_)} (FSDP2 and DTensor strategies have no "
-            "sharded loss scaler); use precision=bf16_mixed or bf16_true"
-        )
-
-
 def _simulates_clients(cfg: DictConfig) -> bool:
     target = (cfg.get("strategy") or {}).get("_target_")
-    return bool(target) and getattr(locate_target(target, "strategy"), "simulates_clients", False)
-
-
-def check_compression_supported(cfg: DictConfig, choices: dict[str, str]) -> None:
-    """Compression hooks attach to DDP; a strategy takes them only if it says so."""
-    if "_target_" not in (cfg.get("compression") or {}):
-        return
-    strategy = locate_target(cfg.strategy._target_, "strategy")
-    if "compression" not in signature_annotations(strategy):
-        raise ConfigError(
-            f"compression={choices.get('compression', cfg.compression._target_)} is not supported by "
-            f"strategy={choices.get('strategy', cfg.strategy._target_)}; gradient compression "
-            "applies to strategies whose data-parallel dimension uses DDP (e.g. strategy=ddp)"
-        )
-
-
-def check_strategy_trains_model(cfg: DictConfig, choices: dict[str, str]) -> None:
-    """A strategy known not to train a kind of model is refused before any rank starts."""
-    net = cfg.model.get("net") if isinstance(cfg.model.get("net"), DictConfig) else {}
-    if net.get("_target_") != "litscale.models.moe.build_moe":
-        return
-    from litscale.strategies.deepspeed_zero import DeepSpeedZeroStrategy, check_mixture_of_experts
-
-    if locate_target(cfg.strategy._target_, "strategy") is DeepSpeedZeroStrategy:
-        try:
-            check_mixture_of_experts(int(cfg.strategy.get("stage", 2)), choices.get("model", "moe"))
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    return bool(target) and contract_value(locate_target(target, "strategy"), "simulates_clients")
 
 
 def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:
@@ -396,51 +354,51 @@ def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
         raise ConfigError(f"determinism=layout_invariant cuts one shared order into chunks, not "
                           f"data.partition={partition}; allowed: data.partition=iid")
     try:
-        check_layout(strategy=choices.get("strategy", cfg.strategy._target_),
-                     strategy_class=locate_target(cfg.strategy._target_, "strategy"),
-                     data_parallel=layout.mesh.data, accumulation=layout.accumulation,
+        check_layout(data_parallel=layout.mesh.data, accumulation=layout.accumulation,
                      micro_batch=layout.micro_batch, chunks=int(cfg.determinism.chunks),
                      compression=choices.get("compression", "on") if "_target_" in compression else None)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
-def run_layout(cfg: DictConfig, processes: int, *, choices: dict[str, str] | None = None) -> RunLayout:
-    """Build the strategy once (cheap: no process group) and the model on the meta device (no
-    memory) so that their constructors' checks run now, let the strategy check the world size
-    and the model, and lay the run out on its mesh.
-
-    Convention: a strategy constructor raises ``ValueError`` with a one-line message naming
-    ``strategy.<key>``; a strategy may define ``validate_setup(*, world_size, net)`` and
-    ``resolve_mesh(world_size)`` (``litscale.layout.mesh_of``).
-    """
+def built_strategy(cfg: DictConfig) -> Any:
+    """The strategy, built once (cheap: no process group) so that its constructor's checks run
+    now. Convention: a strategy constructor raises ``ValueError`` with a one-line message
+    naming ``strategy.<key>``."""
     from litscale.app.build import build_strategy
-    from litscale.strategies.context_parallel import check_sequence_splits
 
-    num_nodes = int(cfg.trainer.get("num_nodes", 1))
-    world_size = processes * num_nodes
     try:
-        strategy = build_strategy(cfg)
-        # For every strategy, not only those that check the model: building it is where a
-        # model's own config errors (a missing checkpoint, an unknown model type) are raised,
-        # and here they are one line before any rank starts.
-        net = meta_net(cfg)
-        validate_setup = getattr(strategy, "validate_setup", None)
-        if validate_setup is not None:
-            validate_setup(world_size=world_size, net=net)
-        check_sequence_splits(cfg.data.get("seq_len"), getattr(strategy, "context_parallel_size", 1))
-        mesh = mesh_of(strategy, world_size)
-        if mesh.world_size < world_size and planning(cfg):  # strategy=single, the default: the
-            mesh = MeshSizes(data_replicate=world_size)  # planner compares data parallel over the world
+        return build_strategy(cfg)
     except (ValueError, TypeError) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(error).splitlines()[0]) from None
+
+
+def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
+               choices: dict[str, str] | None = None) -> RunLayout:
+    """Lay the run out on the strategy's mesh, build the model on the meta device (no memory)
+    and let the strategy check both (its contract's ``validate_setup``)."""
+    num_nodes = int(cfg.trainer.get("num_nodes", 1))
+    world_size = processes * num_nodes
     accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
     global_batch = (cfg.get("scaling") or {}).get("global_batch")
-    micro_batch = micro_batch_for(global_batch, data_parallel_size=mesh.data, accumulation=accumulation) \
-        if global_batch else int(cfg.data.get("batch_size") or 1)
-    check_microbatches(strategy, micro_batch)
+    try:
+        mesh = mesh_of(strategy, world_size)
+        if mesh.world_size < world_size and planning(cfg):  # strategy=single, the default: the
+            mesh = MeshSizes(data_replicate=world_size)  # planner compares data parallel over the world
+        micro_batch = micro_batch_for(global_batch, data_parallel_size=mesh.data, accumulation=accumulation) \
+            if global_batch else int(cfg.data.get("batch_size") or 1)
+        # For every strategy, not only those that check the model: building it is where a
+        # model's own config errors (a missing checkpoint, an unknown model type) are raised,
+        # and here they are one line before any rank starts.
+        net = meta_net(cfg)
+        validate_setup(strategy, world_size=world_size, net=net, seq_len=cfg.data.get("seq_len"),
+                       micro_batch=micro_batch)
+    except (ValueError, TypeError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(str(error).splitlines()[0]) from None
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
     check_checkpoint_network(cfg, ckpt_path, net, choices or {})
     return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
@@ -491,17 +449,6 @@ def _checkpoint_model(path: str) -> str:
 def _model_named(choice: str | None, preset: Any) -> str:
     return (f"model={choice}" if choice else "a network") + (
         f" (preset {preset})" if isinstance(preset, str) else "")
-
-
-def check_microbatches(strategy: Any, micro_batch: int) -> None:
-    """A pipeline splits each rank's micro batch into ``strategy.microbatches`` equal parts."""
-    microbatches = getattr(strategy, "microbatches", None)
-    if isinstance(microbatches, int) and micro_batch % microbatches:
-        divisors = [d for d in range(1, micro_batch + 1) if micro_batch % d == 0]
-        raise ConfigError(
-            f"strategy.microbatches={microbatches} does not divide the micro batch of {micro_batch} "
-            f"samples per data-parallel rank (data.batch_size); allowed: "
-            f"{', '.join(map(str, divisors))} (or a data.batch_size that is a multiple of {microbatches})")
 
 
 def check_baseline(cfg: DictConfig) -> None:

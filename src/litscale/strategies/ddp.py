@@ -11,12 +11,13 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
+from litscale.contract import StrategyContract
 from litscale.sharding import REPLICATED, Sharding
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 
 
-class DDPStrategy(LightningDDPStrategy):
+class DDPStrategy(StrategyContract, LightningDDPStrategy):
     """Lightning's DDP, plus gradient-compression hooks on CPU/gloo and a clean exit.
 
     Lightning attaches ``ddp_comm_hook`` only when the device is CUDA; torch's DDP runs comm
@@ -24,7 +25,7 @@ class DDPStrategy(LightningDDPStrategy):
     attaches them.
     """
 
-    # Where a rank waits for its peers, by training phase (named in a hang report).
+    refuses = {}
     phase_collectives = {"backward": "gradient all-reduce"}
 
     @checked_arguments("strategy")

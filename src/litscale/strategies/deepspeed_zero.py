@@ -22,12 +22,15 @@ import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
+from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.contract import Option, Requirement, StrategyContract, refusal_line
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding
+from litscale.strategies.declarations import declared
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 
@@ -52,20 +55,13 @@ ZERO3_MIXTURE_OF_EXPERTS = ("DeepSpeed's ZeRO-3 does not train a mixture of expe
                             "size of tensor b (64)\")")
 
 
-def check_mixture_of_experts(stage: int, model: str) -> None:
-    """Raise a one-line ``ValueError`` for ZeRO-3 with a mixture-of-experts ``model``."""
-    if stage == 3:
-        raise ValueError(f"strategy=deepspeed_zero strategy.stage=3 with model={model}: {ZERO3_MIXTURE_OF_EXPERTS}; "
-                         "use strategy.stage=1 or 2, or strategy=fsdp (strategy.expert_parallel_size shards the experts)")
-
-
 def zero_sharding(stage: int) -> Sharding:
     """ZeRO stage ``stage``; DeepSpeed's ZeRO optimizers keep an fp32 partition of the weights,
     even in fp32."""
     return Sharding(zero_stage=stage, fp32_master_copy=True)
 
 
-class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
+class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
     """ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) or ZeRO-3 (+ parameters).
 
     Precision comes from the Trainer's ``precision`` (Lightning writes DeepSpeed's
@@ -73,7 +69,13 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
     gradient-communication dtype, so ``bf16_mixed`` reduces gradients in fp32.
     """
 
-    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    # NOTE: DeepSpeed's ZeRO optimizer steps only the flat, partitioned gradient buffers its own
+    # backward hooks fill (bucketed reduce or reduce-scatter, in its order); it has no public way
+    # to take a gradient computed elsewhere, so the fixed tree's sum cannot replace its reduction.
+    refuses = {Option.LAYOUT_INVARIANT: "DeepSpeed's engine reduces gradients in its own backward hooks into the "
+               "partitioned buffers its optimizer steps, and takes no gradient summed outside them"}
+    requires = (Requirement("deepspeed", "extras"),)
+    untraced = "DeepSpeed's engine issues its collectives through deepspeed.comm, outside the traced process group"
     phase_collectives = {"backward": "gradient reduction", "optimizer": "parameter all-gather"}
 
     @checked_arguments("strategy")
@@ -131,6 +133,18 @@ class DeepSpeedZeroStrategy(LightningDeepSpeedStrategy):
         """Every rank holds a shard (of the optimizer state, gradients, parameters: by stage)
         and sees distinct samples."""
         return MeshSizes(data_shard=world_size)
+
+    def why_not(self, option: Option) -> str | None:
+        if option is Option.MIXTURE_OF_EXPERTS and self.stage == 3:
+            return ZERO3_MIXTURE_OF_EXPERTS
+        return super().why_not(option)
+
+    def validate_setup(self, *, world_size: int, net: nn.Module, seq_len: int | None = None,
+                       micro_batch: int | None = None) -> None:
+        """Pre-flight: ZeRO-3 cannot train a network with experts (one that declares them)."""
+        if self.stage == 3 and declared(net, "expert_modules") is not None:
+            raise ValueError(refusal_line(Option.MIXTURE_OF_EXPERTS, "deepspeed_zero strategy.stage=3",
+                                          ZERO3_MIXTURE_OF_EXPERTS))
 
     @override
     def setup_environment(self) -> None:

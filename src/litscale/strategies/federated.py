@@ -33,6 +33,7 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
+from litscale.contract import Option
 from litscale.strategies.ddp import DDPStrategy
 from litscale.strategies.local_sgd_state import LocalSGDState, OuterOptimizer, local_sgd_hook
 from litscale.strategies.mesh import MeshSizes
@@ -153,6 +154,10 @@ class FederatedStrategy(DDPStrategy):
     client's samples, FedProx (``proximal_mu``), FedOpt (``outer_optimizer``) and client
     sampling (``clients_per_round``). See the module's docstring."""
 
+    refuses = {Option.LAYOUT_INVARIANT: "each client's optimizer steps on its own data before the models are "
+               "averaged, so the model depends on the number of clients by design",
+               Option.COMPRESSION: "its rounds' averaging already is its communication hook"}
+    untraced = "its rounds' averaging is not traced"
     phase_collectives = {"optimizer": "parameter all-reduce (end of a round)"}
     simulates_clients = True  # more clients than cores is a simulation's normal case
 

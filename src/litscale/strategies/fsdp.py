@@ -28,6 +28,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.contract import Option, StrategyContract
 from litscale.layout import CONTEXT, MeshAxis
 from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
@@ -35,6 +36,7 @@ from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.context_parallel import (
     apply_context_parallel,
     check_context_parallel_fits,
+    check_sequence_splits,
     data_context_mesh,
     shard_batch,
 )
@@ -179,7 +181,7 @@ def fsdp_mesh_layout(sizes: MeshSizes) -> ShapeAndNames:
     return shape, names
 
 
-class FSDPStrategy(ModelParallelStrategy):
+class FSDPStrategy(StrategyContract, ModelParallelStrategy):
     """FSDP2 as a Lightning strategy: sharding units from the model, mixed precision from the
     ``precision`` group, DCP sharded checkpoints that resume at any world size.
 
@@ -187,7 +189,7 @@ class FSDPStrategy(ModelParallelStrategy):
     devices=2)`` or ``Trainer(strategy="litscale_fsdp")``.
     """
 
-    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    refuses = {Option.FP16_MIXED: "FSDP2 and DTensor strategies have no sharded loss scaler"}
     phase_collectives = {"forward": "parameter all-gather", "backward": "all-gather / gradient reduce-scatter"}
     mesh_layout = staticmethod(fsdp_mesh_layout)
 
@@ -231,12 +233,14 @@ class FSDPStrategy(ModelParallelStrategy):
                          data_shard=world_size // (self.replicate_size * self.context_parallel_size),
                          expert=self.expert_parallel_size)
 
-    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
+    def validate_setup(self, *, world_size: int, net: nn.Module, seq_len: int | None = None,
+                       micro_batch: int | None = None) -> None:
         """Pre-flight: the replicate x shard mesh must tile the world, the experts split over the
         expert-parallel ranks, and unit patterns must match modules of the LightningModule
         (whose network is ``net``)."""
         self.resolve_mesh(world_size)
         check_context_parallel_fits(net, self.context_parallel_size)
+        check_sequence_splits(seq_len, self.context_parallel_size)
         check_expert_parallel_fits(net, self.expert_parallel_size, self.context_parallel_size)
         if self.sharding_unit_patterns:
             find_sharding_units(nn.ModuleDict({"net": net}), self.sharding_unit_patterns)

@@ -24,6 +24,7 @@ from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.compression.outer_quantization import OuterDtype
 from litscale.constraints import Fraction, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.contract import Option
 from litscale.strategies.ddp import DDPStrategy
 from litscale.strategies.local_sgd_state import OuterOptimizer, local_sgd_hook
 
@@ -42,6 +43,12 @@ class LocalSGDStrategy(DDPStrategy):
     """
 
     # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    # Local SGD's math, not its code: each rank's optimizer steps on that rank's share of the
+    # batch and only then are parameters averaged (AdamW's update is not linear in the gradient).
+    refuses = {Option.LAYOUT_INVARIANT: "each rank's optimizer steps on its own share of the batch before the "
+               "parameters are averaged, so the model depends on the number of ranks by design (at sync_every=1 too)",
+               Option.COMPRESSION: "its synchronisation already is its communication hook"}
+    untraced = "its parameter averaging every few steps is not traced"
     phase_collectives = {"backward": "gradient all-reduce (warm-up)", "optimizer": "parameter all-reduce"}
 
     @checked_arguments("strategy")
@@ -81,7 +88,8 @@ class LocalSGDStrategy(DDPStrategy):
                          bucket_cap_mb=bucket_cap_mb, process_group_backend=process_group_backend,
                          timeout_s=timeout_s)
 
-    def validate_setup(self, *, world_size: int, net: torch.nn.Module) -> None:
+    def validate_setup(self, *, world_size: int, net: torch.nn.Module, seq_len: int | None = None,
+                       micro_batch: int | None = None) -> None:
         """Pre-flight: enough blocks for ``fragments``."""
         from litscale.strategies.streaming import check_fragments
 

@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.contract import Option, StrategyContract
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
@@ -93,7 +94,29 @@ def default_virtual_stages(schedule: str) -> int:
     return 1 if SCHEDULES[schedule][1] == "single" else 2
 
 
-class PipelineParallelStrategy(ModelParallelStrategy):
+def check_no_auxiliary_loss(net: nn.Module) -> None:
+    """The schedule calls ``loss_fn`` on the last stage's output only, so a loss the network
+    adds beside its output (a mixture of experts' load-balancing loss) would silently vanish."""
+    coefficient = getattr(getattr(net, "config", None), "aux_loss_coef", 0.0) or 0.0
+    if coefficient > 0:
+        raise ValueError(
+            f"model.net.aux_loss_coef={coefficient} is not supported with strategy=pipeline: the schedule "
+            "computes the loss from the last stage's output only, so the load-balancing loss would be "
+            "dropped; allowed: model.net.aux_loss_coef=0 (the bias update, model.net.bias_update_rate, "
+            "still balances the experts)")
+
+
+def check_microbatches(microbatches: int, micro_batch: int | None) -> None:
+    """Each data-parallel rank's micro batch splits into ``microbatches`` equal parts."""
+    if micro_batch is not None and micro_batch % microbatches:
+        divisors = [d for d in range(1, micro_batch + 1) if micro_batch % d == 0]
+        raise ValueError(
+            f"strategy.microbatches={microbatches} does not divide the micro batch of {micro_batch} "
+            f"samples per data-parallel rank (data.batch_size); allowed: "
+            f"{', '.join(map(str, divisors))} (or a data.batch_size that is a multiple of {microbatches})")
+
+
+class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
     """Pipeline x data x tensor parallel as a Lightning strategy; stages from the model's blocks.
 
     ``Trainer(strategy=PipelineParallelStrategy(schedule="1f1b", microbatches=4),
@@ -103,7 +126,8 @@ class PipelineParallelStrategy(ModelParallelStrategy):
     ``validation_step`` run with the pipeline's loss in its place (so it logs as usual).
     """
 
-    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    refuses = {Option.FP16_MIXED: "FSDP2 and DTensor strategies have no sharded loss scaler", Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul"}
+    untraced = "its stages' send/recv pairs are not traced"
     phase_collectives = {"forward": "pipeline send/recv", "optimizer": "gradient reduction"}
     mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
 
@@ -169,9 +193,13 @@ class PipelineParallelStrategy(ModelParallelStrategy):
         return plan_stages(owner, units, num_stages=num_stages, pipeline_size=sizes.pipeline,
                            placement=SCHEDULES[self.schedule_name][1], split_points=self.split_points)
 
-    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
-        """Pre-flight: mesh sizes, TP divisibility, enough blocks, split points, ties."""
+    def validate_setup(self, *, world_size: int, net: nn.Module, seq_len: int | None = None,
+                       micro_batch: int | None = None) -> None:
+        """Pre-flight: mesh sizes, TP divisibility, enough blocks, split points, ties, and the
+        micro batch split into ``microbatches``."""
+        check_microbatches(self.microbatches, micro_batch)
         sizes = self.resolve_mesh(world_size)
+        check_no_auxiliary_loss(net)
         if sizes.tensor > 1:
             check_tensor_parallel_setup(net, sizes.tensor, self.plan)
         self._layout(*find_blocks(net, self.blocks), sizes)

@@ -9,16 +9,19 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt
+from litscale.contract import StrategyContract
 from litscale.sharding import REPLICATED, Sharding
 from litscale.strategies.mesh import MeshSizes
 
 
-class SingleStrategy(SingleDeviceStrategy):
+class SingleStrategy(StrategyContract, SingleDeviceStrategy):
     """Lightning's single-device strategy, with the device taken from the accelerator.
 
     Lightning's class needs the device at construction, before the Trainer has chosen the
     accelerator; this one follows it (``cuda:<device_index>`` on GPU, else CPU).
     """
+
+    refuses = {}  # one process: every option that runs on one device
 
     @checked_arguments("strategy")
     def __init__(self, *, device_index: NonNegativeInt = 0) -> None:

@@ -24,11 +24,13 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.contract import Option, StrategyContract
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.context_parallel import (
     apply_context_parallel,
     check_context_parallel_fits,
+    check_sequence_splits,
     data_context_mesh,
     shard_batch,
 )
@@ -196,7 +198,7 @@ def apply_declared_plan(module: nn.Module, mesh: DeviceMesh, plan: dict[str, str
     apply_tensor_parallel(root, mesh, found, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
 
-class TensorParallelStrategy(ModelParallelStrategy):
+class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
     """Tensor parallel x FSDP2 (2D) as a Lightning strategy; the plan comes from the model.
 
     ``Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu",
@@ -205,7 +207,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     -> style (``STYLES``), instead of the model's ``tensor_parallel_plan``.
     """
 
-    # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
+    refuses = {Option.FP16_MIXED: "FSDP2 and DTensor strategies have no sharded loss scaler", Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul"}
     phase_collectives = {"forward": "tensor-parallel collectives", "backward": "tensor-parallel collectives / gradient reduce-scatter"}
     mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
 
@@ -250,11 +252,13 @@ class TensorParallelStrategy(ModelParallelStrategy):
                                    tensor=self.tensor_parallel_size, context=self.context_parallel_size)
         return dataclasses.replace(sizes, expert=self.expert_parallel_size)
 
-    def validate_setup(self, *, world_size: int, net: nn.Module) -> None:
+    def validate_setup(self, *, world_size: int, net: nn.Module, seq_len: int | None = None,
+                       micro_batch: int | None = None) -> None:
         """Pre-flight: the mesh tiles the world, the model splits by the TP size, the plan
         exists, the experts split over the expert-parallel ranks."""
         check_tensor_parallel_setup(net, self.resolve_mesh(world_size).tensor, self.plan)
         check_context_parallel_fits(net, self.context_parallel_size)
+        check_sequence_splits(seq_len, self.context_parallel_size)
         check_expert_parallel_fits(net, self.expert_parallel_size, self.context_parallel_size)
 
     @override

@@ -1,0 +1,44 @@
+"""The config's options against what its strategy says it accepts (the strategy contract,
+``litscale.contract``): each refusal one line, before any rank starts.
+
+Validation asks here and only here which strategy takes which option; the strategies answer
+for themselves, so a new strategy (or a user's own) needs no entry in any table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig
+
+from litscale.contract import Option, missing_requirement, refusal_line, why_not
+from litscale.errors import ConfigError
+
+
+def strategy_name(cfg: DictConfig, choices: dict[str, str]) -> str:
+    """The strategy as the user chose it (its option name), else its ``_target_``."""
+    return choices.get("strategy", cfg.strategy._target_)
+
+
+def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str]:
+    """The contract options this config asks for, each as the user typed it."""
+    chosen: dict[Option, str] = {}
+    if cfg.precision.lightning == "16-mixed":
+        chosen[Option.FP16_MIXED] = f"precision={choices.get('precision', 'fp16_mixed')}"
+    if "_target_" in (cfg.get("compression") or {}):
+        chosen[Option.COMPRESSION] = f"compression={choices.get('compression', cfg.compression._target_)}"
+    if "_target_" in (cfg.get("determinism") or {}):
+        chosen[Option.LAYOUT_INVARIANT] = f"determinism={choices.get('determinism', 'layout_invariant')}"
+    return chosen
+
+
+def check_strategy_accepts(cfg: DictConfig, choices: dict[str, str], strategy: Any) -> None:
+    """The strategy's package is installed and it takes every option the config chose."""
+    name = strategy_name(cfg, choices)
+    missing = missing_requirement(strategy, name)
+    if missing:
+        raise ConfigError(missing)
+    for option, typed in chosen_options(cfg, choices).items():
+        reason = why_not(strategy, option)
+        if reason is not None:
+            raise ConfigError(refusal_line(option, name, reason, typed=typed))

@@ -1,0 +1,164 @@
+"""The strategy contract: what litscale asks of every strategy, and the one place a strategy
+says what it accepts.
+
+Validation, the planner, the determinism mode, the collective check and
+``docs/compatibility.md`` ask these questions here and nowhere else; nobody keeps a table of
+strategy names. A strategy answers in two ways:
+
+- **its constructor's signature**: a strategy takes gradient compression, or an expert-,
+  context-, tensor- or pipeline-parallel size, exactly when its constructor has that keyword
+  (``compression``, ``expert_parallel_size``, ...). The config is checked against the same
+  signature, so the two can never disagree;
+- **class attributes** (``StrategyContract``): the options it refuses and why (``refuses``),
+  the packages it needs (``requires``), whether the collective check can trace its first step
+  (``untraced``), what it waits on by phase (``phase_collectives``).
+
+A user's own Lightning strategy need not subclass ``StrategyContract``: every question has the
+answer a plain data-parallel strategy would give (``contract_value``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from litscale.layout import MeshSizes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class Option(StrEnum):
+    """The options a strategy may refuse, spelled as a user types them."""
+
+    FP16_MIXED = "precision=fp16_mixed"
+    COMPRESSION = "compression"
+    LAYOUT_INVARIANT = "determinism=layout_invariant"
+    MIXTURE_OF_EXPERTS = "model=moe"
+    EXPERT_PARALLEL = "strategy.expert_parallel_size"
+    CONTEXT_PARALLEL = "strategy.context_parallel_size"
+    TENSOR_PARALLEL = "strategy.tensor_parallel_size"
+    PIPELINE_PARALLEL = "strategy.pipeline_parallel_size"
+
+
+# An option a strategy takes through a keyword of its constructor: the keyword.
+OPTION_KEYWORDS = {
+    Option.COMPRESSION: "compression",
+    Option.EXPERT_PARALLEL: "expert_parallel_size",
+    Option.CONTEXT_PARALLEL: "context_parallel_size",
+    Option.TENSOR_PARALLEL: "tensor_parallel_size",
+    Option.PIPELINE_PARALLEL: "pipeline_parallel_size",
+}
+
+# What a user can choose instead, by option (the end of a refusal's line).
+ALTERNATIVES = {
+    Option.FP16_MIXED: "precision=bf16_mixed or bf16_true",
+    Option.COMPRESSION: "compression=none, or a strategy whose data-parallel dimension uses DDP (strategy=ddp)",
+    Option.LAYOUT_INVARIANT: "strategy=single, ddp or fsdp",
+    Option.MIXTURE_OF_EXPERTS: "strategy=fsdp, tensor_parallel or deepspeed_zero stage 1 or 2",
+    Option.EXPERT_PARALLEL: "strategy=fsdp or tensor_parallel",
+    Option.CONTEXT_PARALLEL: "strategy=fsdp or tensor_parallel",
+    Option.TENSOR_PARALLEL: "strategy=tensor_parallel or pipeline",
+    Option.PIPELINE_PARALLEL: "strategy=pipeline",
+}
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A package a strategy imports when it runs, and the extra that installs it."""
+
+    module: str
+    extra: str
+
+    def missing(self) -> bool:
+        return importlib.util.find_spec(self.module) is None
+
+
+class StrategyContract:
+    """Mixin of every litscale strategy: the contract's questions with a plain data-parallel
+    strategy's answers; a strategy overrides what differs. Subclasses of Lightning strategies
+    list it first so its defaults come before Lightning's attributes."""
+
+    # Option -> why this strategy cannot take it (a clause, no full stop). By default the
+    # determinism mode is refused: it replaces the strategy's gradient reduction, which only a
+    # strategy that says how it reduces can allow.
+    refuses: ClassVar[dict[Option, str]] = {
+        Option.LAYOUT_INVARIANT: "the strategy does not state how it reduces gradients, so their order cannot be fixed",
+    }
+    # Packages imported when the strategy runs (not at import): checked before any rank starts.
+    requires: ClassVar[tuple[Requirement, ...]] = ()
+    # None: the collective check traces this strategy's first step; else why it cannot.
+    untraced: ClassVar[str | None] = None
+    # Where a rank waits for its peers, by training phase (named in a hang report).
+    phase_collectives: ClassVar[dict[str, str]] = {}
+    # More ranks than cores is this strategy's normal case (a simulation of clients).
+    simulates_clients: ClassVar[bool] = False
+
+    def resolve_mesh(self, world_size: int) -> MeshSizes:
+        """How ``world_size`` ranks split into the mesh: here, every rank a replica."""
+        return MeshSizes(data_replicate=world_size)
+
+    def validate_setup(self, *, world_size: int, net: nn.Module, seq_len: int | None = None,
+                       micro_batch: int | None = None) -> None:
+        """Raise ``ValueError`` (one line naming ``strategy.<key>``) if this strategy cannot
+        run ``net`` on ``world_size`` ranks with sequences of ``seq_len`` tokens and
+        ``micro_batch`` samples per data-parallel rank. Called before any process exists (the
+        app's validation, the planner's pruning); the default checks the mesh."""
+        self.resolve_mesh(world_size)
+
+    def why_not(self, option: Option) -> str | None:
+        """Why this strategy, as configured, refuses ``option``; ``None`` if it takes it."""
+        if option in self.refuses:
+            return self.refuses[option]
+        return _lacks_keyword(self, option)
+
+
+def why_not(strategy: Any, option: Option) -> str | None:
+    """``strategy.why_not(option)`` for a contract strategy; for a user's own strategy, the
+    answers of a plain data-parallel one (it has no keyword it lacks)."""
+    if isinstance(strategy, StrategyContract):
+        return strategy.why_not(option)
+    return StrategyContract.refuses.get(option) or _lacks_keyword(strategy, option)
+
+
+def _lacks_keyword(strategy: Any, option: Option) -> str | None:
+    """An option taken through a constructor keyword is refused by a strategy without it."""
+    keyword = OPTION_KEYWORDS.get(option)
+    if keyword is not None and keyword not in inspect.signature(type(strategy).__init__).parameters:
+        return f"it has no {keyword} option"
+    return None
+
+
+def refusal_line(option: Option, strategy_name: str, reason: str, *, typed: str | None = None) -> str:
+    """The one line a user sees: the option as typed, the strategy, why, and what is allowed."""
+    return (f"{typed or option.value} is not supported with strategy={strategy_name}: {reason}; "
+            f"allowed: {ALTERNATIVES[option]}")
+
+
+def contract_value(strategy: Any, name: str) -> Any:
+    """A contract attribute of any strategy (class or instance), a user's own included."""
+    return getattr(strategy, name, getattr(StrategyContract, name))
+
+
+def missing_requirement(strategy: Any, strategy_name: str) -> str | None:
+    """The one-line refusal of a strategy whose package is not installed, else ``None``."""
+    for requirement in contract_value(strategy, "requires"):
+        if requirement.missing():
+            return (f"strategy={strategy_name} needs the {requirement.module} package, which is not "
+                    f"installed; install it with: pip install 'litscale[{requirement.extra}]'")
+    return None
+
+
+def validate_setup(strategy: Any, *, world_size: int, net: nn.Module, seq_len: int | None = None,
+                   micro_batch: int | None = None) -> None:
+    """The strategy's own pre-flight check; a user's strategy without one is checked for its mesh
+    only (``litscale.layout.mesh_of``)."""
+    if isinstance(strategy, StrategyContract):
+        strategy.validate_setup(world_size=world_size, net=net, seq_len=seq_len, micro_batch=micro_batch)
+        return
+    check = getattr(strategy, "validate_setup", None)
+    if check is not None:
+        check(world_size=world_size, net=net)
