@@ -1,11 +1,15 @@
 """``-m hydra/launcher=k8s``: TrainJob and PyTorchJob manifests sized from each job's trainer
-settings validate against the vendored CRD schemas, and with ``submit=true`` a stub API
-server (the ``kubernetes`` client pointed at it through a kubeconfig) receives exactly the
-manifests written."""
+settings validate against the vendored CRD schemas, under names no rerun takes again, and with
+``submit=true`` a stub API server (the ``kubernetes`` client pointed at it through a
+kubeconfig) receives exactly the manifests written; waiting survives a job not yet visible,
+names one deleted, and gives up at its timeout. Every plugin module imports without the
+engines' packages (a base install's Hydra plugin scan prints nothing)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -15,7 +19,12 @@ import yaml
 from helpers.cli import explain, run_train
 from helpers.configs import compose_full
 
-from hydra_plugins.litscale_plugins.k8s import KubernetesLauncher, job_name, submit_and_wait
+from hydra_plugins.litscale_plugins.k8s import (
+    KubernetesLauncher,
+    job_name,
+    launch_token,
+    submit_and_wait,
+)
 from hydra_plugins.litscale_plugins.k8s_manifests import SCHEMAS, manifest_problems
 
 
@@ -23,8 +32,8 @@ def manifest_for(tmp_path: Path, *overrides: str) -> dict:
     config = compose_full(
         ["hydra/launcher=k8s", f"hydra.sweep.dir={tmp_path}/2026-11-25_18-31-00", *overrides]
     )
-    manifest, _ = KubernetesLauncher.manifest(
-        config, list(overrides), Path(str(config.hydra.sweep.dir)), 3
+    manifest, _, _ = KubernetesLauncher.manifest(
+        config, list(overrides), Path(str(config.hydra.sweep.dir)), 3, "a1b2c3"
     )
     return manifest
 
@@ -35,7 +44,7 @@ def test_trainjob_sized_from_the_trainer_validates_against_the_vendored_schema(t
     assert (
         manifest["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and manifest["kind"] == "TrainJob"
     )
-    assert manifest["metadata"]["name"] == "litscale-20261125183100-3"
+    assert manifest["metadata"]["name"] == "litscale-20261125183100-a1b2c3-3"
     trainer = manifest["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (4, 8)
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 8}
@@ -87,11 +96,15 @@ def test_schema_refuses_unknown_fields_and_wrong_types(tmp_path):
         )
 
 
-def test_job_names_are_dns_labels():
-    assert (
-        job_name("LitScale_x", Path("/o/multiruns/2026-11-25_18-31-00"), 12)
-        == "litscale-x-20261125183100-12"
-    )
+def test_job_names_are_dns_labels_unique_per_job_and_per_launch():
+    sweep = Path("/o/multiruns/2026-11-25_18-31-00")
+    assert job_name("LitScale_x", sweep, 12, "a1b2c3") == "litscale-x-20261125183100-a1b2c3-12"
+    # The same sweep dir run again (a resumed Optuna study, hydra.sweep.dir given again) is
+    # another launch: its jobs must not collide with the first run's objects in the cluster.
+    tokens = {launch_token() for _ in range(20)}
+    assert len(tokens) == 20 and all(len(t) == 6 and t.isalnum() for t in tokens)
+    names = {job_name("litscale", sweep, n, t) for n in (0, 1) for t in tokens}
+    assert len(names) == 40
 
 
 class StubApiServer(BaseHTTPRequestHandler):
@@ -99,6 +112,9 @@ class StubApiServer(BaseHTTPRequestHandler):
     answers with the object, its job complete."""
 
     created: list[dict] = []
+    # job name -> how many GETs answer 404 before the job shows (None: it never does, a
+    # negative count: it shows once, then is gone)
+    missing: dict[str, int | None] = {}
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -108,6 +124,14 @@ class StubApiServer(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         name = self.path.rstrip("/").rsplit("/", 1)[-1]
         (body,) = [c["body"] for c in self.created if c["body"]["metadata"]["name"] == name]
+        if name in self.missing:
+            left = self.missing[name]
+            if left is None or left > 0:
+                self.missing[name] = None if left is None else left - 1
+                return self._answer(404, {"kind": "Status", "reason": "NotFound", "code": 404})
+            if left < 0:  # shown once, running: deleted from the next GET on
+                self.missing[name] = None
+                return self._answer(200, {**body, "status": {"conditions": []}})
         done = "Complete" if body["kind"] == "TrainJob" else "Succeeded"
         self._answer(
             200,
@@ -142,7 +166,7 @@ class StubApiServer(BaseHTTPRequestHandler):
 @pytest.fixture
 def stub_cluster(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubApiServer)
-    StubApiServer.created = []
+    StubApiServer.created, StubApiServer.missing = [], {}
     threading.Thread(target=server.serve_forever, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
@@ -210,3 +234,63 @@ def test_a_pytorchjob_is_created_and_waited_for(stub_cluster, tmp_path):
     assert created == [
         {"path": "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs", "body": manifest}
     ]
+
+
+def test_waiting_survives_a_job_not_yet_visible_and_names_a_deleted_one(stub_cluster, tmp_path, capsys):
+    pytest.importorskip("kubernetes")
+    kubeconfig, _ = stub_cluster
+    late, deleted = (manifest_for(tmp_path / name, "trainer.devices=1") for name in ("late", "deleted"))
+    deleted["metadata"]["name"] += "-x"
+    StubApiServer.missing = {late["metadata"]["name"]: 2, deleted["metadata"]["name"]: -1}
+    params = {"kubeconfig": str(kubeconfig), "namespace": "default", "poll_s": 0.01}
+    outcomes = submit_and_wait([late, deleted], params)
+    assert outcomes[0] is None  # 404 twice (not yet visible), then Complete
+    assert str(outcomes[1]) == f"TrainJob {deleted['metadata']['name']} was deleted before it ended"
+
+
+def test_waiting_gives_up_at_its_timeout_and_the_job_goes_on(stub_cluster, tmp_path, capsys):
+    pytest.importorskip("kubernetes")
+    kubeconfig, _ = stub_cluster
+    never = manifest_for(tmp_path, "trainer.devices=1")
+    StubApiServer.missing = {never["metadata"]["name"]: None}
+    params = {"kubeconfig": str(kubeconfig), "namespace": "default", "poll_s": 0.01,
+              "wait_timeout_min": 0.002}
+    (outcome,) = submit_and_wait([never], params)
+    line = (f"TrainJob {never['metadata']['name']} had not ended after "
+            "hydra.launcher.wait_timeout_min=0.002; it goes on in the cluster")
+    assert isinstance(outcome, TimeoutError) and str(outcome) == line
+    assert capsys.readouterr().out.splitlines()[-1] == f"litscale: {line}"
+
+
+# Every engine a plugin module could need, blocked as on a base install (``pip install -e .``).
+ENGINES = ("hydra_plugins.hydra_submitit_launcher", "submitit", "ray", "optuna", "kubernetes",
+           "sky", "jsonschema")
+IMPORT_EVERY_PLUGIN = f"""
+import importlib, pkgutil, sys
+
+class NoEngines:
+    def find_spec(self, name, path=None, target=None):
+        if any(name == e or name.startswith(e + ".") for e in {ENGINES!r}):
+            raise ModuleNotFoundError(f"No module named {{name!r}}")
+
+sys.meta_path.insert(0, NoEngines())
+import hydra_plugins.litscale_plugins as package
+names = [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+for name in names:
+    importlib.import_module(name)  # as Hydra's plugin scan does
+print(" ".join(sorted(n.rsplit(".", 1)[1] for n in names)))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_every_plugin_module_imports_without_its_engine():
+    """Hydra imports every module under ``hydra_plugins`` on every command and warns in 6 lines
+    for each that fails; a module imports its engine where it is used."""
+    process = subprocess.run([sys.executable, "-c", IMPORT_EVERY_PLUGIN],
+                             capture_output=True, text=True, timeout=120)
+    assert process.returncode == 0 and process.stderr == "", explain(process)
+    assert process.stdout.split() == ["jobs", "k8s", "k8s_manifests", "optuna_space", "optuna_study",
+                                      "optuna_sweeper", "ray_launcher", "skypilot", "slurm", "sweeper"]
+    plugin_packages = [p.name for p in Path(__file__).parents[1].joinpath("src", "hydra_plugins").iterdir()
+                       if p.is_dir() and not p.name.startswith("__")]
+    assert plugin_packages == ["litscale_plugins"]

@@ -1,6 +1,8 @@
 """``-m hydra/sweeper=optuna``: the search space in Hydra's syntax, a killed sweep's trials run
-again, and (full) a 6-trial study of 2-rank jobs killed and resumed, a pruned trial's ranks
-stopping together, the best trial printed."""
+again (a live sweep's are left to it), a trial without its objective says why, a study that
+could not measure it is refused or validates at the end, the storage URL reaches the jobs only
+through the environment, and (full) a 6-trial study of 2-rank jobs killed and resumed, a pruned
+trial's ranks stopping together, the best trial printed."""
 
 from __future__ import annotations
 
@@ -22,13 +24,15 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState  # noqa: E402
 
 from hydra_plugins.litscale_plugins.optuna_space import parse, split  # noqa: E402
-from hydra_plugins.litscale_plugins.optuna_sweeper import (  # noqa: E402
-    INTERRUPTED,
-    finished_trials,
+from hydra_plugins.litscale_plugins.optuna_study import (  # noqa: E402
+    RETRY_OF,
+    NoObjective,
+    counted,
     objective_values,
-    retry_interrupted,
+    validation_overrides,
 )
 from litscale.app.validation import validate  # noqa: E402
+from litscale.errors import ConfigError  # noqa: E402
 
 
 def test_search_space_in_hydra_sweep_syntax():
@@ -52,18 +56,99 @@ def test_search_space_in_hydra_sweep_syntax():
     assert fixed == ["strategy=ddp"]
 
 
-def test_a_trial_left_running_by_a_killed_sweep_runs_again_with_its_values():
-    study = optuna.create_study()
-    done = study.ask({"x": FloatDistribution(0, 1)})
-    study.tell(done, 0.5)
-    killed = study.ask({"x": FloatDistribution(0, 1)})  # its sweep died before telling
-    assert retry_interrupted(study) == 1
+def sweeper_on(sweep_dir, **options):
+    """An Optuna sweeper on the study in ``sweep_dir``, as ``setup`` would leave it."""
+    from hydra_plugins.litscale_plugins.optuna_sweeper import OptunaSweeper
+
+    made = OptunaSweeper(n_trials=options.pop("n_trials", 4), **options)
+    made.sweep_dir = sweep_dir
+    made.pruner_spec = None
+    return made
+
+
+def stop_beating(study, trial, database, seconds_ago: int) -> None:
+    """Make ``trial``'s last heartbeat ``seconds_ago`` old (its sweep killed that long ago)."""
+    import sqlite3
+
+    study._storage.record_heartbeat(trial._trial_id)
+    with sqlite3.connect(database) as db:
+        db.execute(
+            "UPDATE trial_heartbeats SET heartbeat = datetime('now', ?) WHERE trial_id = ?",
+            (f"-{seconds_ago} seconds", trial._trial_id),
+        )
+
+
+def test_a_killed_sweeps_trial_runs_again_and_a_live_sweeps_trial_is_left_to_it(tmp_path, capsys):
+    """A second sweeper on the same study: the trial whose sweep stopped beating is failed and
+    its values queued again; the trial a live sweep is running (it beats) stays running."""
+    space = {"x": FloatDistribution(0, 1)}
+    first = sweeper_on(tmp_path, heartbeat_interval=30)._study()
+    done = first.ask(space)
+    first.tell(done, 0.5)
+    killed, live = first.ask(space), first.ask(space)
+    stop_beating(first, killed, tmp_path / "optuna.db", seconds_ago=120)  # past the grace period (2 x 30 s)
+    first._storage.record_heartbeat(live._trial_id)
+
+    second = sweeper_on(tmp_path, heartbeat_interval=30)
+    study = second._study()
+    second._report_start(study)
+    assert capsys.readouterr().out == (
+        f"litscale: trial {killed.number} stopped beating (its sweep was stopped); its values are "
+        "queued again\n"
+        f"litscale: study 'litscale' in sqlite:///{tmp_path / 'optuna.db'}: 1 trial(s) done, "
+        "2 to run, 1 running in another sweep\n"
+    )
     assert study.trials[killed.number].state == TrialState.FAIL
-    assert study.trials[killed.number].user_attrs[INTERRUPTED] is True
-    # The killed trial does not count toward n_trials.
-    assert [t.number for t in finished_trials(study)] == [done.number]
-    again = study.ask({"x": FloatDistribution(0, 1)})
-    assert again.params == killed.params and again.user_attrs["retry_of"] == killed.number
+    assert study.trials[live.number].state == TrialState.RUNNING  # the live sweep's, untouched
+    assert [t.number for t in counted(study.trials)] == [done.number]  # the killed one: not counted
+    again = study.ask(space)
+    assert again.params == killed.params and again.user_attrs[RETRY_OF] == killed.number
+
+
+def test_the_storage_url_reaches_the_jobs_only_through_the_environment(tmp_path):
+    """The pruning callback's overrides (saved in the run dir, logged as hparams) hold no URL:
+    a database URL can hold a password. The printed and saved URL hides it."""
+    from hydra_plugins.litscale_plugins.optuna_study import shown
+
+    sweeper = sweeper_on(tmp_path, storage="postgresql://litscale:s3cret@db.example:5432/studies")
+    sweeper.pruner_spec = {"_target_": "optuna.pruners.MedianPruner"}
+    study = optuna.create_study()
+    overrides = sweeper._pruning(study.ask())
+    assert [o.split("=")[0] for o in overrides] == [
+        f"+callbacks.optuna_pruning.{key}"
+        for key in ("_target_", "pruner", "study_name", "trial_id", "monitor")
+    ]
+    assert not any("s3cret" in o or "postgresql" in o for o in overrides)
+    assert shown(sweeper.storage_url()) == "postgresql://litscale:***@db.example:5432/studies"
+
+
+def test_the_pruning_callback_is_refused_where_the_storage_is_not_reachable(tmp_path, monkeypatch):
+    import socket
+
+    from litscale.callbacks.optuna_pruning import STORAGE_ENV, OptunaPruning
+
+    callback = OptunaPruning(study_name="litscale", trial_id=0, pruner='{"_target_": "optuna.pruners.NopPruner"}')
+    allowed = ("allowed: a storage every node reaches (hydra.sweeper.storage=<database URL>, or a sweep "
+               "dir on a shared filesystem), or hydra.sweeper.pruner=null")
+    monkeypatch.delenv(STORAGE_ENV, raising=False)
+    with pytest.raises(ConfigError) as info:
+        callback._the_trial()
+    assert str(info.value) == (f"callbacks.optuna_pruning: study 'litscale' cannot be reached from "
+                               f"{socket.gethostname()} (LITSCALE_OPTUNA_STORAGE is not set); {allowed}")
+    missing = tmp_path / "elsewhere" / "optuna.db"  # the sweep dir of another machine
+    monkeypatch.setenv(STORAGE_ENV, f"sqlite:///{missing}")
+    with pytest.raises(ConfigError) as info:
+        callback._the_trial()
+    assert str(info.value) == (f"callbacks.optuna_pruning: study 'litscale' cannot be reached from "
+                               f"{socket.gethostname()} (no file {missing}); {allowed}")
+    assert not missing.parent.exists()  # nothing created on the node
+
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'optuna.db'}", study_name="litscale")
+    trial = study.ask()
+    monkeypatch.setenv(STORAGE_ENV, f"sqlite:///{tmp_path / 'optuna.db'}")
+    reached = OptunaPruning(study_name="litscale", trial_id=trial._trial_id,
+                            pruner='{"_target_": "optuna.pruners.NopPruner"}')
+    assert reached._the_trial().number == trial.number
 
 
 def test_objective_read_from_the_jobs_summary(tmp_path):
@@ -71,8 +156,82 @@ def test_objective_read_from_the_jobs_summary(tmp_path):
         json.dumps({"val/loss": 2.5, "perf/tokens_per_sec": 900})
     )
     assert objective_values(tmp_path, ["val/loss", "perf/tokens_per_sec"]) == [2.5, 900.0]
-    assert objective_values(tmp_path, ["val/bpb"]) is None  # a failed trial, not a crash
-    assert objective_values(tmp_path / "missing", ["val/loss"]) is None
+    with pytest.raises(NoObjective, match=f"^{tmp_path / 'summary.json'} has no val/bpb$"):
+        objective_values(tmp_path, ["val/bpb"])  # a failed trial, not a crash
+    with pytest.raises(NoObjective, match=f"^no summary.json in {tmp_path / 'missing'}$"):
+        objective_values(tmp_path / "missing", ["val/loss"])
+
+
+def test_a_trial_without_its_objective_says_why(tmp_path, capsys):
+    """A job that ran but never validated (no ``val/loss`` in its summary): its line says so."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    run_dir = tmp_path / "0"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"train/loss": 5.1, "steps": 10}))
+    result = JobReturn(hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(run_dir)}}}),
+                       status=JobStatus.COMPLETED)
+    sweeper = sweeper_on(tmp_path)
+    study = optuna.create_study()
+    trial = study.ask({"optimizer.lr": CategoricalDistribution([1e-3])})
+    sweeper._tell(study, trial, result, None, ["optimizer.lr=0.001"])
+    assert capsys.readouterr().out == (
+        f"litscale: trial 0 (optimizer.lr=0.001): failed: {run_dir / 'summary.json'} has no val/loss\n"
+    )
+    failed = JobReturn(hydra_cfg=result.hydra_cfg, status=JobStatus.FAILED)
+    failed._return_value = RuntimeError("rank 1 failed: ValueError: boom\ntraceback...")
+    trial = study.ask({"optimizer.lr": CategoricalDistribution([1e-3])})
+    sweeper._tell(study, trial, failed, None, ["optimizer.lr=0.001"])
+    assert capsys.readouterr().out == ("litscale: trial 1 (optimizer.lr=0.001): failed: the job failed: "
+                                       "RuntimeError: rank 1 failed: ValueError: boom\n")
+
+
+def test_a_launchers_record_without_a_run_dir_reads_the_default_subdir(tmp_path):
+    """A launcher whose record still has Hydra's ``???`` for the run dir: the sweeper reads the
+    job's default subdir instead of dying (MissingMandatoryValue) after the first trial."""
+    from hydra.core.utils import JobReturn
+
+    from hydra_plugins.litscale_plugins.optuna_study import job_dir
+
+    unset = JobReturn(hydra_cfg=OmegaConf.create({"hydra": {"runtime": {"output_dir": "???"}}}))
+    assert job_dir(unset, tmp_path, 3) == tmp_path / "3"
+    assert job_dir(JobReturn(), tmp_path, 3) == tmp_path / "3"
+
+
+def test_a_run_ending_before_its_first_validation_validates_at_its_last_step():
+    trainer = compose_full(["trainer.max_steps=10"]).trainer  # val_check_interval 100
+    assert validation_overrides(trainer, ["val/loss"]) == ["trainer.val_check_interval=10"]
+    assert validation_overrides(trainer, ["perf/tokens_per_sec"]) == []  # no validation needed
+    assert validation_overrides(compose_full(["trainer.max_steps=200"]).trainer, ["val/loss"]) == []
+    epochs = compose_full(["trainer.max_steps=10", "trainer.check_val_every_n_epoch=1"]).trainer
+    assert validation_overrides(epochs, ["val/loss"]) == []  # each epoch's end: not known here
+
+
+def test_a_study_whose_trials_validate_on_no_batch_is_refused():
+    trainer = compose_full(["trainer.limit_val_batches=0"]).trainer
+    with pytest.raises(ConfigError) as info:
+        validation_overrides(trainer, ["val/loss"])
+    assert str(info.value) == (
+        "hydra.sweeper.objective=val/loss is measured by validation, which "
+        "trainer.limit_val_batches=0 turns off; allowed: trainer.limit_val_batches above 0 "
+        "(a count of batches, or a fraction up to 1.0)"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_study_is_refused_in_one_line_before_its_first_trial(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4",
+         "strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=10",
+         "trainer.limit_val_batches=0", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=REPO, env=cli_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 2, explain(completed)
+    assert completed.stderr.splitlines()[-1] == (
+        "error: hydra.sweeper.objective=val/loss is measured by validation, which "
+        "trainer.limit_val_batches=0 turns off; allowed: trainer.limit_val_batches above 0 "
+        "(a count of batches, or a fraction up to 1.0)"), explain(completed)
+    assert "litscale: trial" not in completed.stdout and not list(tmp_path.glob("sweep/*/summary.json"))
 
 
 # --- a 6-trial study of 2-rank jobs, killed and resumed ------------------------------------------
@@ -101,6 +260,8 @@ SEARCH = (
     "+hydra.sweeper.pruner.upper=5.5",
     "~hydra.sweeper.pruner.n_startup_trials",
     "~hydra.sweeper.pruner.n_warmup_steps",
+    # The killed sweep's trial is seen stopped 2 s after its last beat, not a minute.
+    "hydra.sweeper.heartbeat_interval=1",
 )
 
 
@@ -152,9 +313,9 @@ def resumed_study(tmp_path_factory):
 def test_killed_study_resumes_to_six_trials_and_prints_the_best(resumed_study):
     study, sweep_dir, killed_output, output = resumed_study
     assert "to run" in killed_output and "trial(s) done" in output
-    counted = finished_trials(study)
-    assert len(counted) == 6, [(t.number, t.state) for t in study.trials]
-    assert {t.state for t in counted} <= {TrialState.COMPLETE, TrialState.PRUNED}
+    finished = counted(study.trials)
+    assert len(finished) == 6, [(t.number, t.state) for t in study.trials]
+    assert {t.state for t in finished} <= {TrialState.COMPLETE, TrialState.PRUNED}
     best = study.best_trial
     assert best.params == {"optimizer.lr": 3e-3}
     assert f"litscale: best trial {best.number}: val/loss {best.value:.6g}" in output
@@ -315,19 +476,12 @@ def test_a_resumed_study_samples_new_values_not_the_first_runs_again(tmp_path):
     run's values again (a killed 6-trial search re-ran its first three learning rates)."""
     from optuna.samplers import TPESampler
 
-    from hydra_plugins.litscale_plugins.optuna_sweeper import OptunaSweeper
-
     space = {"optimizer.lr": FloatDistribution(1e-4, 3e-3, log=True)}
 
-    def sweeper() -> OptunaSweeper:
-        made = OptunaSweeper(n_trials=4, sampler=TPESampler(seed=0))
-        made.sweep_dir = tmp_path
-        return made
-
-    first = sweeper()._study()
+    first = sweeper_on(tmp_path, sampler=TPESampler(seed=0))._study()
     drawn = [first.ask(space) for _ in range(2)]
     for trial in drawn:
         first.tell(trial, 1.0)
-    resumed = sweeper()._study()
+    resumed = sweeper_on(tmp_path, sampler=TPESampler(seed=0))._study()
     again = [resumed.ask(space).params for _ in range(2)]
     assert all(params not in [t.params for t in drawn] for params in again)

@@ -2,16 +2,25 @@
 DDP and FSDP 2-worker jobs train as litscale's own launcher does (the same loss at every step,
 the same final validation loss; one basic-launcher sweep of the same 2 jobs is the reference),
 each job in the run dir the basic launcher would give it; a third job, a worker killed mid-run,
-ends with one ``error: rank 1 failed: ...`` line while the sweep's other jobs finish."""
+ends with one ``error: rank 1 failed: ...`` line while the sweep's other jobs finish. A 2-trial
+Optuna study runs its trials on Ray two at a time and prints its best trial. Without a cluster:
+each worker runs the job's own task function through Hydra's ``run_job``, the driver names a
+failed job's ranks in one line, a job's record names its run dir, and Ray starts once however
+many threads launch."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+import threading
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.cli import explain, run_train, summaries, train_losses
+from helpers.configs import compose_full
+from omegaconf import OmegaConf
 
 # Whether Ray is installed, without importing it: the sweeps import it in their own processes,
 # and every pytest worker collects this module.
@@ -53,9 +62,19 @@ JOBS = {
 RAY = ("hydra/launcher=ray", "hydra.launcher.num_cpus=4")
 
 
+# The done-when study: 2 trials of 1-device DDP on Ray, both at once; 20 steps end before the
+# default first validation (step 100), so each trial validates at its last step.
+STUDY = ("hydra/launcher=ray", "hydra.launcher.num_cpus=2", "hydra/sweeper=optuna",
+         "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2", "strategy=ddp",
+         "trainer.accelerator=cpu", "trainer.devices=1", "trainer.max_steps=20",
+         "trainer.limit_val_batches=1", "data.seq_len=32", "data.max_bytes=400000",
+         "trainer.enable_progress_bar=false", "callbacks=none")
+
+
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory):
-    """The Ray sweep of the 3 jobs (ddp, fsdp, killed) and the basic launcher's of the first 2."""
+    """The Ray sweep of the 3 jobs (ddp, fsdp, killed), the basic launcher's of the first 2, and
+    the 2-trial Optuna study on Ray."""
     conf = tmp_path_factory.mktemp("conf")
     (conf / "experiment").mkdir()
     for name, text in JOBS.items():
@@ -69,6 +88,8 @@ def sweeps(tmp_path_factory):
             "-m", *extra, searchpath, f"experiment={jobs}", *TINY, outputs=outputs, timeout=1000
         )
         runs[launcher] = (outputs, process)
+    outputs = tmp_path_factory.mktemp("optuna")
+    runs["optuna"] = (outputs, run_train("-m", *STUDY, outputs=outputs, timeout=1000))
     return runs
 
 
@@ -125,3 +146,121 @@ def test_a_killed_ray_worker_ends_its_job_with_one_line(sweeps):
     # waits, which starts otherwise); the sweep's other 2 jobs finished (test above).
     assert len(lines) == 1 and lines[0].startswith("error: rank 1 failed: "), explain(process)
     assert "litscale: job 2 on Ray: experiment=ray_killed" in process.stdout, explain(process)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(2400)
+def test_an_optuna_study_runs_its_trials_on_ray_and_prints_the_best(sweeps):
+    """Each trial's summary is read from the run dir Ray's job reported (the first trial's
+    record used to hold Hydra's ``???`` there, and the sweep died after it)."""
+    import optuna
+
+    outputs, process = sweeps["optuna"]
+    assert process.returncode == 0, explain(process)
+    (sweep_dir,) = (outputs / "default" / "multiruns").iterdir()
+    study = optuna.load_study(study_name="litscale", storage=f"sqlite:///{sweep_dir / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2, explain(process)
+    assert ("litscale: trainer.max_steps=20 ends before the first validation "
+            "(trainer.val_check_interval=100): each trial validates at step 20 to measure val/loss"
+            in process.stdout), explain(process)
+    best = study.best_trial
+    assert (f"litscale: best trial {best.number}: val/loss {best.value:.6g} "
+            f"(optimizer.lr={best.params['optimizer.lr']}); run dir {sweep_dir / str(best.number)}"
+            in process.stdout), explain(process)
+    for trial in study.trials:
+        assert trial.user_attrs["run_dir"] == str(sweep_dir / str(trial.number))
+
+
+# --- without a cluster ---------------------------------------------------------------------------
+
+
+def test_ray_starts_once_however_many_threads_launch(monkeypatch):
+    """An Optuna study with n_jobs=2 launches from two threads at once: one ``ray.init``."""
+    from hydra_plugins.litscale_plugins import ray_launcher
+
+    calls, both_in = [], threading.Barrier(4)
+    fake = types.SimpleNamespace(is_initialized=lambda: bool(calls),
+                                 init=lambda **options: calls.append(options))
+    monkeypatch.setitem(sys.modules, "ray", fake)
+
+    def launch():
+        both_in.wait()
+        ray_launcher.connect({"num_cpus": 2})
+
+    threads = [threading.Thread(target=launch) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert calls == [{"num_cpus": 2, "num_gpus": None, "include_dashboard": False}]
+
+
+def test_a_ray_jobs_record_names_its_run_dir(tmp_path):
+    from hydra_plugins.litscale_plugins.jobs import job_return, sweep_run_dir
+
+    config = compose_full(["hydra/launcher=ray", f"hydra.sweep.dir={tmp_path}"])
+    OmegaConf.set_struct(config, False)
+    config.hydra.job.num = 4
+    record = job_return(config, ["optimizer.lr=0.001"], sweep_run_dir(config))
+    assert record.hydra_cfg.hydra.runtime.output_dir == str(tmp_path / "4")
+    assert "hydra" not in record.cfg and record.cfg.trainer.max_steps == config.trainer.max_steps
+
+
+def test_each_worker_runs_the_jobs_own_task_function_through_hydra(tmp_path, monkeypatch):
+    """The worker runs ``train.py``'s task function (its error lines are the ones a torchrun
+    rank prints); an exception it raises fails the worker, and so does its exit."""
+    import hydra.core.utils
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.singleton import Singleton
+    from hydra.types import HydraContext
+
+    from hydra_plugins.litscale_plugins import ray_launcher
+
+    monkeypatch.setattr(ray_launcher, "leave_rays_process_group", lambda: None)
+    monkeypatch.setattr(hydra.core.utils, "configure_log", lambda *args, **kwargs: None)
+    monkeypatch.setenv("RANK", "0")
+    config = compose_full([f"hydra.sweep.dir={tmp_path}"])
+    OmegaConf.set_struct(config, False)
+    config.hydra.job.num = 0
+    seen = []
+
+    def job(task_config):
+        seen.append(task_config)
+        return 1.5
+
+    def payload(task_function):
+        context = HydraContext(config_loader=None, callbacks=Callbacks())
+        return {"job": (context, task_function, config.copy(), Singleton.get_state(), str(tmp_path))}
+
+    ray_launcher.run_rank(payload(job))
+    assert len(seen) == 1 and "hydra" not in seen[0] and (tmp_path / "0" / ".hydra" / "config.yaml").is_file()
+
+    def failing(_):
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        ray_launcher.run_rank(payload(failing))
+
+    def exiting(_):
+        raise SystemExit(2)  # train.py's task function after printing its error line
+
+    with pytest.raises(SystemExit):
+        ray_launcher.run_rank(payload(exiting))
+
+
+class WorkerGroupFailed(Exception):
+    def __init__(self, worker_failures):
+        super().__init__("Training failed")
+        self.worker_failures = worker_failures
+
+
+def test_the_driver_names_a_silent_workers_death_and_points_to_the_ranks_own_lines(capsys):
+    from hydra_plugins.litscale_plugins.ray_launcher import reported
+
+    died = WorkerGroupFailed({0: SystemExit(1), 1: ConnectionError("worker process died\nmore")})
+    assert str(reported(died, 2)) == "rank 1 failed: ConnectionError: worker process died"
+    assert capsys.readouterr().err == "error: rank 1 failed: ConnectionError: worker process died\n"
+    exited = WorkerGroupFailed({1: SystemExit(1), 0: SystemExit(1)})
+    reported(exited, 2)
+    assert capsys.readouterr().err == "error: job 2: rank(s) 0, 1 exited with 1; their lines above say why\n"

@@ -1,14 +1,26 @@
-"""What litscale's launchers share: each job's own launcher settings, and its result record."""
+"""What litscale's launchers share: each job's own launcher settings, and its result record.
+
+NOTE: Hydra imports every module under ``hydra_plugins`` on each command to find plugins, and
+prints a warning for each that fails. An engine's package (submitit, ray, kubernetes,
+skypilot, jsonschema, optuna) is imported inside the methods that use it, never at the top of
+a module here, so that a base install (no extras) starts quietly.
+"""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+# NOTE: an Optuna sweep with n_jobs > 1 calls a launcher from several threads; Hydra's config
+# loader keeps caches that are not guarded for that.
+_COMPOSING = threading.Lock()
 
 
 def job_resources(job_config: DictConfig) -> dict[str, Any]:
@@ -19,19 +31,37 @@ def job_resources(job_config: DictConfig) -> dict[str, Any]:
     return params
 
 
+def sweep_run_dir(job_config: DictConfig) -> str:
+    """The run dir Hydra's ``run_job`` gives a job of a sweep: ``hydra.sweep.dir/subdir``."""
+    sweep = job_config.hydra.sweep
+    return os.path.abspath(os.path.join(str(sweep.dir), str(sweep.subdir)))
+
+
+def described(error: BaseException) -> str:
+    """``<Type>: <first line>`` of an error, as litscale's one-line reports name it."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 def job_return(
     job_config: DictConfig,
     overrides: list[str],
+    run_dir: str,
     *,
     error: BaseException | None = None,
     value: Any = None,
 ) -> JobReturn:
-    """The record Hydra keeps of a job that ran elsewhere (a cluster), failed with ``error`` or not."""
+    """The record of a job that ran elsewhere (a cluster), failed with ``error`` or not, as
+    Hydra's basic launcher makes it: ``cfg`` without the ``hydra`` node, and ``hydra_cfg``'s
+    ``hydra.runtime.output_dir`` the job's run dir (where a sweeper reads its summary)."""
+    hydra_cfg = OmegaConf.masked_copy(job_config, "hydra")
+    with read_write(hydra_cfg), open_dict(hydra_cfg):
+        hydra_cfg.hydra.runtime.output_dir = str(run_dir)
+    cfg = OmegaConf.masked_copy(job_config, [k for k in job_config if k != "hydra"])
     result = JobReturn(
         overrides=list(overrides),
-        cfg=job_config,
-        hydra_cfg=job_config,
-        working_dir=str(job_config.hydra.sweep.dir),
+        cfg=cfg,
+        hydra_cfg=hydra_cfg,
+        working_dir=os.getcwd(),
         task_name=str(job_config.hydra.job.name),
         status=JobStatus.FAILED if error is not None else JobStatus.COMPLETED,
     )
@@ -47,14 +77,25 @@ class ClusterLauncher(Launcher):
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
+        self.task_function = task_function
+
+    def job_config(self, overrides: Sequence[str], number: int | None = None) -> DictConfig:
+        """One job's config (its ``hydra.job.num`` set where ``number`` is given)."""
+        with _COMPOSING:
+            job_config = self.hydra_context.config_loader.load_sweep_config(
+                self.config, list(overrides)
+            )
+        if number is not None:
+            with open_dict(job_config):
+                job_config.hydra.job.num = number
+        return job_config
 
     def job_configs(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> list[tuple[int, DictConfig, list[str]]]:
         """(job number, its config, its overrides) of each job of a batch."""
-        loader = self.hydra_context.config_loader
         return [
-            (initial_job_idx + i, loader.load_sweep_config(self.config, list(o)), list(o))
+            (initial_job_idx + i, self.job_config(o, initial_job_idx + i), list(o))
             for i, o in enumerate(job_overrides)
         ]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,16 +38,29 @@ from hydra_plugins.litscale_plugins.k8s_manifests import (
 
 # The condition that ends a job, per kind: (success, failure).
 TERMINAL = {"TrainJob": ("Complete", "Failed"), "PyTorchJob": ("Succeeded", "Failed")}
+NOT_FOUND = 404
 
 
-def job_name(prefix: str, sweep_dir: Path, number: int) -> str:
-    """A DNS-1035 name for job ``number`` of the sweep in ``sweep_dir`` (the sweep's start time)."""
+def job_name(prefix: str, sweep_dir: Path, number: int, launch: str = "") -> str:
+    """A DNS-1035 name for job ``number`` of the sweep in ``sweep_dir`` (the sweep's start time),
+    from the launch ``launch`` (a rerun of the same sweep dir is another launch)."""
     stamp = re.sub(r"[^0-9a-z]", "", sweep_dir.name.lower())[-14:]
-    return re.sub(r"[^a-z0-9-]", "-", f"{prefix}-{stamp}-{number}".lower()).strip("-")[:63]
+    name = "-".join(part for part in (prefix, stamp, launch, str(number)) if part)
+    return re.sub(r"[^a-z0-9-]", "-", name.lower()).strip("-")[:63]
+
+
+def launch_token() -> str:
+    """Six hex digits naming one launch: a rerun of a sweep (``hydra.sweep.dir`` given again,
+    an Optuna study resumed) must not create objects under names its first run took."""
+    return uuid.uuid4().hex[:6]
 
 
 class KubernetesLauncher(ClusterLauncher):
     """Writes (and with ``submit=true`` applies) one Kubeflow manifest per job."""
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
+        super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
+        self.launch_token = launch_token()
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
@@ -54,7 +68,9 @@ class KubernetesLauncher(ClusterLauncher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         jobs = []
         for number, job_config, overrides in self.job_configs(job_overrides, initial_job_idx):
-            manifest, params = self.manifest(job_config, overrides, sweep_dir, number)
+            manifest, params, run_dir = self.manifest(
+                job_config, overrides, sweep_dir, number, self.launch_token
+            )
             path = Path(params["manifests_dir"]) / f"{manifest['metadata']['name']}.yaml"
             write_checked(
                 path,
@@ -62,32 +78,35 @@ class KubernetesLauncher(ClusterLauncher):
                 manifest_problems(manifest),
                 f"job {number}: {manifest['kind']}",
             )
-            jobs.append((job_config, overrides, manifest, path))
-        if not self.params.get("submit"):
-            return [
-                job_return(config, overrides, value=str(path))
-                for config, overrides, _, path in jobs
-            ]
-        errors = submit_and_wait([manifest for _, _, manifest, _ in jobs], self.params)
+            jobs.append((job_config, overrides, manifest, path, run_dir))
+        errors = (
+            submit_and_wait([job[2] for job in jobs], self.params)
+            if self.params.get("submit")
+            else [None] * len(jobs)
+        )
         return [
-            job_return(config, overrides, error=error, value=str(path))
-            for (config, overrides, _, path), error in zip(jobs, errors, strict=True)
+            job_return(config, overrides, run_dir, error=error, value=str(path))
+            for (config, overrides, _, path, run_dir), error in zip(jobs, errors, strict=True)
         ]
 
     @staticmethod
-    def manifest(job_config: DictConfig, overrides: list[str], sweep_dir: Path, number: int):
-        """Job ``number``'s manifest, from its own resolved launcher settings."""
+    def manifest(
+        job_config: DictConfig, overrides: list[str], sweep_dir: Path, number: int, launch: str
+    ) -> tuple[dict[str, Any], dict[str, Any], str]:
+        """Job ``number``'s manifest, its resolved launcher settings, and its run dir on the
+        shared outputs volume."""
         params = job_resources(job_config)
         if str(job_config.trainer.get("accelerator")) == "cpu":
             params["gpus_per_node"] = None
         run_dir = f"{params['outputs_mount']}/{job_config.name}/multiruns/{sweep_dir.name}/{number}"
         build = {"trainjob": trainjob, "pytorchjob": pytorchjob}[params["api"]]
-        name = job_name(params["name_prefix"], sweep_dir, number)
-        return build(name, [*overrides, f"hydra.run.dir={run_dir}"], params), params
+        name = job_name(params["name_prefix"], sweep_dir, number, launch)
+        return build(name, [*overrides, f"hydra.run.dir={run_dir}"], params), params, run_dir
 
 
 def submit_and_wait(manifests: list[dict], params: dict[str, Any]) -> list[BaseException | None]:
-    """Create every manifest, then (with ``wait``) poll each until its terminal condition."""
+    """Create every manifest, then (with ``wait``) poll each until its terminal condition or
+    ``wait_timeout_min``."""
     from kubernetes import client, config
 
     api = client.CustomObjectsApi(
@@ -106,6 +125,14 @@ def submit_and_wait(manifests: list[dict], params: dict[str, Any]) -> list[BaseE
         )
     if not params.get("wait", True):
         return [None] * len(manifests)
+    return wait_for(api, manifests, params)
+
+
+def wait_for(api: Any, manifests: list[dict], params: dict[str, Any]) -> list[BaseException | None]:
+    """Each job's outcome: None when it succeeded, an error when it failed, was deleted, or
+    was still running at ``wait_timeout_min`` (null: no limit)."""
+    timeout_min = params.get("wait_timeout_min")
+    deadline = None if timeout_min is None else time.monotonic() + 60 * float(timeout_min)
     results: dict[int, BaseException | None] = {}
     seen: dict[int, str] = {}
     while len(results) < len(manifests):
@@ -114,20 +141,51 @@ def submit_and_wait(manifests: list[dict], params: dict[str, Any]) -> list[BaseE
                 outcome = _poll(api, manifest, params["namespace"], seen, index)
                 if outcome is not None:
                     results[index] = outcome if isinstance(outcome, BaseException) else None
-        if len(results) < len(manifests):
-            time.sleep(float(params.get("poll_s", 10)))
+        if len(results) == len(manifests):
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            for index, manifest in enumerate(manifests):
+                if index not in results:
+                    results[index] = _timed_out(manifest, timeout_min)
+            break
+        time.sleep(float(params.get("poll_s", 10)))
     return [results[i] for i in range(len(manifests))]
 
 
+def _timed_out(manifest: dict, timeout_min: Any) -> BaseException:
+    line = (f"{manifest['kind']} {manifest['metadata']['name']} had not ended after "
+            f"hydra.launcher.wait_timeout_min={timeout_min}; it goes on in the cluster")
+    print(f"litscale: {line}", flush=True)
+    return TimeoutError(line)
+
+
+def _status(api: Any, manifest: dict, namespace: str) -> dict | None:
+    """The job's ``status`` (``{}`` before the operator writes one); None while the API server
+    answers 404: the object not yet visible (a cached read after the create), or deleted."""
+    from kubernetes.client.exceptions import ApiException
+
+    group, version, plural, _ = api_of(manifest["kind"].lower())
+    try:
+        found = api.get_namespaced_custom_object(
+            group, version, namespace, plural, manifest["metadata"]["name"]
+        )
+    except ApiException as error:
+        if error.status == NOT_FOUND:
+            return None
+        raise
+    return found.get("status") or {}
+
+
 def _poll(api: Any, manifest: dict, namespace: str, seen: dict[int, str], index: int) -> Any:
-    """True when the job succeeded, an exception when it failed, None while it runs; prints
-    each new condition."""
-    group, version, plural, kind = api_of(manifest["kind"].lower())
-    name = manifest["metadata"]["name"]
-    status = (
-        api.get_namespaced_custom_object(group, version, namespace, plural, name).get("status")
-        or {}
-    )
+    """True when the job succeeded, an exception when it failed or was deleted, None while it
+    runs (or is not yet visible); prints each new condition."""
+    kind, name = manifest["kind"], manifest["metadata"]["name"]
+    status = _status(api, manifest, namespace)
+    if status is None:
+        if index in seen:  # it was there: someone deleted it
+            return RuntimeError(f"{kind} {name} was deleted before it ended")
+        return None
+    seen.setdefault(index, "")
     conditions = [c for c in status.get("conditions") or [] if c.get("status") == "True"]
     if not conditions:
         return None

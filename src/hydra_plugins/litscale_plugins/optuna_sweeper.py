@@ -7,31 +7,38 @@ values. Here the sweeper asks the study for a trial, passes its values to the la
 overrides (so every rank of the job, on any launcher, trains with the same ones), reads the
 objective from the job's ``summary.json`` and tells the study. With pruning on, the job
 carries ``litscale.callbacks.optuna_pruning.OptunaPruning`` (rank 0 reports each validation
-loss through the study's storage; the decision is broadcast so all ranks stop together).
+loss through the study's storage; the decision is broadcast so all ranks stop together). The
+storage URL reaches the jobs in ``LITSCALE_OPTUNA_STORAGE``, never in their overrides: it can
+hold a password, and overrides are saved in run dirs and logged.
 
 Trials start as launcher slots free (``n_jobs`` at a time, each asked when it starts), not in
-batches. The study lives in SQLite in the sweep dir: run the same command again with
-``hydra.sweep.dir=<that dir>`` after a kill and it goes on; a trial that was running when
-the sweep died is marked failed and run again with the same values.
+batches. The study lives in SQLite in the sweep dir (or at ``storage``): run the same command
+again with ``hydra.sweep.dir=<that dir>`` after a kill and it goes on. Each running trial
+beats (Optuna's heartbeat); a trial whose sweep stopped beating for ``grace_period`` is failed
+and its values run again, while the trials of a sweeper still alive on the same study are left
+to it (they count toward ``n_trials``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from hydra.core.plugins import Plugins
-from hydra.core.utils import JobReturn, JobStatus
+from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from hydra_plugins.litscale_plugins import optuna_study
 from hydra_plugins.litscale_plugins.optuna_space import parse, split
+from hydra_plugins.litscale_plugins.optuna_study import NoObjective, counted, running, shown
+from litscale.errors import ConfigError
 
-# A trial that was running when its sweep died: failed, and retried with the same values.
-INTERRUPTED = "interrupted"
 PRUNING_CALLBACK = "litscale.callbacks.optuna_pruning.OptunaPruning"
 
 
@@ -51,6 +58,8 @@ class OptunaSweeper(Sweeper):
         pruner: Any = None,
         params: dict[str, str] | None = None,
         plan: str = "none",
+        heartbeat_interval: int = 30,
+        grace_period: int | None = None,
     ) -> None:
         self.n_trials, self.n_jobs = n_trials, n_jobs
         self.objectives = [objective] if isinstance(objective, str) else list(objective)
@@ -59,7 +68,9 @@ class OptunaSweeper(Sweeper):
         self.sampler, self.pruner = sampler, pruner
         self.params = dict(params or {})
         self.plan = plan
+        self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
         self._lock = threading.Lock()
+        self._mine: set[int] = set()  # the numbers of the trials this sweeper asked
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -72,34 +83,47 @@ class OptunaSweeper(Sweeper):
         self.pruner_spec = None if pruner is None else OmegaConf.to_container(pruner, resolve=True)
 
     def sweep(self, arguments: list[str]) -> list[JobReturn]:
+        from litscale.callbacks.optuna_pruning import STORAGE_ENV
+
         self._check()
-        given = {
-            o.get_key_element(): o.input_line for o in parse(arguments)
-        }  # the command line wins
-        space, fixed = split(
+        space, fixed = self._space(arguments)
+        self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        # Before the first job: a local Ray cluster's workers take the environment it starts with.
+        os.environ[STORAGE_ENV] = self.storage_url()
+        fixed = self._measured(fixed, refuse=True)
+        self._searched_validation = bool(set(optuna_study.VALIDATION_KEYS) & set(space))
+        study = self._study()
+        self._report_start(study)
+        if self.n_jobs == 1:  # in the main thread: litscale's own launcher handles signals there
+            returns = self._run_trials(study, space, fixed)
+        else:
+            with ThreadPoolExecutor(max_workers=self.n_jobs) as pool:
+                slots = [pool.submit(self._run_trials, study, space, fixed) for _ in range(self.n_jobs)]
+                returns = [r for slot in slots for r in slot.result()]
+        self._report_best(study)
+        return returns
+
+    def _space(self, arguments: list[str]) -> tuple[dict[str, Any], list[str]]:
+        """The search space and the fixed overrides; the command line wins over ``params``."""
+        given = {o.get_key_element(): o.input_line for o in parse(arguments)}
+        return split(
             parse(
                 [*(f"{k}={v}" for k, v in self.params.items() if k not in given), *given.values()]
             )
         )
-        self.sweep_dir.mkdir(parents=True, exist_ok=True)
-        study = self._study()
-        retried = retry_interrupted(study)
-        remaining = max(0, self.n_trials - len(finished_trials(study)))
+
+    def _report_start(self, study: Any) -> None:
+        from optuna.storages import fail_stale_trials
+
+        fail_stale_trials(study)
+        trials = study.get_trials(deepcopy=False)
+        done, others = len(counted(trials)), len(running(trials))
         print(
-            f"litscale: study {self.study_name!r} in {self.storage_url()}: "
-            f"{len(finished_trials(study))} trial(s) done, {remaining} to run"
-            + (f" ({retried} interrupted, run again)" if retried else ""),
+            f"litscale: study {self.study_name!r} in {shown(self.storage_url())}: "
+            f"{done} trial(s) done, {max(0, self.n_trials - done - others)} to run"
+            + (f", {others} running in another sweep" if others else ""),
             flush=True,
         )
-        if self.n_jobs == 1:  # in the main thread: litscale's own launcher handles signals there
-            returns = [self._run_trial(study, space, fixed) for _ in range(remaining)]
-        else:
-            with ThreadPoolExecutor(max_workers=self.n_jobs) as pool:
-                returns = list(
-                    pool.map(lambda _: self._run_trial(study, space, fixed), range(remaining))
-                )
-        self._report_best(study)
-        return returns
 
     def _check(self) -> None:
         from hydra._internal.core_plugins.basic_launcher import BasicLauncher
@@ -126,7 +150,11 @@ class OptunaSweeper(Sweeper):
         import optuna
 
         study = optuna.create_study(
-            storage=self.storage_url(),
+            storage=optuna_study.storage(
+                self.storage_url(),
+                heartbeat_interval=self.heartbeat_interval,
+                grace_period=self.grace_period,
+            ),
             study_name=self.study_name,
             load_if_exists=True,
             directions=self.directions,
@@ -139,22 +167,77 @@ class OptunaSweeper(Sweeper):
             study.sampler.reseed_rng()
         return study
 
-    def _run_trial(self, study: Any, space: dict[str, Any], fixed: list[str]) -> JobReturn | None:
+    def _measured(self, overrides: list[str], *, refuse: bool = False) -> list[str]:
+        """``overrides`` with what makes their job measure a validation objective (it validates
+        at its last step where ``max_steps`` ends it before its first validation). A trainer
+        that cannot measure it: with ``refuse``, the sweep stops in one line before any trial;
+        otherwise ``NoObjective`` (the trial fails with that line)."""
+        from litscale.app.experiment_file import without
+        from litscale.app.preflight import fail
+
         with self._lock:
-            trial = study.ask(space)
+            trainer = self.hydra_context.config_loader.load_sweep_config(self.config, overrides).trainer
+        try:
+            added = optuna_study.validation_overrides(trainer, self.objectives)
+        except ConfigError as error:
+            if refuse:
+                fail(str(error))
+            raise NoObjective(str(error)) from None
+        if added and refuse:
+            print(
+                f"litscale: trainer.max_steps={trainer.max_steps} ends before the first validation "
+                f"(trainer.val_check_interval={trainer.val_check_interval}): each trial validates "
+                f"at step {trainer.max_steps} to measure {', '.join(self.objectives)}",
+                flush=True,
+            )
+        return [*without(overrides, ("trainer.val_check_interval",)), *added] if added else overrides
+
+    def _run_trials(self, study: Any, space: dict[str, Any], fixed: list[str]) -> list[JobReturn]:
+        """One launcher slot: trials, one after another, while the study wants more."""
+        returns = []
+        while (trial := self._next_trial(study, space)) is not None:
+            returns.append(self._run_trial(study, trial, fixed))
+        return [r for r in returns if r is not None]
+
+    def _next_trial(self, study: Any, space: dict[str, Any]) -> Any:
+        """The next trial to run, or None once every trial of ``n_trials`` is done or running
+        here. Trials running in another sweep count: this one waits for them to end, or to
+        stop beating (failed, their values queued again, and run here)."""
+        from optuna.storages import fail_stale_trials
+
+        while True:
+            with self._lock:
+                fail_stale_trials(study)
+                trials = study.get_trials(deepcopy=False)
+                busy = running(trials)
+                if len(counted(trials)) + len(busy) < self.n_trials:
+                    trial = study.ask(space)
+                    self._mine.add(trial.number)
+                    return trial
+                if all(t.number in self._mine for t in busy):
+                    return None
+            time.sleep(self.heartbeat_interval)
+
+    def _run_trial(self, study: Any, trial: Any, fixed: list[str]) -> JobReturn | None:
         sampled = [
             f"{key}={value!r}" if isinstance(value, float) else f"{key}={value}"
             for key, value in trial.params.items()
         ]
-        try:
-            job = self._planned(trial, fixed + sampled)
-            (result,) = self.launcher.launch(
-                [job + self._pruning(trial)], initial_job_idx=trial.number
-            )
-        except SystemExit:  # the job printed its error line; the search goes on
-            result = None
+        result, reason = None, None
+        with optuna_study.heartbeat(study, trial):
+            try:
+                job = self._planned(trial, fixed + sampled)
+                if self._searched_validation:
+                    job = self._measured(job)
+                (result,) = self.launcher.launch(
+                    [job + self._pruning(trial)], initial_job_idx=trial.number
+                )
+            except NoObjective as error:
+                reason = str(error)
+            except SystemExit as error:  # the job printed its error line; the search goes on
+                reason = f"the job exited with {error.code} (its error line above)"
         with self._lock:
-            self._tell(study, trial, result, sampled)
+            self._tell(study, trial, result, reason, sampled)
         return result
 
     def _planned(self, trial: Any, overrides: list[str]) -> list[str]:
@@ -182,36 +265,42 @@ class OptunaSweeper(Sweeper):
         return [*without(overrides, PLAN_KEYS), *picked] if picked else overrides
 
     def _pruning(self, trial: Any) -> list[str]:
-        """The overrides that attach the pruning callback (single objective, a pruner set)."""
+        """The overrides that attach the pruning callback (single objective, a pruner set); the
+        callback finds the storage in ``LITSCALE_OPTUNA_STORAGE``."""
         if self.pruner_spec is None or len(self.objectives) != 1:
             return []
         key = "+callbacks.optuna_pruning"
         return [
             f"{key}._target_={PRUNING_CALLBACK}",
-            f"{key}.storage='{self.storage_url()}'",
             f"{key}.pruner='{json.dumps(self.pruner_spec)}'",
             f"{key}.study_name='{self.study_name}'",
             f"{key}.trial_id={trial._trial_id}",
             f"{key}.monitor='{self.objectives[0]}'",
         ]
 
-    def _tell(self, study: Any, trial: Any, result: JobReturn | None, sampled: list[str]) -> None:
+    def _tell(
+        self, study: Any, trial: Any, result: JobReturn | None, reason: str | None, sampled: list[str]
+    ) -> None:
         from optuna.trial import TrialState
 
         from litscale.callbacks.optuna_pruning import PRUNED_AT_STEP
 
-        values = (
-            objective_values(job_dir(result, self.sweep_dir, trial.number), self.objectives)
-            if result is not None and result.status == JobStatus.COMPLETED
-            else None
-        )
+        values = None
+        if result is not None:
+            run_dir = optuna_study.job_dir(result, self.sweep_dir, trial.number)
+            study._storage.set_trial_user_attr(trial._trial_id, optuna_study.RUN_DIR, str(run_dir))
+            try:
+                reason = optuna_study.failure(result)
+                values = None if reason else optuna_study.objective_values(run_dir, self.objectives)
+            except NoObjective as error:
+                reason = str(error)
         pruned_at = study._storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT_STEP)
         if pruned_at is not None:
             study.tell(trial, state=TrialState.PRUNED)
             outcome = f"pruned at step {pruned_at}"
         elif values is None:
             study.tell(trial, state=TrialState.FAIL)
-            outcome = "failed"
+            outcome = f"failed: {reason}"
         else:
             study.tell(trial, values)
             outcome = ", ".join(
@@ -228,12 +317,13 @@ class OptunaSweeper(Sweeper):
         best = [study.best_trial] if len(self.objectives) == 1 else study.best_trials
         results = {
             "name": self.study_name,
-            "storage": self.storage_url(),
+            "storage": shown(self.storage_url()),
             "best": [
                 {
                     "trial": t.number,
                     "params": t.params,
                     "values": dict(zip(self.objectives, t.values, strict=True)),
+                    "run_dir": t.user_attrs.get(optuna_study.RUN_DIR, str(self.sweep_dir / str(t.number))),
                 }
                 for t in best
             ],
@@ -244,48 +334,6 @@ class OptunaSweeper(Sweeper):
             params = " ".join(f"{k}={v}" for k, v in entry["params"].items())
             print(
                 f"litscale: best trial {entry['trial']}: {values} ({params}); "
-                f"run dir {self.sweep_dir / str(entry['trial'])}",
+                f"run dir {entry['run_dir']}",
                 flush=True,
             )
-
-
-def finished_trials(study: Any) -> list[Any]:
-    """Trials that count toward ``n_trials``: completed, pruned, or failed by themselves."""
-    from optuna.trial import TrialState
-
-    return [
-        t
-        for t in study.get_trials(deepcopy=False)
-        if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-        or (t.state == TrialState.FAIL and not t.user_attrs.get(INTERRUPTED))
-    ]
-
-
-def retry_interrupted(study: Any) -> int:
-    """Mark the trials left running by a killed sweep failed, and queue their values again."""
-    from optuna.trial import TrialState
-
-    stale = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-    for trial in stale:
-        study._storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)
-        study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
-        study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
-    return len(stale)
-
-
-def job_dir(result: JobReturn, sweep_dir: Path, number: int) -> Path:
-    """Where a job wrote its ``summary.json``."""
-    try:
-        return Path(result.hydra_cfg.hydra.runtime.output_dir)
-    except AttributeError:  # a launcher that hands back no Hydra config: the default subdir
-        return sweep_dir / str(number)
-
-
-def objective_values(run_dir: Path, objectives: list[str]) -> list[float] | None:
-    """The objective metrics from a job's ``summary.json``; None where any is missing."""
-    path = run_dir / "summary.json"
-    if not path.is_file():
-        return None
-    summary = json.loads(path.read_text())
-    values = [summary.get(name) for name in objectives]
-    return None if any(v is None for v in values) else [float(v) for v in values]

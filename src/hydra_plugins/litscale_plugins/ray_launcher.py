@@ -7,15 +7,17 @@ and ``MASTER_ADDR``/``PORT`` as torchrun does, so litscale sees an external laun
 no ranks itself. Ray's own process group is handed back before litscale's strategy makes its
 own, so every strategy runs as under torchrun. Jobs are submitted together (one thread
 each) and run at once where the cluster has room; each job's run dir is the one the basic
-launcher would use. A failed worker ends its job with one ``error: rank N failed: ...`` line
-and the sweep goes on. ``ray`` is imported only here, when this launcher is chosen.
+launcher would use. Every worker runs the job's own task function (``train.py``'s) through
+Hydra's ``run_job``, so a rank that fails reports itself as under torchrun; a worker that dies
+without a word (killed) is named by the driver in one ``error: rank N failed: ...`` line. The
+sweep goes on. ``ray`` is imported only inside the functions that use it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +27,13 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from omegaconf import DictConfig, open_dict
 
-from hydra_plugins.litscale_plugins.jobs import ClusterLauncher, job_resources, job_return
+from hydra_plugins.litscale_plugins.jobs import (
+    ClusterLauncher,
+    described,
+    job_resources,
+    job_return,
+    sweep_run_dir,
+)
 
 # Forwarded to the workers of a cluster this sweep did not start (a local one inherits them).
 FORWARDED_ENV_PREFIX = "LITSCALE_"
@@ -34,6 +42,9 @@ FORWARDED_ENV_PREFIX = "LITSCALE_"
 # handler on the root logger printed every line a second time. Ray passes this variable from
 # the driver to its workers.
 RAY_PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
+# NOTE: an Optuna sweep with n_jobs > 1 launches from several threads; two ``ray.init`` at
+# once would start two clusters, or fail in the second.
+_CONNECTING = threading.Lock()
 
 
 class RayLauncher(ClusterLauncher):
@@ -42,15 +53,15 @@ class RayLauncher(ClusterLauncher):
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
-        connect(self.params)
         os.environ.setdefault(RAY_PRINT_PATCH_ENV, "0")
+        connect(self.params)
         # Pinned here: ${now:...} in the sweep dir would name another dir in each worker.
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         sweep_dir.mkdir(parents=True, exist_ok=True)
         jobs = []
         for number, job_config, overrides in self.job_configs(job_overrides, initial_job_idx):
             with open_dict(job_config):
-                job_config.hydra.job.id = job_config.hydra.job.num = number
+                job_config.hydra.job.id = number
                 job_config.hydra.sweep.dir = str(sweep_dir)
             jobs.append((job_config, overrides))
         with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
@@ -60,14 +71,16 @@ class RayLauncher(ClusterLauncher):
         return results
 
     def _run(self, job_config: DictConfig, overrides: list[str]) -> JobReturn:
-        """One job on the cluster; its return, failed with the rank's one line where a rank failed."""
+        """One job on the cluster: its return, with its run dir; failed where a rank failed."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
         params = job_resources(job_config)
         number = int(job_config.hydra.job.num)
         gpu = use_gpu(params, str(job_config.trainer.get("accelerator")))
-        payload = (self.hydra_context, job_config, Singleton.get_state(), os.getcwd())
+        payload = (
+            self.hydra_context, self.task_function, job_config, Singleton.get_state(), os.getcwd()
+        )
         trainer = TorchTrainer(
             run_rank,
             train_loop_config={"job": payload},
@@ -84,34 +97,31 @@ class RayLauncher(ClusterLauncher):
             ),
         )
         print(f"litscale: job {number} on Ray: {' '.join(overrides)}", flush=True)
+        run_dir = sweep_run_dir(job_config)
         try:
             trainer.fit()
-        except Exception as error:  # noqa: BLE001 - Ray's several failure types, one line each
-            line = failure_line(error)
-            print(f"error: {line}", file=sys.stderr, flush=True)
-            return job_return(job_config, overrides, error=RuntimeError(line))
-        summary = (
-            Path(job_config.hydra.sweep.dir) / str(job_config.hydra.sweep.subdir) / "summary.json"
-        )
-        value = json.loads(summary.read_text()).get("val/loss") if summary.is_file() else None
-        return job_return(job_config, overrides, value=value)
+        except Exception as error:  # noqa: BLE001 - Ray's several failure types
+            return job_return(job_config, overrides, run_dir, error=reported(error, number))
+        return job_return(job_config, overrides, run_dir)
 
 
 def connect(params: dict[str, Any]) -> None:
-    """Join the cluster at ``params['address']`` (``auto``, ``ray://...``), or start a local one."""
+    """Join the cluster at ``params['address']`` (``auto``, ``ray://...``), or start a local one;
+    once per process, whichever thread asks first."""
     import ray
 
-    if ray.is_initialized():
-        return
-    forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
-    if params.get("address"):
-        ray.init(address=params["address"], runtime_env={"env_vars": forwarded})
-    else:
-        ray.init(
-            num_cpus=params.get("num_cpus"),
-            num_gpus=params.get("num_gpus"),
-            include_dashboard=False,
-        )
+    with _CONNECTING:
+        if ray.is_initialized():
+            return
+        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
+        if params.get("address"):
+            ray.init(address=params["address"], runtime_env={"env_vars": forwarded})
+        else:
+            ray.init(
+                num_cpus=params.get("num_cpus"),
+                num_gpus=params.get("num_gpus"),
+                include_dashboard=False,
+            )
 
 
 def use_gpu(params: dict[str, Any], accelerator: str) -> bool:
@@ -125,25 +135,37 @@ def use_gpu(params: dict[str, Any], accelerator: str) -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
 
-def failure_line(error: BaseException) -> str:
-    """``rank N failed: <cause>`` for the rank whose failure is the cause (not a peer that
-    only saw it die), as litscale's own launcher reports a failed rank."""
-    from litscale.app.launch import is_knock_on_failure
+def reported(error: BaseException, number: int) -> BaseException:
+    """Job ``number``'s failure in one ``error:`` line. A rank whose task function raised has
+    reported itself (its ``error:`` line, or that a peer failed) and exited: the line points
+    there. A worker that died without a word (killed, out of memory) is named here."""
+    failures = {
+        rank: unwrapped(cause)
+        for rank, cause in (getattr(error, "worker_failures", None) or {}).items()
+    }
+    silent = {rank: cause for rank, cause in failures.items() if not isinstance(cause, SystemExit)}
+    if silent:
+        rank, cause = min(silent.items())
+        line = f"rank {rank} failed: {described(cause)}"
+    elif failures:
+        codes = sorted({str(cause.code) for cause in failures.values()})
+        line = (f"job {number}: rank(s) {', '.join(map(str, sorted(failures)))} exited with "
+                f"{', '.join(codes)}; their lines above say why")
+    else:  # Ray's own failure, no worker's
+        line = described(error)
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    return RuntimeError(line)
 
-    failures = getattr(error, "worker_failures", None) or {}
-    if not failures:
-        return f"{type(error).__name__}: {_first_line(error)}"
-    rank, cause = min(failures.items(), key=lambda item: (is_knock_on_failure(item[1]), item[0]))
-    return f"rank {rank} failed: {type(cause).__name__}: {_first_line(cause)}"
 
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
+def unwrapped(cause: BaseException) -> BaseException:
+    """The worker's own exception inside Ray Train's wrapper (which keeps its traceback)."""
+    return getattr(cause, "_base_exc", None) or cause
 
 
 def run_rank(config: dict[str, Any]) -> None:
-    """On each Ray Train worker: this rank of the Hydra job (rank 0 alone writes ``.hydra/``)."""
-    hydra_context, job_config, singleton_state, cwd = config["job"]
+    """On each Ray Train worker: this rank of the Hydra job, through Hydra's ``run_job`` and the
+    job's own task function (rank 0 alone writes ``.hydra/``)."""
+    hydra_context, task_function, job_config, singleton_state, cwd = config["job"]
     os.chdir(cwd)  # relative paths in the config mean what they meant to the sweep
     leave_rays_process_group()
     # Lightning recognises a torchrun-style launch by GROUP_RANK (Ray names it NODE_RANK).
@@ -155,22 +177,13 @@ def run_rank(config: dict[str, Any]) -> None:
             job_config.hydra.output_subdir = None
     result = run_job(
         hydra_context=hydra_context,
-        task_function=train_rank,
+        task_function=task_function,
         config=job_config,
         job_dir_key="hydra.sweep.dir",
         job_subdir_key="hydra.sweep.subdir",
     )
-    if isinstance(result._return_value, BaseException):
+    if result.status == JobStatus.FAILED:
         raise result._return_value
-
-
-def train_rank(cfg: DictConfig) -> Any:
-    """litscale's job on this rank; an error propagates to Ray, which reports it per rank."""
-    from litscale.app.run import train
-    from litscale.app.run_log import log_printed_lines
-
-    with log_printed_lines():
-        return train(cfg).get("val/loss")
 
 
 def leave_rays_process_group() -> None:

@@ -112,7 +112,7 @@ class SkyPilotLauncher(ClusterLauncher):
             text = yaml.dump(document, Dumper=_BlockDumper, sort_keys=False)
             write_checked(path, text, task_problems(document), f"job {number}: SkyPilot task")
             error = launch_task(path, name, params) if params.get("submit") else None
-            results.append(job_return(job_config, overrides, error=error, value=str(path)))
+            results.append(job_return(job_config, overrides, run_dir, error=error, value=str(path)))
         return results
 
 

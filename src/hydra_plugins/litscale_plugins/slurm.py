@@ -24,12 +24,14 @@ from typing import Any
 
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, run_job, setup_globals
-from hydra_plugins.hydra_submitit_launcher import submitit_launcher as plugin
-from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from omegaconf import OmegaConf, open_dict
 
-from hydra_plugins.litscale_plugins.jobs import job_resources
-from litscale.checkpoints import newest_last_checkpoint
+from hydra_plugins.litscale_plugins.jobs import (
+    ClusterLauncher,
+    job_resources,
+    job_return,
+    sweep_run_dir,
+)
 
 # Executor settings that submitit takes at construction rather than as parameters.
 _EXECUTOR_INIT_KEYS = ("submitit_folder", "max_num_timeout")
@@ -45,33 +47,50 @@ def group_by_resources(resources: list[dict[str, Any]]) -> list[tuple[dict[str, 
 
 def resume_checkpoint(job_dir: str, restart_count: int) -> str | None:
     """The checkpoint a requeued job resumes from: its own newest ``last.ckpt``, if any."""
+    from litscale.checkpoints import newest_last_checkpoint
+
     if restart_count < 1 or not os.path.isdir(job_dir):
         return None
     return newest_last_checkpoint(job_dir)
 
 
-class SlurmLauncher(plugin.SlurmLauncher):
-    """hydra-submitit-launcher's SLURM launcher with per-job resources and rank-aware jobs."""
+class SlurmLauncher(ClusterLauncher):
+    """hydra-submitit-launcher's SLURM launcher with per-job resources and rank-aware jobs.
+
+    NOTE: not a subclass of the plugin's class, which would import hydra-submitit-launcher
+    whenever Hydra scans its plugins; its ``submitit_slurm`` config (this one's defaults) and
+    ``submitit`` are used only once the launcher is chosen."""
+
+    _EXECUTOR = "slurm"
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        loader = self.hydra_context.config_loader
-        resources = [job_resources(loader.load_sweep_config(self.config, list(overrides)))
-                     for overrides in job_overrides]
-        jobs: list[Any] = [None] * len(job_overrides)
-        for params, indices in group_by_resources(resources):
-            arguments = [(list(job_overrides[i]), "hydra.sweep.dir", initial_job_idx + i,
-                          f"job_id_for_{initial_job_idx + i}", Singleton.get_state()) for i in indices]
-            submitted = self._executor(params).map_array(self, *zip(*arguments, strict=True))
-            for index, job in zip(indices, submitted, strict=True):
-                jobs[index] = job
-        return [job.results()[0] for job in jobs]  # task 0's result
+        jobs = self.job_configs(job_overrides, initial_job_idx)
+        submitted: list[Any] = [None] * len(jobs)
+        for params, indices in group_by_resources([job_resources(config) for _, config, _ in jobs]):
+            arguments = [(jobs[i][2], "hydra.sweep.dir", jobs[i][0], f"job_id_for_{jobs[i][0]}",
+                          Singleton.get_state()) for i in indices]
+            for index, job in zip(indices, self._executor(params).map_array(self, *zip(*arguments, strict=True)),
+                                  strict=True):
+                submitted[index] = job
+        return [self._result(job, config, overrides)
+                for job, (_, config, overrides) in zip(submitted, jobs, strict=True)]
+
+    @staticmethod
+    def _result(job: Any, job_config: Any, overrides: list[str]) -> JobReturn:
+        """Task 0's record of its job; a failed record, with the job's run dir, where the job
+        ended without one (an error that left Hydra's ``run_job``, a killed task)."""
+        try:
+            return job.results()[0]
+        except Exception as error:  # noqa: BLE001 - submitit's failure types: the job failed
+            return job_return(job_config, overrides, sweep_run_dir(job_config), error=error)
 
     def _executor(self, params: dict[str, Any]):
         """A submitit executor with these settings (as the plugin builds it)."""
         import submitit
+        from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 
         init = {f"{self._EXECUTOR}_max_num_timeout": params["max_num_timeout"]} \
             if "max_num_timeout" in params else {}  # a SLURM setting only
@@ -81,6 +100,13 @@ class SlurmLauncher(plugin.SlurmLauncher):
             key if key in shared else f"{self._EXECUTOR}_{key}": value
             for key, value in params.items() if key not in _EXECUTOR_INIT_KEYS})
         return executor
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """Resubmit this call with its arguments (submitit's requeue on a time-out), as the
+        plugin's launcher does."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict[type, Singleton]) -> JobReturn:
