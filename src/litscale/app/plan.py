@@ -249,7 +249,7 @@ def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayo
     ``built``: the bytes of parameters rank 0 holds. NOTE: each rank's step runs here for real,
     one after the other, so a what-if at hundreds of ranks or of a model larger than this
     machine is not traced (``preflight.collectives=true`` traces any run that starts here)."""
-    from litscale.app.plan_collectives import check_collectives, not_traced_reason
+    from litscale.app.collective_check import check_collectives, not_traced_reason
 
     strategy = choices.get("strategy", "")
     reason = not_traced_reason(strategy, cfg) if layout.world_size > 1 else None

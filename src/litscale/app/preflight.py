@@ -129,7 +129,7 @@ def validate_job(cfg, *, multirun: bool) -> None:
     if here:  # the ranks can start from this process
         check_launchable(layout.processes_per_node, layout.num_nodes)
     if (job.get("preflight") or {}).get("collectives") and not planning(job):  # plan=show traces them itself
-        from litscale.app.plan_collectives import check_collectives
+        from litscale.app.collective_check import check_collectives
 
         print(f"litscale: {check_collectives(job, choices.get('strategy', ''), layout)}", flush=True)
 

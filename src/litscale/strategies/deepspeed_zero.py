@@ -75,7 +75,7 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
     refuses = {Option.LAYOUT_INVARIANT: "DeepSpeed's engine reduces gradients in its own backward hooks into the "
                "partitioned buffers its optimizer steps, and takes no gradient summed outside them"}
     requires = (Requirement("deepspeed", "extras"),)
-    untraced = "DeepSpeed's engine issues its collectives through deepspeed.comm, outside the traced process group"
+    untraced = "its engine is not built on the fake process group the check traces on (it flattens the parameters into buffers on its device)"
     phase_collectives = {"backward": "gradient reduction", "optimizer": "parameter all-gather"}
 
     @checked_arguments("strategy")
