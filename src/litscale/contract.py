@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -29,6 +30,11 @@ from litscale.layout import MeshSizes
 
 if TYPE_CHECKING:
     from torch import nn
+
+
+# Why the FSDP2 and DTensor strategies refuse fp16: Lightning's ModelParallelStrategy, which they
+# build on, refuses it only once the ranks have started.
+NO_SHARDED_LOSS_SCALER = "FSDP2 and DTensor strategies have no sharded loss scaler"
 
 
 class Option(StrEnum):
@@ -96,6 +102,19 @@ class StrategyContract:
     phase_collectives: ClassVar[dict[str, str]] = {}
     # More ranks than cores is this strategy's normal case (a simulation of clients).
     simulates_clients: ClassVar[bool] = False
+    # The planner costs and ranks this strategy: its step is a synchronous one whose memory and
+    # communication follow from its sharding and mesh (not local SGD's or federated rounds).
+    plannable: ClassVar[bool] = True
+
+    @classmethod
+    def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
+                         context_sizes: Sequence[int]) -> list[tuple[dict[str, Any], MeshSizes]]:
+        """The layouts the planner tries for this strategy on ``world_size`` ranks (``nodes`` x
+        ``devices_per_node``): each as its constructor options and the mesh they lay the world
+        out on (its ``resolve_mesh``). ``context_sizes``: the sequence splits to try (``[1]`` for
+        a model that declares no attention to split); what the strategy refuses of them is
+        pruned by its ``validate_setup``. By default: every rank a replica."""
+        return [({}, MeshSizes(data_replicate=world_size))]
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """How ``world_size`` ranks split into the mesh: here, every rank a replica."""

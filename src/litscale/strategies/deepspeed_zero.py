@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -128,6 +129,12 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         self.exclude_frozen_parameters = False
         self.loss_scale, self.initial_scale_power, self.loss_scale_window = 0, 16, 1000
         self.hysteresis, self.min_loss_scale = 2, 1
+
+    @classmethod
+    def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
+                         context_sizes: Sequence[int]) -> list[tuple[dict[str, Any], MeshSizes]]:
+        """Each ZeRO stage over every rank (the planner's layouts)."""
+        return [({"stage": stage}, MeshSizes(data_shard=world_size)) for stage in (1, 2, 3)]
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """Every rank holds a shard (of the optimizer state, gradients, parameters: by stage)

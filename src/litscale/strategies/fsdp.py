@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.contract import Option, StrategyContract
+from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.layout import CONTEXT, MeshAxis
 from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
@@ -189,7 +189,7 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
     devices=2)`` or ``Trainer(strategy="litscale_fsdp")``.
     """
 
-    refuses = {Option.FP16_MIXED: "FSDP2 and DTensor strategies have no sharded loss scaler"}
+    refuses = {Option.FP16_MIXED: NO_SHARDED_LOSS_SCALER}
     phase_collectives = {"forward": "parameter all-gather", "backward": "all-gather / gradient reduce-scatter"}
     mesh_layout = staticmethod(fsdp_mesh_layout)
 
@@ -219,6 +219,18 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
         self.expert_parallel_size = expert_parallel_size
         self.cpu_offload = cpu_offload
         self.activation_checkpointing = activation_checkpointing
+
+    @classmethod
+    def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
+                         context_sizes: Sequence[int]) -> list[tuple[dict[str, Any], MeshSizes]]:
+        """Every rank a shard, each sequence split over each of ``context_sizes`` that divides
+        the world; across nodes, also HSDP: a replica per node, sharded within it (the planner's
+        layouts)."""
+        found = [({"context_parallel_size": size}, MeshSizes(data_shard=world_size // size, context=size))
+                 for size in context_sizes if world_size % size == 0]
+        if nodes > 1:
+            found.append(({"replicate_size": nodes}, MeshSizes(data_replicate=nodes, data_shard=world_size // nodes)))
+        return found
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """``replicate_size`` replicas of ``world_size / (replicate_size x context_parallel_size)``

@@ -20,7 +20,7 @@ directories in which each stage writes its own parameters.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -34,7 +34,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.contract import Option, StrategyContract
+from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
@@ -94,16 +94,18 @@ def default_virtual_stages(schedule: str) -> int:
     return 1 if SCHEDULES[schedule][1] == "single" else 2
 
 
+# NOTE: the schedule calls ``loss_fn`` on the last stage's output only, so a loss the network
+# adds beside its output (a mixture of experts' load-balancing loss) would silently vanish.
+AUXILIARY_LOSS_DROPPED = ("the schedule computes the loss from the last stage's output only, so a mixture of "
+                          "experts trains only without its load-balancing loss (model.net.aux_loss_coef=0; "
+                          "the bias update, model.net.bias_update_rate, still balances the experts)")
+
+
 def check_no_auxiliary_loss(net: nn.Module) -> None:
-    """The schedule calls ``loss_fn`` on the last stage's output only, so a loss the network
-    adds beside its output (a mixture of experts' load-balancing loss) would silently vanish."""
     coefficient = getattr(getattr(net, "config", None), "aux_loss_coef", 0.0) or 0.0
     if coefficient > 0:
-        raise ValueError(
-            f"model.net.aux_loss_coef={coefficient} is not supported with strategy=pipeline: the schedule "
-            "computes the loss from the last stage's output only, so the load-balancing loss would be "
-            "dropped; allowed: model.net.aux_loss_coef=0 (the bias update, model.net.bias_update_rate, "
-            "still balances the experts)")
+        raise ValueError(f"model.net.aux_loss_coef={coefficient} is not supported with strategy=pipeline: "
+                         f"{AUXILIARY_LOSS_DROPPED}; allowed: model.net.aux_loss_coef=0")
 
 
 def check_microbatches(microbatches: int, micro_batch: int | None) -> None:
@@ -126,7 +128,9 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
     ``validation_step`` run with the pipeline's loss in its place (so it logs as usual).
     """
 
-    refuses = {Option.FP16_MIXED: "FSDP2 and DTensor strategies have no sharded loss scaler", Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul"}
+    refuses = {Option.FP16_MIXED: NO_SHARDED_LOSS_SCALER,
+               Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul",
+               Option.MIXTURE_OF_EXPERTS: AUXILIARY_LOSS_DROPPED}
     untraced = "its stages' send/recv pairs are not traced"
     phase_collectives = {"forward": "pipeline send/recv", "optimizer": "gradient reduction"}
     mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
@@ -177,6 +181,17 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
     def sharding(self) -> Sharding:
         """FSDP2 over the data dimension (litscale.sharding.LaidOut), on each rank's share."""
         return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
+
+    @classmethod
+    def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
+                         context_sizes: Sequence[int]) -> list[tuple[dict[str, Any], MeshSizes]]:
+        """Each pipeline size above 1 that divides the world, each tensor-parallel size that
+        divides the rest, and data parallel over what remains (the planner's layouts)."""
+        return [({"pipeline_parallel_size": pipeline, "data_parallel_size": world_size // (pipeline * tensor),
+                  "tensor_parallel_size": tensor},
+                 MeshSizes(pipeline=pipeline, data_shard=world_size // (pipeline * tensor), tensor=tensor))
+                for pipeline in range(2, world_size + 1) if world_size % pipeline == 0
+                for tensor in range(1, world_size // pipeline + 1) if (world_size // pipeline) % tensor == 0]
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         return resolve_mesh_sizes(world_size, pipeline=self.pipeline_parallel_size,

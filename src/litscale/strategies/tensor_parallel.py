@@ -13,7 +13,7 @@ load: a run saved at TP=2 loads at TP=1 or into the plain network.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.contract import Option, StrategyContract
+from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.context_parallel import (
@@ -207,7 +207,8 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
     -> style (``STYLES``), instead of the model's ``tensor_parallel_plan``.
     """
 
-    refuses = {Option.FP16_MIXED: "FSDP2 and DTensor strategies have no sharded loss scaler", Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul"}
+    refuses = {Option.FP16_MIXED: NO_SHARDED_LOSS_SCALER,
+               Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul"}
     phase_collectives = {"forward": "tensor-parallel collectives", "backward": "tensor-parallel collectives / gradient reduce-scatter"}
     mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
 
@@ -246,6 +247,18 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
     def sharding(self) -> Sharding:
         """FSDP2 over the data dimension (litscale.sharding.LaidOut), on each rank's share."""
         return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
+
+    @classmethod
+    def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
+                         context_sizes: Sequence[int]) -> list[tuple[dict[str, Any], MeshSizes]]:
+        """Each tensor-parallel size above 1 that divides the world, each sequence split of
+        ``context_sizes`` that divides the rest, and data parallel over what remains (the
+        planner's layouts)."""
+        return [({"tensor_parallel_size": tensor, "data_parallel_size": world_size // (tensor * context),
+                  "context_parallel_size": context},
+                 MeshSizes(data_shard=world_size // (tensor * context), tensor=tensor, context=context))
+                for tensor in range(2, world_size + 1) if world_size % tensor == 0
+                for context in context_sizes if (world_size // tensor) % context == 0]
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         sizes = resolve_mesh_sizes(world_size, pipeline=1, data=self.data_parallel_size,

@@ -1,0 +1,133 @@
+"""Combinations of litscale's options, drawn from their cross product by a seeded generator.
+
+A combination is one choice per dimension (strategy with its mesh sizes, precision,
+determinism, model family, compression, devices, accumulation, Hydra launcher and sweeper),
+turned into the overrides a user would type. ``tests/test_combinations.py`` checks that each
+is either refused in one line before any rank starts, or accepted and trains right.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from dataclasses import dataclass
+
+# strategy variant -> its overrides (mesh sizes included); sizes that need 4 ranks say so.
+STRATEGIES = {
+    "single": ["strategy=single"],
+    "ddp": ["strategy=ddp"],
+    "fsdp": ["strategy=fsdp"],
+    "fsdp_ep2": ["strategy=fsdp", "strategy.expert_parallel_size=2"],
+    "fsdp_cp2": ["strategy=fsdp", "strategy.context_parallel_size=2"],
+    "zero1": ["strategy=deepspeed_zero", "strategy.stage=1"],
+    "zero2": ["strategy=deepspeed_zero", "strategy.stage=2"],
+    "zero3": ["strategy=deepspeed_zero", "strategy.stage=3"],
+    "tensor_parallel": ["strategy=tensor_parallel"],
+    "tp2_cp2": ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "strategy.context_parallel_size=2"],
+    "tp_ep2": ["strategy=tensor_parallel", "strategy.tensor_parallel_size=1", "strategy.expert_parallel_size=2"],
+    "pipeline": ["strategy=pipeline"],
+    "pp2_dp2": ["strategy=pipeline", "strategy.pipeline_parallel_size=2", "strategy.data_parallel_size=2"],
+    "local_sgd": ["strategy=local_sgd"],
+    "federated": ["strategy=federated"],
+}
+PRECISIONS = ("fp32", "bf16_mixed", "fp16_mixed", "bf16_true")
+DETERMINISM = ("none", "layout_invariant")
+# model family -> its overrides: the data of its task, small enough to train in a second.
+MODELS = {
+    "gpt": ["model=gpt", "data=synthetic", "data.seq_len=32"],
+    "llama": ["model=llama", "data=synthetic", "data.seq_len=32"],
+    "moe": ["model=moe", "data=synthetic", "data.seq_len=32"],
+    "hf": ["model=hf", "data=synthetic", "data.seq_len=32"],
+    "mlp": ["model=mlp", "data=digits"],
+    "resnet": ["model=resnet", "data=digits"],  # BatchNorm: running statistics in buffers
+}
+COMPRESSIONS = ("none", "fp16", "powersgd", "topk")
+DEVICES = (1, 2, 4)
+ACCUMULATIONS = (1, 2)
+LAUNCHERS = ("basic", "ray", "slurm_local")
+SWEEPERS = ("basic", "optuna")
+# What every combination shares: a CPU run of 2 steps with a micro batch that 4 microbatches split.
+BASE = ["trainer.accelerator=cpu", "trainer.max_steps=2", "launcher.oversubscribe=true",
+        "data.batch_size=8", "logger=none", "callbacks=none"]
+SEED_ENV = "LITSCALE_COMBINATION_SEED"
+
+
+@dataclass(frozen=True)
+class Combination:
+    strategy: str
+    precision: str
+    determinism: str
+    model: str
+    compression: str
+    devices: int
+    accumulation: int
+    launcher: str
+    sweeper: str
+
+    def job_overrides(self) -> list[str]:
+        """What the job sees: everything but the Hydra launcher and sweeper."""
+        return [*BASE, *STRATEGIES[self.strategy], f"precision={self.precision}",
+                f"determinism={self.determinism}", *MODELS[self.model], f"compression={self.compression}",
+                f"trainer.devices={self.devices}", f"trainer.accumulate_grad_batches={self.accumulation}"]
+
+    def overrides(self) -> list[str]:
+        """The command line: the job's overrides and the engines that launch and sweep it."""
+        engines = [f"hydra/launcher={self.launcher}"] if self.launcher != "basic" else []
+        if self.sweeper != "basic":
+            engines.append(f"hydra/sweeper={self.sweeper}")
+        return [*self.job_overrides(), *engines]
+
+    @property
+    def multirun(self) -> bool:
+        """Another launcher or sweeper is chosen only with ``-m``."""
+        return self.launcher != "basic" or self.sweeper != "basic"
+
+    def __str__(self) -> str:
+        return " ".join(self.overrides())
+
+
+DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRESSIONS, DEVICES,
+              ACCUMULATIONS, LAUNCHERS, SWEEPERS)
+
+
+# How often each value is drawn, by dimension (None: evenly). Most options refuse only a few
+# partners, so the usual value of the dimensions that refuse most (compression, fp16, the
+# determinism mode) is drawn more often: a sample with as many accepted combinations to train
+# as refused ones to read.
+WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), None, None, (3, 1, 1), (3, 1))
+
+
+def cross_product_size() -> int:
+    size = 1
+    for values in DIMENSIONS:
+        size *= len(values)
+    return size
+
+
+def combination_seed(default: int) -> int:
+    """The sample's seed: ``LITSCALE_COMBINATION_SEED`` when set (to reproduce a failure), else
+    ``default``; tests print it."""
+    return int(os.environ.get(SEED_ENV, default))
+
+
+def sample(count: int, seed: int) -> list[Combination]:
+    """``count`` distinct combinations, each dimension drawn by ``WEIGHTS``, reproducible from
+    ``seed``."""
+    rng, found = random.Random(seed), {}
+    while len(found) < count:
+        chosen = Combination(*(rng.choices(values, weights)[0] for values, weights in zip(DIMENSIONS, WEIGHTS, strict=True)))
+        found.setdefault(chosen, None)
+    return list(found)
+
+
+def every_pair_of_strategy_and(dimension: int) -> list[Combination]:
+    """Each strategy with each value of one other dimension, the rest at its first value: the
+    cells the compatibility table states, checked against validation."""
+    first = [values[0] for values in DIMENSIONS]
+    found = []
+    for strategy, value in itertools.product(DIMENSIONS[0], DIMENSIONS[dimension]):
+        chosen = list(first)
+        chosen[0], chosen[dimension] = strategy, value
+        found.append(Combination(*chosen))
+    return found

@@ -1,0 +1,65 @@
+"""``docs/compatibility.md`` is current, and validation refuses exactly what it states."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+from helpers.configs import compose_job
+
+from litscale.app.contract_checks import check_strategy_accepts
+from litscale.app.validation import validate
+from litscale.compatibility import render
+from litscale.compatibility import strategy_rows as _strategy_rows
+from litscale.contract import Option, why_not
+from litscale.errors import ConfigError
+
+strategy_rows = functools.cache(_strategy_rows)  # built once for every test here
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
+# Each row of the page as a command line chooses it.
+ROWS = {name: name.replace(" stage=", " strategy.stage=").split() for name, _ in strategy_rows()}
+CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2", "launcher.oversubscribe=true", "data=synthetic",
+        "data.seq_len=32"]
+
+
+def test_the_compatibility_page_is_what_the_contract_says_now():
+    assert PAGE.read_text() == render(), "run: python -m litscale.compatibility > docs/compatibility.md"
+
+
+def _refusal(overrides: list[str], tmp_path) -> str | None:
+    cfg, choices = compose_job(overrides, tmp_path / "run")
+    try:
+        validate(cfg, choices=choices, this_machine=False)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", sorted(ROWS))
+@pytest.mark.parametrize(("option", "override"), [(Option.COMPRESSION, "compression=fp16"),
+                                                  (Option.LAYOUT_INVARIANT, "determinism=layout_invariant")])
+def test_validation_refuses_exactly_the_options_the_page_says_no_to(row, option, override, tmp_path):
+    strategy = dict(strategy_rows())[row]
+    first, *options = ROWS[row]
+    devices = ["trainer.devices=1"] if first == "single" else []
+    refusal = _refusal([*CPU2, f"strategy={first}", *options, override, *devices], tmp_path)
+    reason = why_not(strategy, option)
+    if reason is None:
+        assert refusal is None or override not in refusal, refusal
+    else:
+        assert refusal is not None and refusal.startswith(f"{override} is not supported with") and reason in refusal
+
+
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_fp16_is_refused_by_exactly_the_strategies_the_page_says_no_to(row, tmp_path):
+    """Asked of the contract check alone: on this CPU machine fp16 is refused before it."""
+    first, *options = ROWS[row]
+    cfg, choices = compose_job([f"strategy={first}", *options, "precision=fp16_mixed"], tmp_path / "run")
+    reason = why_not(dict(strategy_rows())[row], Option.FP16_MIXED)
+    if reason is None:
+        check_strategy_accepts(cfg, choices, dict(strategy_rows())[row])
+    else:
+        with pytest.raises(ConfigError, match="^precision=fp16_mixed is not supported with strategy="):
+            check_strategy_accepts(cfg, choices, dict(strategy_rows())[row])
