@@ -21,7 +21,8 @@ from annotated_types import Ge, Gt, Interval, Le
 from helpers.configs import REPO_ROOT, compose_full, compose_job, group_options
 from omegaconf import ListConfig
 
-from litscale.app.validation import ConfigError, count_devices, validate
+from litscale.app.devices import count_devices
+from litscale.app.validation import ConfigError, validate
 from litscale.arguments import check_value, describe
 from litscale.constraints import (
     Fraction,
