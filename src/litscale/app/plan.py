@@ -351,8 +351,8 @@ def _verify(cfg: DictConfig, cluster: Cluster, choices: dict[str, str], top: lis
     """Measure ``top`` here, each written as ``<plan_dir>/experiment/verify_<i>.yaml``; return the
     plan measured fastest (None when none could be measured), after saying where the predicted
     order was wrong."""
+    from litscale.app.devices import resolve_accelerator
     from litscale.app.plan_verify import check_verifiable, order_mistakes, table, verify
-    from litscale.app.validation import resolve_accelerator
 
     reason = check_verifiable(cluster)
     if reason:
