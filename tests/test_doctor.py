@@ -4,6 +4,8 @@ real 2-rank jobs whose rank skips a collective, hangs or all-reduces the wrong s
 
 from __future__ import annotations
 
+import os
+import pickle
 import re
 import sys
 import time
@@ -17,7 +19,7 @@ from helpers.distributed import run_distributed
 
 from litscale.doctor import main as doctor_main
 from litscale.health import flight_recorder
-from litscale.health.doctor import diagnose, load_dumps
+from litscale.health.doctor import UnsafeDumpError, diagnose, load_dumps
 
 THIS_FILE = "tests/test_doctor.py"
 
@@ -152,6 +154,45 @@ def test_the_command_says_when_there_is_nothing_to_read(tmp_path, capsys):
         f"error: no Flight Recorder dumps in {tmp_path} (flight_recorder/rank<N>): a "
         "run writes them when the hang watchdog stops it or a rank fails\n"
     )
+
+
+class _RunsACommand:
+    """What a hostile dump holds: unpickling it calls ``os.system`` (a pickle may name any
+    importable function)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (self.command,)
+
+
+def test_a_dump_that_would_run_code_is_refused_in_one_line_and_nothing_runs(tmp_path, capsys):
+    marker = tmp_path / "ran"
+    directory = tmp_path / flight_recorder.DUMP_DIR
+    directory.mkdir()
+    (directory / "rank0").write_bytes(pickle.dumps(dump(entry(1))))
+    hostile = pickle.dumps({"entries": [_RunsACommand(f"touch {marker}")]})
+    (directory / "rank1").write_bytes(hostile)
+    assert doctor_main([str(tmp_path)]) == 2
+    assert not marker.exists()
+    refused = f"{os.system.__module__}.system"  # posix.system on Linux
+    assert capsys.readouterr().err == (
+        f"error: {directory / 'rank1'} refers to {refused}, which a Flight Recorder dump never holds; allowed: "
+        "plain data (dict, list, tuple, str, int, float, bool, bytes, set, None); nothing of the file was run\n"
+    )
+    with pytest.raises(UnsafeDumpError):
+        load_dumps(tmp_path)
+    assert not marker.exists()
+
+
+def test_plain_data_of_every_allowed_kind_loads(tmp_path):
+    data = {"entries": [], "sizes": [(1, 2.5)], "flags": {True, None}, "raw": b"\x00", "name": "pg"}
+    for protocol in range(3, pickle.HIGHEST_PROTOCOL + 1):  # 0-2 spell bytes as a call of _codecs
+        (tmp_path / "rank0").write_bytes(pickle.dumps(data, protocol=protocol))
+        assert load_dumps(tmp_path) == {0: data}, protocol
 
 
 # --- real jobs: 2 CPU ranks, a fault on one ------------------------------------------------------

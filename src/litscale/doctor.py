@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from litscale.health.doctor import diagnose, load_dumps
+from litscale.health.doctor import UnsafeDumpError, diagnose, load_dumps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
         help="ranks the job had (names ranks that left no dump)",
     )
     args = parser.parse_args(argv)
-    dumps = load_dumps(args.run_dir)
+    try:
+        dumps = load_dumps(args.run_dir)
+    except UnsafeDumpError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if not dumps:
         print(
             f"error: no Flight Recorder dumps in {args.run_dir} (flight_recorder/rank<N>): a run writes them "

@@ -14,7 +14,6 @@ rank's share of the mesh), from what the strategy states of itself (``sharding``
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -22,50 +21,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
+from litscale.declarations import moe_parameter_counts
 from litscale.layout import mesh_of
 from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
-from litscale.strategies.expert_parallel import moe_parameter_counts
+from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
 
 __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 
 METRICS = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of memory covered by ``tensors``, each byte counted once: views into one flat
-    buffer (DDP's gradient buckets, DeepSpeed's partitions) add up to the part of the buffer
-    they cover, not to the whole buffer once per view, and a buffer's unused tail (a
-    communication bucket sized by a config knob) is not counted."""
-    spans = []
-    for tensor in tensors:
-        if tensor is None or local(tensor).numel() == 0:
-            continue
-        tensor = local(tensor)
-        if tensor.is_contiguous():
-            start = tensor.data_ptr()
-            spans.append((start, start + tensor.numel() * tensor.element_size()))
-        else:
-            storage = tensor.untyped_storage()
-            spans.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
-    total, end = 0, -1
-    for start, stop in sorted(spans):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
-def optimizer_state_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 def optimizer_state_bytes_per_param(optimizer: Optimizer) -> int:

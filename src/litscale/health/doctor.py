@@ -44,16 +44,45 @@ class Diagnosis:
 
 
 def load_dumps(run_dir: str | os.PathLike) -> dict[int, dict]:
-    """Rank -> its dump, from ``<run dir>/flight_recorder/rank<N>`` (or a directory of them)."""
+    """Rank -> its dump, from ``<run dir>/flight_recorder/rank<N>`` (or a directory of them).
+    Raises ``UnsafeDumpError`` for a file that holds anything but plain data."""
     directory = Path(run_dir)
     if (directory / DUMP_DIR).is_dir():
         directory = directory / DUMP_DIR
     dumps = {}
     for path in directory.glob("rank*"):
         if path.name[4:].isdigit():
-            with open(path, "rb") as handle:
-                dumps[int(path.name[4:])] = pickle.load(handle)
+            dumps[int(path.name[4:])] = load_plain_pickle(path)
     return dumps
+
+
+# What a Flight Recorder dump is made of. NOTE: a pickle names any importable callable and
+# calls it while loading (``os.system`` included), and a run dir may come from someone else's
+# job: the doctor reads plain data only.
+PLAIN_TYPES = ("dict", "list", "tuple", "str", "int", "float", "bool", "bytes", "set")  # and None: no class
+
+
+class UnsafeDumpError(ValueError):
+    """A dump that names a class or function other than plain data; nothing of it was run."""
+
+
+class _PlainDataUnpickler(pickle.Unpickler):
+    def __init__(self, handle, path: Path) -> None:
+        super().__init__(handle)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> type:
+        if module == "builtins" and name in PLAIN_TYPES:
+            return super().find_class(module, name)
+        raise UnsafeDumpError(
+            f"{self.path} refers to {module}.{name}, which a Flight Recorder dump never holds; "
+            f"allowed: plain data ({', '.join(PLAIN_TYPES)}, None); nothing of the file was run")
+
+
+def load_plain_pickle(path: str | os.PathLike) -> object:
+    """The pickle at ``path``, refusing (``UnsafeDumpError``) any class but plain data."""
+    with open(path, "rb") as handle:
+        return _PlainDataUnpickler(handle, Path(path)).load()
 
 
 def diagnose(dumps: dict[int, dict], world_size: int | None = None) -> Diagnosis:

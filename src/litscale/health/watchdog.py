@@ -28,7 +28,7 @@ from torch.distributed import Store
 
 from litscale.health.beats import DONE, Beat
 from litscale.health.diagnosis import Hang, Limits, RankState, find_hang
-from litscale.health.doctor import diagnose, load_dumps
+from litscale.health.doctor import UnsafeDumpError, diagnose, load_dumps
 from litscale.health.heartbeat import (
     DIAGNOSED_KEY,
     STOP_KEY,
@@ -184,6 +184,8 @@ class Watchdog:
             diagnosis = diagnose(dumps, self.world_size) if dumps else None
             if diagnosis is not None and diagnosis.mismatch:
                 print(f"doctor: {diagnosis.line}", file=sys.stderr, flush=True)
+        except UnsafeDumpError as error:  # the hang's own line and stop still come
+            print(f"doctor: {error}", file=sys.stderr, flush=True)
         finally:
             self.store.set(DIAGNOSED_KEY, b"1")
 

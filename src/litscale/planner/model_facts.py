@@ -162,7 +162,7 @@ def moe_facts(net: nn.Module) -> MoEFacts | None:
     """The MoE facts of a network that declares grouped experts (``expert_modules``), read off
     its modules: each declared module's parent is its MoE layer (router, experts, shared
     experts); None for a dense network."""
-    from litscale.strategies.expert_parallel import find_expert_modules, moe_parameter_counts
+    from litscale.declarations import find_expert_modules, moe_parameter_counts
 
     experts = find_expert_modules(net)
     config = getattr(net, "config", None)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from litscale.strategies.declarations import declared
+from litscale.declarations import declared
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

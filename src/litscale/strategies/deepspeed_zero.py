@@ -31,7 +31,7 @@ from litscale.constraints import PositiveInt
 from litscale.contract import Option, Requirement, StrategyContract, refusal_line
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding
-from litscale.strategies.declarations import declared
+from litscale.declarations import declared
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 
@@ -260,7 +260,7 @@ def zero_memory_bytes(engine: Any, stage: int) -> dict[str, int]:
     partition is ``ds_tensor``. Gradients are the module's ``.grad`` (stage 1 keeps them
     whole until the step) plus the reduced partitions; the optimizer holds the fp32 master
     partition and the wrapped optimizer's state."""
-    from litscale.callbacks.memory import optimizer_state_tensors, storage_bytes
+    from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
 
     zero = engine.optimizer
     params = list(engine.module.parameters())

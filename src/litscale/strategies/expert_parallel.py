@@ -33,34 +33,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from litscale.declarations import find_expert_modules
 from litscale.layout import MeshAxis
-from litscale.strategies.declarations import declared
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
-
-
-def find_expert_modules(module: nn.Module) -> list[nn.Module]:
-    """The grouped-experts modules ``module`` or its ``net`` declares (``expert_modules``), []
-    if none."""
-    found = declared(module, "expert_modules")
-    if not found:
-        return []
-    owner, names = found
-    return [owner.get_submodule(name) for name in names]
-
-
-def moe_parameter_counts(module: nn.Module) -> tuple[int, int]:
-    """(parameters of the MoE layers, of their routed experts) of ``module`` or its ``net``: each
-    declared grouped-experts module's parent is its MoE layer (router, routed and shared
-    experts), which tensor parallel leaves whole (``models/moe_parallel.py``) and whose routed
-    experts expert parallel splits; (0, 0) without declared experts."""
-    experts = find_expert_modules(module)
-    names = {id(m): name for name, m in module.named_modules()}
-    layers = [module.get_submodule(names[id(m)].rpartition(".")[0]) for m in experts]
-    return (sum(p.numel() for layer in layers for p in layer.parameters()),
-            sum(p.numel() for m in experts for p in m.parameters()))
 
 
 def check_expert_parallel_fits(net: nn.Module, expert_parallel_size: int, context_parallel_size: int = 1) -> None:

@@ -40,7 +40,7 @@ from litscale.strategies.context_parallel import (
     data_context_mesh,
     shard_batch,
 )
-from litscale.strategies.declarations import declared, name_matches
+from litscale.declarations import declared, name_matches
 from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
 from litscale.strategies.mesh import (
     MeshSizes,

@@ -34,7 +34,7 @@ from litscale.strategies.context_parallel import (
     data_context_mesh,
     shard_batch,
 )
-from litscale.strategies.declarations import declared, name_matches
+from litscale.declarations import declared, name_matches
 from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
 from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
 from litscale.strategies.mesh import (
