@@ -1,6 +1,7 @@
 """Context parallel's pieces against their definitions: the load-balanced chunks and their
-positions, and, on gloo ranks, the sharded attention and a whole Llama forward and backward
-against one process's (the training parity is in ``test_parity.py``, family ``context_parallel``).
+positions, the chunked attention against causal SDPA over the whole sequence, and, on gloo
+ranks, the sharded attention and a whole Llama forward and backward against one process's
+(the training parity is in ``test_parity.py``, family ``context_parallel``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import torch.nn.functional as F
 from helpers.distributed import run_distributed
 
 from litscale.models.llama import Llama, LlamaConfig
-from litscale.strategies.context_parallel import SequenceShard, chunks_of, shard_sequence
+from litscale.strategies.context_attention import causal_attention_of_chunks
+from litscale.strategies.context_parallel import (
+    SequenceShard,
+    chunks_of,
+    in_sequence_order,
+    shard_sequence,
+)
 
 TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
 
@@ -35,9 +42,84 @@ def test_ranks_hold_chunk_i_and_its_mirror_and_together_the_whole_sequence(size)
         # The positions RoPE reads are the positions of the tokens the rank holds.
         assert torch.equal(_shard_on(rank, size).positions(len(tokens), torch.device("cpu")), tokens)
     assert sorted(torch.cat(held).tolist()) == everything.tolist()
+    # What an all-gather of every rank's share hands attention, put back in sequence order.
+    assert torch.equal(in_sequence_order(torch.cat(held)[None, None], size)[0, 0], everything)
     # Causal work (keys each query sees) is the same on every rank: the point of the pairing.
     work = {int((tokens + 1).sum()) for tokens in held}
     assert len(work) == 1
+
+
+def _rows_and_gradients(whole, weight, size, rank, dtype, chunked):
+    """Rank ``rank`` of ``size``'s rows of causal attention over the whole sequence, and the
+    gradients of q (those rows), k and v that those rows alone contribute, as fp32: computed by
+    the chunked attention, or by one causal SDPA over the whole sequence."""
+    chunks = chunks_of(rank, size)
+    chunk = whole[0].shape[2] // (2 * size)
+    rows = torch.cat([torch.arange(g * chunk, (g + 1) * chunk) for g in chunks])
+    leaves = [t.to(dtype, copy=True).requires_grad_() for t in whole]
+    if chunked:
+        # Queries as a decoder hands them over (a transposed view).
+        queries = leaves[0].detach().transpose(1, 2).contiguous().transpose(1, 2)[:, :, rows].requires_grad_()
+        out = causal_attention_of_chunks(queries, leaves[1], leaves[2], chunks)
+    else:
+        queries = leaves[0]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)[:, :, rows]
+    (out * weight[:, :, rows].to(dtype)).sum().backward()
+    grad_q = queries.grad if chunked else queries.grad[:, :, rows]
+    return [t.float() for t in (out, grad_q, leaves[1].grad, leaves[2].grad)]
+
+
+def _inputs(heads: int, kv_heads: int, length: int, seed: int = 0):
+    torch.manual_seed(seed)
+    return [torch.randn(2, h, length, 8) for h in (heads, kv_heads, kv_heads)], torch.randn(2, heads, length, 8)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 2), (4, 4)], ids=["gqa", "gqa3", "mha"])
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_chunked_attention_equals_causal_sdpa_over_the_whole_sequence(heads, kv_heads, size):
+    """Each rank's chunks (first, middle and last of the sequence) against the same rows of one
+    causal SDPA: the output and the gradients of q, k and v."""
+    whole, weight = _inputs(heads, kv_heads, 16 * size)
+    for rank in range(size):
+        expected = _rows_and_gradients(whole, weight, size, rank, torch.float32, chunked=False)
+        got = _rows_and_gradients(whole, weight, size, rank, torch.float32, chunked=True)
+        for name, mine, theirs in zip(("output", "grad q", "grad k", "grad v"), got, expected, strict=True):
+            torch.testing.assert_close(mine, theirs, **TOLERANCE, msg=lambda m, name=name, rank=rank: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunked_attention_in_bf16_is_as_close_to_fp32_as_sdpa_in_bf16(seed):
+    """bf16 rounds the partial outputs before their merge: no more than 1.5x the error of one
+    bf16 SDPA over the whole sequence, both against fp32."""
+    whole, weight = _inputs(4, 2, 64, seed)
+    exact = _rows_and_gradients(whole, weight, 2, 0, torch.float32, chunked=False)
+    single = _rows_and_gradients(whole, weight, 2, 0, torch.bfloat16, chunked=False)
+    chunked = _rows_and_gradients(whole, weight, 2, 0, torch.bfloat16, chunked=True)
+    for name, mine, theirs, truth in zip(("output", "grad q", "grad k", "grad v"), chunked, single, exact, strict=True):
+        assert (mine - truth).abs().max() <= 1.5 * (theirs - truth).abs().max(), name
+
+
+def test_chunked_attention_builds_no_chunk_by_chunk_tensor():
+    """What context parallel exists for: no mask, scores or probabilities of ``chunk x keys``.
+    Every tensor forward and backward create is at most the size of the keys or the queries."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestOutput(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for tensor in torch.utils._pytree.tree_leaves(result):
+                if isinstance(tensor, torch.Tensor):
+                    self.largest = max(self.largest, tensor.numel())
+            return result
+
+    chunk, heads, kv_heads = 128, 4, 2
+    queries = torch.randn(1, heads, 2 * chunk, 8, requires_grad=True)
+    keys, values = (torch.randn(1, kv_heads, 4 * chunk, 8, requires_grad=True) for _ in range(2))
+    with LargestOutput() as seen:
+        causal_attention_of_chunks(queries, keys, values, chunks_of(0, 2)).sum().backward()
+    assert seen.largest <= queries.numel() < chunk * chunk
 
 
 def _attention_and_llama(rank: int, world_size: int) -> dict[str, float]:

@@ -12,7 +12,9 @@ context parallelism, Llama 3's for long context: with grouped-query attention th
 values are a fraction of the queries, and one gather costs fewer messages than ``cp - 1``
 ring steps). The gather is torch's autograd-aware functional all-gather, whose backward is
 the reduce-scatter that sums every rank's gradient of a rank's keys and values.
-Each query chunk attends to the chunks up to its own only (a causal mask aligned to its end).
+Each query chunk attends to the chunks before its own unmasked and to its own causally, two
+fused-kernel calls merged by log-sum-exp (``context_attention``): no rank builds a mask or
+scores of ``chunk x sequence``.
 
 Everything else in a decoder acts token by token and runs on a rank's shard unchanged; RoPE
 takes the shard's own positions (``SequenceShard.positions``). Each rank's loss is the mean
@@ -31,10 +33,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from litscale.declarations import declared
+from litscale.strategies.context_attention import causal_attention_of_chunks
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,25 +81,23 @@ class SequenceShard:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention on ``[batch, heads, local seq, head_dim]``: each of this rank's two
         query chunks over the gathered key/value chunks up to and including its own."""
+        keys, values = self.gather_in_sequence_order(k), self.gather_in_sequence_order(v)
+        return causal_attention_of_chunks(q, keys, values, chunks_of(self.rank, self.size))
+
+    def gather_in_sequence_order(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's share of ``[batch, heads, local seq, head_dim]``, as the whole sequence."""
         from torch.distributed._functional_collectives import all_gather_single
 
-        chunk = q.shape[2] // 2
-        # Gathered, rank j's block holds chunks j and 2 cp - 1 - j; put them in sequence order.
-        pieces = {}
-        for name, tensor in (("k", k), ("v", v)):
-            gathered = all_gather_single(tensor.contiguous(), 2, self.mesh).chunk(2 * self.size, dim=2)
-            pieces[name] = [None] * (2 * self.size)
-            for j in range(self.size):
-                for piece, g in zip(gathered[2 * j:2 * j + 2], chunks_of(j, self.size), strict=True):
-                    pieces[name][g] = piece
-        outputs = []
-        for queries, g in zip(q.split(chunk, dim=2), chunks_of(self.rank, self.size), strict=True):
-            keys = torch.cat(pieces["k"][:g + 1], dim=2)
-            values = torch.cat(pieces["v"][:g + 1], dim=2)
-            # Query i of chunk g sits at position g * chunk + i: it sees keys up to there.
-            mask = torch.ones(chunk, (g + 1) * chunk, dtype=torch.bool, device=q.device).tril(g * chunk)
-            outputs.append(F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True))
-        return torch.cat(outputs, dim=2)
+        return in_sequence_order(all_gather_single(tensor.contiguous(), 2, self.mesh), self.size)
+
+
+def in_sequence_order(gathered: torch.Tensor, size: int) -> torch.Tensor:
+    """The all-gather of ``size`` ranks' shares (dimension 2), rank ``j``'s block holding chunks
+    ``chunks_of(j, size)``, as the sequence in order: one copy, after which the chunks a query
+    sees unmasked are one slice."""
+    pieces = gathered.chunk(2 * size, dim=2)
+    held = [g for j in range(size) for g in chunks_of(j, size)]
+    return torch.cat([pieces[held.index(g)] for g in range(2 * size)], dim=2)
 
 
 def attention_modules(module: nn.Module) -> list[nn.Module] | None:
