@@ -23,6 +23,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 _COMPOSING = threading.Lock()
 
 
+def compose_job(hydra_context: Any, sweep_config: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """One job's config, as Hydra's launchers compose it, one composition at a time."""
+    with _COMPOSING:
+        return hydra_context.config_loader.load_sweep_config(sweep_config, list(overrides))
+
+
 def job_resources(job_config: DictConfig) -> dict[str, Any]:
     """The ``hydra.launcher`` settings of one job, resolved against its own config (so that
     ``${trainer.devices}`` there is this job's device count, not the sweep's first)."""
@@ -81,10 +87,7 @@ class ClusterLauncher(Launcher):
 
     def job_config(self, overrides: Sequence[str], number: int | None = None) -> DictConfig:
         """One job's config (its ``hydra.job.num`` set where ``number`` is given)."""
-        with _COMPOSING:
-            job_config = self.hydra_context.config_loader.load_sweep_config(
-                self.config, list(overrides)
-            )
+        job_config = compose_job(self.hydra_context, self.config, overrides)
         if number is not None:
             with open_dict(job_config):
                 job_config.hydra.job.num = number

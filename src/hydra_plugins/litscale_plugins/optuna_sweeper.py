@@ -34,9 +34,12 @@ from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+# NOTE: optuna_study.NoObjective is looked up where it is caught: Hydra's plugin scan executes
+# the plugin modules again (load_module), which replaces the class a name imported earlier holds.
 from hydra_plugins.litscale_plugins import optuna_study
+from hydra_plugins.litscale_plugins.jobs import compose_job
 from hydra_plugins.litscale_plugins.optuna_space import parse, split
-from hydra_plugins.litscale_plugins.optuna_study import NoObjective, counted, running, shown
+from hydra_plugins.litscale_plugins.optuna_study import counted, running, shown
 from litscale.errors import ConfigError
 
 PRUNING_CALLBACK = "litscale.callbacks.optuna_pruning.OptunaPruning"
@@ -113,6 +116,8 @@ class OptunaSweeper(Sweeper):
         )
 
     def _report_start(self, study: Any) -> None:
+        """Fail the trials of a sweep that stopped beating (their values queued again), then
+        say where the study stands."""
         from optuna.storages import fail_stale_trials
 
         fail_stale_trials(study)
@@ -175,14 +180,13 @@ class OptunaSweeper(Sweeper):
         from litscale.app.experiment_file import without
         from litscale.app.preflight import fail
 
-        with self._lock:
-            trainer = self.hydra_context.config_loader.load_sweep_config(self.config, overrides).trainer
+        trainer = compose_job(self.hydra_context, self.config, overrides).trainer
         try:
             added = optuna_study.validation_overrides(trainer, self.objectives)
         except ConfigError as error:
             if refuse:
                 fail(str(error))
-            raise NoObjective(str(error)) from None
+            raise optuna_study.NoObjective(str(error)) from None
         if added and refuse:
             print(
                 f"litscale: trainer.max_steps={trainer.max_steps} ends before the first validation "
@@ -232,7 +236,7 @@ class OptunaSweeper(Sweeper):
                 (result,) = self.launcher.launch(
                     [job + self._pruning(trial)], initial_job_idx=trial.number
                 )
-            except NoObjective as error:
+            except optuna_study.NoObjective as error:
                 reason = str(error)
             except SystemExit as error:  # the job printed its error line; the search goes on
                 reason = f"the job exited with {error.code} (its error line above)"
@@ -251,7 +255,7 @@ class OptunaSweeper(Sweeper):
         from litscale.errors import ConfigError
 
         with self._lock:  # one trial's planning at a time: each may time the model on this machine
-            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+            cfg = compose_job(self.hydra_context, self.config, overrides)
             choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
             with open_dict(cfg):
                 del cfg.hydra  # as the job's own config is: Hydra's node is not the run's
@@ -292,7 +296,7 @@ class OptunaSweeper(Sweeper):
             try:
                 reason = optuna_study.failure(result)
                 values = None if reason else optuna_study.objective_values(run_dir, self.objectives)
-            except NoObjective as error:
+            except optuna_study.NoObjective as error:
                 reason = str(error)
         pruned_at = study._storage.get_trial(trial._trial_id).user_attrs.get(PRUNED_AT_STEP)
         if pruned_at is not None:
