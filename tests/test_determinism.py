@@ -1,10 +1,14 @@
 """``determinism=layout_invariant``: GPT-nano trained at 1, 2, 4 and 8 ranks, under DDP and
 FSDP, with and without gradient accumulation, gives ``torch.equal`` losses at every step and
-``torch.equal`` weights at the end; the pairwise tree and the chunk arithmetic by hand."""
+``torch.equal`` weights at the end; a ResNet's batch-norm statistics move alike on every layout;
+bf16 runs as under one process; the pairwise tree and the chunk arithmetic by hand; what the
+mode refuses before any rank starts."""
 
 from __future__ import annotations
 
+import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from helpers.configs import compose_job
 from helpers.distributed import run_distributed
 from helpers.strategies import ddp, fsdp
 
+from litscale import determinism
 from litscale.app.validation import ConfigError, validate
 from litscale.determinism import LayoutInvariance, _Subtree, tree_sum
 
@@ -99,6 +104,24 @@ CPU2 = [
             "be a power of two, a multiple of 2 data-parallel rank(s) x 2 micro batch(es) = 4, and divide the global "
             "batch 64",
         ),
+        (
+            ["strategy=fsdp", "model=llama", "strategy.context_parallel_size=2"],
+            "strategy.context_parallel_size=2 is not supported with determinism=layout_invariant: the mode "
+            "splits the batch into chunks of whole samples, each forwarded on an unsplit replica of the network; "
+            "allowed: strategy.context_parallel_size=1",
+        ),
+        (
+            ["strategy=fsdp", "model=moe"],
+            "model=moe is not supported with determinism=layout_invariant: the mode forwards a replica of the "
+            "network, and what its experts' training reads from the network itself (auxiliary_loss, "
+            "take_router_statistics, update_expert_bias, expert_modules) would be lost; allowed: a network "
+            "without experts (e.g. model=gpt or llama)",
+        ),
+        (
+            ["strategy=ddp", "precision=fp16_mixed", "trainer.accelerator=gpu"],
+            "precision=fp16_mixed is not supported with determinism=layout_invariant: its loss scaler would "
+            "unscale gradients the mode sums unscaled; allowed: precision=fp32, bf16_mixed or bf16_true",
+        ),
     ],
     ids=[
         "tensor_parallel",
@@ -108,6 +131,9 @@ CPU2 = [
         "compression",
         "batch",
         "accumulation",
+        "context_parallel",
+        "moe",
+        "fp16_mixed",
     ],
 )
 def test_a_layout_the_mode_cannot_hold_is_refused_in_one_line(
@@ -128,36 +154,63 @@ def batches() -> torch.Tensor:
     return torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, SEQ + 1), generator=generator)
 
 
-def _fit(rank: int, world_size: int, strategy_factory, accumulation: int) -> tuple[list, dict]:
-    """GPT-nano (dropout on) through Lightning in layout-invariant mode on this rank's
-    contiguous share of each global batch; (global losses, full weights on rank 0)."""
+def images() -> tuple[torch.Tensor, torch.Tensor]:
+    """``[steps, global batch, 1, 8, 8]`` images (not centred: the statistics have somewhere to
+    move) and their ``[steps, global batch]`` labels, the same in every process."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(STEPS, GLOBAL_BATCH, 1, 8, 8, generator=generator) * 2 + 0.5
+    return inputs, torch.randint(0, 10, (STEPS, GLOBAL_BATCH), generator=generator)
+
+
+def resnet() -> torch.nn.Module:
+    from litscale.models.resnet import ResNet
+
+    torch.manual_seed(0)
+    return ResNet(input_shape=[1, 8, 8], num_classes=10, widths=[8, 16], blocks_per_stage=1)
+
+
+def _task(name: str, rank: int, world_size: int):
+    """(module class, network, this rank's contiguous share of every global batch)."""
+    from litscale.models.gpt import build_gpt
+    from litscale.modules import CausalLMModule, ClassificationModule
+
+    share = slice(rank * GLOBAL_BATCH // world_size, (rank + 1) * GLOBAL_BATCH // world_size)
+    if name == "resnet":
+        inputs, labels = images()
+        return ClassificationModule, resnet(), (inputs[:, share].flatten(0, 1), labels[:, share].flatten())
+    torch.manual_seed(0)
+    net = build_gpt(preset="nano", vocab_size=VOCAB, block_size=SEQ, dropout=0.1)
+    tokens = batches()[:, share].reshape(-1, SEQ + 1)
+    return CausalLMModule, net, (tokens[:, :-1], tokens[:, 1:])
+
+
+def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, task: str = "gpt",
+         steps: int = STEPS, precision: str = "32-true", accelerator: str = "cpu") -> tuple[list, dict]:
+    """GPT-nano (dropout on) or a small ResNet through Lightning in layout-invariant mode on
+    this rank's contiguous share of each global batch; (global losses, full state on rank 0)."""
     import lightning as L
 
     from litscale.export import consolidated_state_dict
-    from litscale.models.gpt import build_gpt
-    from litscale.modules import CausalLMModule
 
-    torch.manual_seed(0)
-    net = build_gpt(preset="nano", vocab_size=VOCAB, block_size=SEQ, dropout=0.1)
+    module_class, net, data = _task(task, rank, world_size)
     determinism = LayoutInvariance(chunks=CHUNKS, seed=7)
-    module = CausalLMModule(
+    module = module_class(
         net=net,
         optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         weight_decay=0.1,
         determinism=determinism,
     )
-    share = GLOBAL_BATCH // world_size
-    tokens = batches()[:, rank * share : (rank + 1) * share].reshape(-1, SEQ + 1)
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:]),
-        batch_size=share // accumulation,
+        torch.utils.data.TensorDataset(*data),
+        batch_size=GLOBAL_BATCH // world_size // accumulation,
         shuffle=False,
     )
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world_size,
         strategy=strategy_factory(),
-        max_steps=STEPS,
+        max_steps=steps,
+        precision=precision,
         accumulate_grad_batches=accumulation,
         gradient_clip_val=1.0,
         logger=False,
@@ -183,10 +236,10 @@ def reference() -> tuple[list, dict]:
     return run_distributed(_fit, 1, single, 1)[0]
 
 
-def assert_bit_identical(result: tuple[list, dict]) -> None:
+def assert_bit_identical(result: tuple[list, dict], expected: tuple[list, dict] | None = None) -> None:
     losses, weights = result
-    expected_losses, expected_weights = reference()
-    assert len(losses) == STEPS
+    expected_losses, expected_weights = expected or reference()
+    assert len(losses) == len(expected_losses) > 0
     assert losses == expected_losses  # floats compared exactly: torch.equal on each step's loss
     assert weights.keys() == expected_weights.keys()
     unequal = [name for name in weights if not torch.equal(weights[name], expected_weights[name])]
@@ -224,3 +277,118 @@ def test_every_layout_trains_bit_identically_to_one_process(ranks, strategy, acc
     every step's global loss and the final weights equal one process's bit for bit."""
     factory = single if ranks == 1 else STRATEGIES[strategy]
     assert_bit_identical(run_distributed(_fit, ranks, factory, accumulation, timeout=600)[0])
+
+
+# --- running statistics -----------------------------------------------------------------------------
+
+STATISTICS = ("running_mean", "running_var")
+
+
+def statistics_by_hand(net: torch.nn.Module, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A batch-norm network's running statistics after one step of the mode, computed apart from
+    it: each chunk forwarded alone on a copy of ``net``, the copies' statistics averaged."""
+    after = []
+    for chunk in inputs.chunk(CHUNKS):
+        replica = copy.deepcopy(net).train()
+        with torch.no_grad():
+            replica(chunk)
+        after.append(replica.state_dict())
+    return {name: torch.stack([state[name] for state in after]).mean(0)
+            for name in after[0] if name.endswith(STATISTICS)}
+
+
+@pytest.mark.slow
+def test_batch_norm_statistics_after_a_step_are_the_mean_of_the_chunks():
+    """One step of a ResNet: the network's running mean and variance are those each chunk's
+    forward leaves, averaged (a momentum step towards the chunks' mean batch statistics), and
+    each batch norm counts one batch."""
+    _, state = run_distributed(_fit, 1, single, 1, task="resnet", steps=1)[0]
+    expected = statistics_by_hand(resnet(), images()[0][0])
+    assert len(expected) == 2 * 6  # the stem's batch norm, two in each block, the second's shortcut
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, msg=name)
+    assert {int(v) for n, v in state.items() if n.endswith("num_batches_tracked")} == {1}
+
+
+@functools.cache
+def resnet_reference() -> tuple[list, dict]:
+    return run_distributed(_fit, 1, single, 1, task="resnet", steps=4)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("ranks", "strategy", "accumulation"), [(1, "single", 2), (2, "ddp", 1), (2, "fsdp", 2)])
+def test_batch_norm_statistics_move_alike_on_every_layout(ranks, strategy, accumulation):
+    """Four steps of a ResNet: losses, weights and running statistics equal one process's bit
+    for bit, and the statistics have moved."""
+    factory = single if strategy == "single" else STRATEGIES[strategy]
+    expected = resnet_reference()
+    initial = resnet().state_dict()
+    moved = [n for n in initial if n.endswith(STATISTICS) and not torch.equal(expected[1][n], initial[n])]
+    assert len(moved) == 2 * 6
+    result = run_distributed(_fit, ranks, factory, accumulation, task="resnet", steps=4, timeout=300)[0]
+    assert_bit_identical(result, expected)
+
+
+# --- precision ----------------------------------------------------------------------------------------
+
+
+@functools.cache
+def precision_reference(precision: str) -> tuple[list, dict]:
+    """One process of ``strategy=single``, whose precision plugin autocasts its whole step."""
+    return run_distributed(_fit, 1, single, 1, steps=4, precision=precision)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("ranks", "strategy", "precision"),
+                         [(1, "fsdp", "bf16-mixed"), (2, "fsdp", "bf16-mixed"), (2, "ddp", "bf16-true")])
+def test_bf16_trains_as_one_process_of_strategy_single(ranks, strategy, precision):
+    """Under FSDP, whose precision plugin leaves autocast out, the chunks' forwards still run in
+    bf16 autocast; bf16-true weights take their gradients in bf16."""
+    result = run_distributed(_fit, ranks, STRATEGIES[strategy], 1, steps=4, precision=precision, timeout=300)[0]
+    assert_bit_identical(result, precision_reference(precision))
+
+
+# --- CUDA ----------------------------------------------------------------------------------------------
+
+
+def test_on_cuda_the_run_takes_deterministic_algorithms(tmp_path, outputs_root, monkeypatch):
+    """The app's build turns torch's deterministic algorithms and cuBLAS's fixed workspace on
+    before ``fit`` when the run's device is CUDA (faked here), and leaves a CPU run as it is."""
+    from omegaconf import OmegaConf
+
+    from litscale.app.build import build_run
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    threads = torch.get_num_threads()
+    cfg, choices = compose_job(["determinism=layout_invariant", "trainer.accelerator=cpu"], tmp_path / "run")
+    layout = validate(cfg, choices=choices, this_machine=False)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    seen = []
+    try:
+        build_run(config, choices, layout)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        monkeypatch.setattr(determinism, "on_cuda", lambda device: seen.append(torch.device(device)) or True)
+        build_run(config, choices, layout)
+        assert seen == [torch.device("cpu")]  # asked once, of the strategy's device
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(threads)
+
+
+def _fit_on_gpu(rank: int, world_size: int) -> tuple[tuple[list, dict], bool, str | None]:
+    result = _fit(rank, world_size, single, 1, steps=4, accelerator="gpu")
+    return result, torch.are_deterministic_algorithms_enabled(), os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_mode_runs_deterministic_kernels_and_repeats_itself():
+    first, enabled, workspace = run_distributed(_fit_on_gpu, 1)[0]
+    assert enabled and workspace in (":4096:8", ":16:8")
+    assert_bit_identical(run_distributed(_fit_on_gpu, 1)[0][0], first)

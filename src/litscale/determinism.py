@@ -17,19 +17,30 @@ bits, then further. In this mode the order is fixed instead:
 - the forward and backward run on a plain, unsharded copy of the network whose weights are
   the strategy's (gathered from shards where the strategy shards them): the strategy's own
   gradient reduction never runs, and each rank hands its optimizer its slice of the one global
-  gradient, which is the same on every rank, so every layout steps the same weights.
+  gradient, which is the same on every rank, so every layout steps the same weights;
+- running statistics (batch norm's) move once per optimizer step: every chunk's forward starts
+  from the step's statistics, and the network takes the mean over the chunks of what each
+  chunk's forward left, summed in the gradients' tree. That is one momentum update towards
+  the mean of the chunks' batch statistics, not the per-batch statistics of a normal step (a
+  chunk's variance is taken within the chunk), and the same on every layout;
+- the replica's forward runs under the autocast of the trainer's mixed precision (FSDP's
+  precision plugin drops autocast for its own casts of the sharded weights, which the replica
+  is not), and on CUDA with torch's deterministic algorithms (``use_device``).
 
 With the same global batch, 1, 2, 4 or 8 ranks, DDP or FSDP, with or without gradient
 accumulation, give ``torch.equal`` losses and weights at every step. It costs a full copy of
 the network and its gradient on every rank, a forward per chunk, and an all-gather of
 gradients (world x the all-reduce's volume): for debugging, reproducibility audits and
 comparing layouts, not for speed (``experiments/determinism``). Tensor and pipeline parallel
-change the reductions inside a matmul and are refused.
+change the reductions inside a matmul and are refused, as are context parallel, fp16 loss
+scaling and mixtures of experts (``litscale.determinism_checks``).
 """
 
 from __future__ import annotations
 
 import copy
+import os
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -37,35 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from litscale.constraints import PositiveInt
-
-
-def check_layout(
-    *,
-    data_parallel: int,
-    accumulation: int,
-    micro_batch: int,
-    chunks: int,
-    compression: str | None,
-) -> None:
-    """Raise ``ValueError`` (one line) where ``determinism=layout_invariant`` cannot hold for
-    this run's layout. Which strategies allow the mode, each says itself (the strategy
-    contract, ``litscale.contract``: ``Option.LAYOUT_INVARIANT``)."""
-    if compression:
-        raise ValueError(
-            f"determinism=layout_invariant sums exact gradients, not compression={compression}; "
-            "allowed: compression=none"
-        )
-    per_step = data_parallel * accumulation
-    global_batch = micro_batch * per_step
-    if not is_power_of_two(chunks) or chunks % per_step or global_batch % chunks:
-        raise ValueError(
-            f"determinism.chunks={chunks} must be a power of two, a multiple of {data_parallel} data-parallel "
-            f"rank(s) x {accumulation} micro batch(es) = {per_step}, and divide the global batch {global_batch}"
-        )
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
+from litscale.determinism_checks import is_power_of_two
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -128,13 +111,23 @@ class LayoutInvariance:
         self._replica: nn.Module | None = None
         self._subtree = _Subtree()
         self._chunk_losses: list[Tensor] = []
+        self._statistics: dict[str, Tensor] = {}  # the replica's running statistics, by name
+        self._step_statistics: dict[str, Tensor] = {}  # their values at the step's start
 
     def attach(self, net: nn.Module) -> LayoutInvariance:
         """Keep an unsharded copy of ``net`` (before any strategy shards or wraps it); fix
         this process's CPU threads."""
         self._replica = copy.deepcopy(net)
+        self._statistics = running_statistics(self._replica)
         torch.set_num_threads(self.threads)
         return self
+
+    def use_device(self, device: torch.device | str) -> None:
+        """Where the run computes; on CUDA, torch's deterministic algorithms. Call it before the
+        first CUDA op (the app does, as it builds the run): cuBLAS reads its workspace setting
+        when it starts."""
+        if on_cuda(device):
+            use_deterministic_algorithms()
 
     # --- where this rank's chunks are ----------------------------------------------------------
 
@@ -162,9 +155,9 @@ class LayoutInvariance:
     # --- the step ---------------------------------------------------------------------------------
 
     def training_step(self, module, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
-        """Forward and backward each chunk of ``batch`` on the replica; add its gradient to this
-        rank's subtree. Returns the micro batch's loss, detached: the strategy's backward of it
-        touches no parameter."""
+        """Forward and backward each chunk of ``batch`` on the replica; add its gradient (and the
+        running statistics it left) to this rank's subtree. Returns the micro batch's loss,
+        detached: the strategy's backward of it touches no parameter."""
         trainer = module.trainer
         _skip_ddp_reduction(trainer)
         if batch_idx % trainer.accumulate_grad_batches == 0:
@@ -175,59 +168,126 @@ class LayoutInvariance:
         losses = []
         for index in range(batch[0].shape[0] // size):
             chunk = tuple(t[index * size : (index + 1) * size] for t in batch)
-            with torch.random.fork_rng(devices=[]):
+            self._restart_statistics()
+            with torch.random.fork_rng(devices=[]), _autocast(trainer):
                 torch.manual_seed(chunk_seed(self.seed, trainer.global_step, first + index))
                 loss = module.loss(chunk, net=replica)
-            gradients = torch.autograd.grad(loss, parameters, allow_unused=True)
-            self._subtree.add(
-                [
-                    torch.zeros_like(p) if g is None else g
-                    for p, g in zip(parameters, gradients, strict=True)
-                ]
-            )
+                gradients = torch.autograd.grad(loss, parameters, allow_unused=True)
+            leaves = [torch.zeros_like(p) if g is None else g for p, g in zip(parameters, gradients, strict=True)]
+            leaves += [t.detach().clone() for t in self._statistics.values() if t.is_floating_point()]
+            # NOTE: summed in float32 at least, at every level of the tree: a bf16-true rank's own
+            # subtree summed in bf16 and the ranks' sums in float32 would round by layout.
+            self._subtree.add([t.to(torch.promote_types(t.dtype, torch.float32)) for t in leaves])
             losses.append(loss.detach())
             self._chunk_losses.append(loss.detach())
         # the micro batch's loss as a normal step reports it (a mean over its chunks)
         return (tree_sum(losses) / len(losses)).requires_grad_()
 
     def finish(self, module) -> Tensor:
-        """At the optimizer step: exchange the ranks' subtree sums, finish the tree, and give
-        each of the strategy's parameters its part of the global mean gradient. Returns the
-        global batch's loss (the same on every rank)."""
+        """At the optimizer step: exchange the ranks' subtree sums, finish the tree, give each of
+        the strategy's parameters its part of the global mean gradient and the network the
+        chunks' mean running statistics. Returns the global batch's loss (the same on every rank)."""
         ranks, _ = self.data_parallel(module.trainer)
         subtree = self._subtree.total() + [tree_sum(self._chunk_losses)]
         self._subtree, self._chunk_losses = _Subtree(), []
         flat = torch.cat([t.reshape(-1) for t in subtree])
         if ranks > 1:
             gathered = [torch.empty_like(flat) for _ in range(ranks)]
-            dist.all_gather(
-                gathered, flat
-            )  # every rank of these strategies is a data-parallel rank
+            dist.all_gather(gathered, flat)  # every rank of these strategies is a data-parallel rank
             flat = tree_sum(gathered)
         flat = flat / self.chunks  # a power of two: exact
         self.losses.append(flat[-1].clone())
-        flat = _clip(flat[:-1], module.trainer)
-        offset = 0
         targets = [p for p in module.net.parameters() if p.requires_grad]
-        for param in targets:
-            gradient = flat[offset : offset + param.numel()].view(param.shape)
-            offset += param.numel()
-            _set_gradient(param, gradient)
+        count = sum(p.numel() for p in targets)
+        gradient, statistics = _clip(flat[:count], module.trainer), flat[count:-1]
+        for param, part in zip(targets, _pieces(gradient, targets), strict=True):
+            _set_gradient(param, part)
+        self._carry_statistics(module.net, statistics)
         return self.losses[-1]
 
     def _load_weights(self, module) -> None:
-        """The replica takes the strategy's current weights (whole, where they are sharded)."""
+        """The replica takes the strategy's current weights (whole, where they are sharded), in
+        their dtype and on their device, and the network's buffers."""
         if self._replica is None:
             raise RuntimeError("LayoutInvariance.attach(net) must be called before training")
-        device = next(module.net.parameters()).device
-        if next(self._replica.parameters()).device != device:
-            self._replica.to(device)
+        self.use_device(next(module.net.parameters()).device)  # for a loop that never called it
         with torch.no_grad():
-            for mine, theirs in zip(
-                self._replica.parameters(), module.net.parameters(), strict=True
-            ):
-                mine.copy_(_whole(theirs))
+            for mine, theirs in zip(self._replica.parameters(), module.net.parameters(), strict=True):
+                _copy_into(mine, _whole(theirs))
+            for mine, theirs in zip(self._replica.buffers(), module.net.buffers(), strict=True):
+                _copy_into(mine, theirs)
+        self._step_statistics = {name: t.clone() for name, t in self._statistics.items()}
         self._replica.train(module.training)
+
+    def _restart_statistics(self) -> None:
+        """Each chunk's forward starts from the step's running statistics."""
+        with torch.no_grad():
+            for name, tensor in self._statistics.items():
+                tensor.copy_(self._step_statistics[name])
+
+    def _carry_statistics(self, net: nn.Module, means: Tensor) -> None:
+        """The network's running statistics := the chunks' mean (floating point), or what every
+        chunk left alike (a batch norm's step count)."""
+        if not self._statistics:
+            return
+        theirs = dict(net.named_buffers())
+        floating = [(n, t) for n, t in self._statistics.items() if t.is_floating_point()]
+        with torch.no_grad():
+            for (name, _), part in zip(floating, _pieces(means, [t for _, t in floating]), strict=True):
+                theirs[name].copy_(part)
+            for name, tensor in self._statistics.items():
+                if not tensor.is_floating_point():
+                    theirs[name].copy_(tensor)
+
+
+def running_statistics(net: nn.Module) -> dict[str, Tensor]:
+    """The buffers a training forward of ``net`` updates in place, by name: its batch norms'
+    running mean, variance and step count."""
+    found = {}
+    for prefix, child in net.named_modules():
+        if isinstance(child, nn.modules.batchnorm._NormBase) and child.track_running_stats:
+            found.update({f"{prefix}.{name}".lstrip("."): buffer
+                          for name, buffer in child.named_buffers(recurse=False) if buffer is not None})
+    return found
+
+
+def _pieces(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """``flat`` cut into tensors of the shapes of ``like``, in order."""
+    sizes = [t.numel() for t in like]
+    return [piece.view(t.shape) for piece, t in zip(flat.split(sizes), like, strict=True)]
+
+
+def _copy_into(mine: Tensor, theirs: Tensor) -> None:
+    """``mine`` := ``theirs``, taking its dtype and device (a bf16-true run's, the GPU's)."""
+    if mine.dtype != theirs.dtype or mine.device != theirs.device:
+        mine.data = torch.empty(mine.shape, dtype=theirs.dtype, device=theirs.device)
+    mine.copy_(theirs)
+
+
+def _autocast(trainer):
+    """The autocast of the trainer's mixed precision (``bf16-mixed``: bfloat16). NOTE: FSDP's
+    precision plugin leaves it out (its policy casts the sharded weights, which the replica is
+    not), so the replica asks for it here; under DDP it nests in the same autocast."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = trainer.precision_plugin
+    return MixedPrecision.autocast_context_manager(plugin) if isinstance(plugin, MixedPrecision) else nullcontext()
+
+
+# cuBLAS workspace settings under which its kernels are deterministic (either of them).
+DETERMINISTIC_CUBLAS_WORKSPACES = (":4096:8", ":16:8")
+
+
+def on_cuda(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def use_deterministic_algorithms() -> None:
+    """torch's deterministic CUDA kernels (an op without one raises rather than drifting), and
+    the fixed cuBLAS workspace they need (``CUBLAS_WORKSPACE_CONFIG``, unless set to one)."""
+    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in DETERMINISTIC_CUBLAS_WORKSPACES:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS_WORKSPACES[0]
+    torch.use_deterministic_algorithms(True)
 
 
 def _skip_ddp_reduction(trainer) -> None:
@@ -263,10 +323,7 @@ def _set_gradient(param: Tensor, gradient: Tensor) -> None:
     locally: every rank holds the whole gradient)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    gradient = gradient.to(param.dtype, copy=True)
     if isinstance(param, DTensor):
-        gradient = distribute_tensor(
-            gradient.clone(), param.device_mesh, param.placements, src_data_rank=None
-        )
-    else:
-        gradient = gradient.clone()
+        gradient = distribute_tensor(gradient, param.device_mesh, param.placements, src_data_rank=None)
     param.grad = gradient

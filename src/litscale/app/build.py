@@ -208,5 +208,7 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
     )
     for logger in trainer.loggers:  # never values from the environment (API keys)
         logger.log_hyperparams(loggable_config if loggable_config is not None else config)
+    if getattr(module, "determinism", None) is not None:  # before fit's first CUDA op
+        module.determinism.use_device(trainer.strategy.root_device)
     return BuiltRun(config=cfg, choices=choices, layout=layout, datamodule=datamodule, module=module,
                     trainer=trainer)

@@ -170,10 +170,11 @@ def check_task_pairing(cfg: DictConfig, choices: dict[str, str]) -> None:
 
 
 def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:
-    """``determinism=layout_invariant`` holds only for data-parallel layouts it can split."""
+    """``determinism=layout_invariant`` holds only for data-parallel layouts it can split, and
+    networks whose training is their loss and gradient (``litscale.determinism_checks``)."""
     if "_target_" not in (cfg.get("determinism") or {}):
         return
-    from litscale.determinism import check_layout
+    from litscale.determinism_checks import check_layout, check_network
 
     compression = cfg.get("compression") or {}
     partition = (cfg.get("data") or {}).get("partition", "iid")
@@ -183,7 +184,10 @@ def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
     try:
         check_layout(data_parallel=layout.mesh.data, accumulation=layout.accumulation,
                      micro_batch=layout.micro_batch, chunks=int(cfg.determinism.chunks),
-                     compression=choices.get("compression", "on") if "_target_" in compression else None)
+                     compression=choices.get("compression", "on") if "_target_" in compression else None,
+                     context_parallel=layout.mesh.context, precision=str(cfg.precision.lightning),
+                     precision_name=choices.get("precision"))
+        check_network(meta_net(cfg), model_name=choices.get("model"))
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
