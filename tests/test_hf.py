@@ -25,6 +25,7 @@ from litscale.models.moe import MoEConfig, MoEDecoder
 AutoModelForCausalLM = Deferred("transformers", "AutoModelForCausalLM")
 llama_from_hf = Deferred("litscale.hf_export", "llama_from_hf")
 moe_from_hf = Deferred("litscale.hf_export", "moe_from_hf")
+moe_layout_of = Deferred("litscale.hf_export", "moe_layout_of")
 save_hf_directory = Deferred("litscale.hf_export", "save_hf_directory")
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -217,8 +218,11 @@ TINY_MOE = MoEConfig(n_layer=3, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_si
 
 
 @pytest.mark.parametrize("config", [TINY_MOE, dataclasses.replace(TINY_MOE, dense_layers=0, tie_embeddings=True,
-                                                                  attention_head_dim=16, norm_topk_prob=False)],
-                         ids=["dense-first", "all-moe-tied-wide-heads"])
+                                                                  attention_head_dim=16, norm_topk_prob=False),
+                                     # every other block a mixture of experts (Qwen3-MoE's decoder_sparse_step=2)
+                                     dataclasses.replace(TINY_MOE, n_layer=4, dense_layers=0, moe_every=2),
+                                     dataclasses.replace(TINY_MOE, n_layer=6, dense_layers=1, moe_every=2)],
+                         ids=["dense-first", "all-moe-tied-wide-heads", "moe-every-2", "dense-first-moe-every-2"])
 def test_moe_to_a_transformers_qwen3_moe_directory_and_back(config, tmp_path):
     torch.manual_seed(0)
     net = with_random_gains(MoEDecoder(config))
@@ -231,6 +235,17 @@ def test_moe_to_a_transformers_qwen3_moe_directory_and_back(config, tmp_path):
         expected = net(tokens())
         torch.testing.assert_close(model(tokens()).logits, expected, rtol=1.3e-6, atol=1e-5)
         torch.testing.assert_close(back(tokens()), expected, rtol=0, atol=0)
+
+
+def test_the_moe_layers_of_a_qwen3_moe_config_are_read_as_dense_layers_then_every_kth():
+    assert moe_layout_of([1, 3], 4) == (0, 2)
+    assert moe_layout_of([2, 4], 6) == (1, 2)
+    assert moe_layout_of([1, 2, 3], 4) == (1, 1)
+    assert moe_layout_of([], 3) == (3, 1)
+    with pytest.raises(ValueError) as error:
+        moe_layout_of([0, 2, 3], 4, "'hf'")
+    assert str(error.value) == ("'hf' has MoE layers [0, 2, 3]; allowed: the dense layers first, then every k-th "
+                                "layer a MoE layer to the last (model.net.dense_layers, model.net.moe_every)")
 
 
 def test_a_transformers_qwen3_moe_into_litscales_moe(tmp_path):
