@@ -125,10 +125,10 @@ def test_a_failing_rank_fails_with_its_traceback_and_the_next_call_succeeds(how)
 @pytest.mark.timeout(200)
 def test_a_hanging_rank_fails_at_its_deadline_and_the_next_call_succeeds():
     before = run_distributed(_pid, 2, timeout=90)
-    started = time.monotonic()
+    # The deadline's own message; a pool that let rank 1 sleep on (600 s) would meet this
+    # test's timeout instead.
     with pytest.raises(AssertionError, match=r"ranks did not finish within 3 s \(a hang\): ranks \[0, 1\] still running"):
         run_distributed(_hang_on_rank_1, 2, timeout=3)
-    assert time.monotonic() - started < 10
     assert not any(_is_running(pid) for pid in before)
     assert len(run_distributed(_pid, 2, timeout=90)) == 2
 
@@ -137,10 +137,10 @@ def test_a_hanging_rank_fails_at_its_deadline_and_the_next_call_succeeds():
 @pytest.mark.parametrize(("how", "said"), [("os._exit", "exited with code 7"), ("segfault", "killed by SIGSEGV")])
 def test_a_rank_that_dies_fails_at_once_and_the_next_call_succeeds(how, said):
     before = run_distributed(_pid, 2, timeout=90)
-    started = time.monotonic()
+    # A deadline past this test's own timeout: a pool that waited for it, or for rank 0's
+    # sleep, rather than end the call at rank 1's death, fails the test by its timeout.
     with pytest.raises(AssertionError, match=rf"rank failures: \{{1: \"the rank's process {said} before replying"):
-        run_distributed(_die_on_rank_1, 2, how, timeout=120)
-    assert time.monotonic() - started < 15  # not the 120 s deadline
+        run_distributed(_die_on_rank_1, 2, how, timeout=900)
     assert not any(_is_running(pid) for pid in before)
     assert len(run_distributed(_pid, 2, timeout=90)) == 2
 

@@ -143,9 +143,8 @@ def test_sigterm_to_rank_one_alone_stops_every_rank_at_one_step_and_resumes_exac
                            env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while not list((tmp_path / "resumed").glob("runs/*/checkpoints/last.ckpt")):
-            assert job.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+        while not list((tmp_path / "resumed").glob("runs/*/checkpoints/last.ckpt")):  # the test's timeout bounds it
+            assert job.poll() is None, "the job ended before its first checkpoint"
             time.sleep(0.2)
         (record,) = (tmp_path / "resumed").glob("runs/*/ranks/rank1.json")
         pid = json.loads(record.read_text())["pid"]
@@ -177,11 +176,11 @@ def test_sigterm_to_rank_one_alone_stops_every_rank_at_one_step_and_resumes_exac
     ("sigkill", "error: rank 1 failed: Signal 9 (SIGKILL) received by PID"),
 ])
 def test_failing_rank_stops_every_rank_with_one_error(tmp_path, kind, expected):
-    started = time.monotonic()
+    # Stopped by the launcher, not by the run's timeout (180 s, far short of the process
+    # group's 30 minutes that a rank waiting on its dead peer would take).
     process = run_train(*SHORT, "strategy=ddp", "trainer.devices=2", *fault(2, kind, rank=1),
                         outputs=tmp_path, timeout=180)
     assert process.returncode == 1, explain(process)
-    assert time.monotonic() - started < 90
     errors = [line for line in process.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(expected), explain(process)
     if kind == "exception":

@@ -220,8 +220,19 @@ RUN = ("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.bat
        "data.max_bytes=400000", "trainer.max_steps=200", "trainer.val_check_interval=1000",
        "trainer.enable_progress_bar=false")
 FAULT = ("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.rank=1")
-QUICK = ("callbacks.watchdog.timeout_s=8",)  # the default is a minute at least (make test-full)
+QUICK_LIMIT_S = 8
+QUICK = (f"callbacks.watchdog.timeout_s={QUICK_LIMIT_S}",)  # the default is a minute at least (make test-full)
 HANG_LINE = re.compile(r"^error: hang at step (\d+): rank 1 (.*?) for (\d+) s; rank 0 waiting in (.*?); stacks in (.*)$")
+# The contract: a hang is named once no rank has moved for the limit, within a few of the
+# watchdog's 1-second polls after it (each heartbeat also publishes once a second). Timed by
+# the watchdog's own "for N s", counted from the hang itself: how long start-up and the steps
+# before it took on a loaded machine is no part of the claim.
+NAMED_WITHIN_S = 10
+
+
+def assert_named_after_the_limit(match: re.Match, limit_s: float) -> None:
+    stuck_s = int(match.group(3))
+    assert limit_s <= stuck_s < limit_s + NAMED_WITHIN_S, (stuck_s, limit_s)
 
 
 def run(*overrides: str, outputs: Path, timeout: float = 200, launcher: tuple[str, ...] = ()):
@@ -256,13 +267,13 @@ def assert_stacks(match: re.Match, *, rank1_frame: str) -> None:
 ])
 def test_a_rank_that_hangs_or_skips_a_collective_is_named_and_the_job_stops_with_its_stacks(
         kind, doing, rank1_frame, tmp_path):
-    process, seconds = run(*FAULT, f"+callbacks.fault.kind={kind}", "+callbacks.fault.at_step=6", *QUICK,
-                           outputs=tmp_path)
+    process, _ = run(*FAULT, f"+callbacks.fault.kind={kind}", "+callbacks.fault.at_step=6", *QUICK,
+                     outputs=tmp_path)
     assert process.returncode == 1, explain(process)
     match = the_hang_line(process)
     assert (match.group(1), match.group(2), match.group(4)) == ("6", doing, "backward (gradient all-reduce)")
     assert_stacks(match, rank1_frame=rank1_frame)
-    assert seconds < 90, seconds
+    assert_named_after_the_limit(match, QUICK_LIMIT_S)
     assert not summaries(tmp_path)
 
 
@@ -307,31 +318,26 @@ def test_a_slow_first_step_and_a_long_validation_raise_no_alarm(tmp_path):
 def test_a_hang_under_torchrun_is_named_by_rank_zero(tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "--monitor-interval=0.5", str(REPO / "train.py"))
-    process, seconds = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.at_step=6", *QUICK,
-                           f"hydra.run.dir={tmp_path}/torchrun", outputs=tmp_path, launcher=torchrun)
+    process, _ = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.at_step=6", *QUICK,
+                     f"hydra.run.dir={tmp_path}/torchrun", outputs=tmp_path, launcher=torchrun)
     assert process.returncode != 0, explain(process)
     match = the_hang_line(process)
     assert (match.group(1), match.group(2)) == ("6", "stuck in forward")
     assert_stacks(match, rank1_frame="in on_train_batch_start")
-    assert seconds < 90, seconds
+    assert_named_after_the_limit(match, QUICK_LIMIT_S)
 
 
 @pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_with_the_default_limits_a_hang_stops_the_job_within_ninety_seconds(tmp_path):
-    """The default limit: max(60 s, 20 median steps); the job stops well before the process
-    group's own timeout (30 minutes). Timed from the hang itself, not from the launch: the
-    watchdog's own "for N s" at its stack dump, plus the dump's age when the job had ended
-    (start-up and six steps on a loaded machine are no part of the claim)."""
+def test_with_the_default_limits_a_hang_is_named_a_minute_after_it_began(tmp_path):
+    """The default limit: max(60 s, 20 median steps); the job stops (exit 1, not the run's
+    kill at its timeout) well before the process group's own timeout (30 minutes)."""
     process, _ = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.at_step=6", outputs=tmp_path)
-    ended = time.time()
     assert process.returncode == 1, explain(process)
     hang = the_hang_line(process)
-    stuck_s = int(hang.group(3))
-    dumped = min(path.stat().st_mtime for path in Path(hang.group(5)).iterdir())
-    assert stuck_s >= 60
-    assert stuck_s + (ended - dumped) < 90, (stuck_s, ended - dumped)
+    assert (hang.group(1), hang.group(2)) == ("6", "stuck in forward")
+    assert_named_after_the_limit(hang, 60)
 
 
 @pytest.mark.full
@@ -356,8 +362,8 @@ def test_a_frozen_rank_zero_is_named_by_the_standby_on_rank_one(tmp_path):
     """Rank 0 stops its whole process (SIGSTOP) at step 6, its watchdog thread with it: rank 1's
     standby watchdog names it, the stacks of rank 1 (and of rank 0, resumed to take the stop
     order) are written, and the launcher ends every rank."""
-    process, seconds = run("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.rank=0",
-                           "+callbacks.fault.kind=freeze", "+callbacks.fault.at_step=6", *QUICK, outputs=tmp_path)
+    process, _ = run("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.rank=0",
+                     "+callbacks.fault.kind=freeze", "+callbacks.fault.at_step=6", *QUICK, outputs=tmp_path)
     assert process.returncode == 1, explain(process)
     errors = [line for line in process.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, explain(process)
@@ -369,7 +375,6 @@ def test_a_frozen_rank_zero_is_named_by_the_standby_on_rank_one(tmp_path):
     assert sorted(p.name for p in stacks.iterdir()) == ["rank0.txt", "rank1.txt"]
     assert (stacks / "rank1.txt").read_text().startswith("rank 1 (")
     assert "in backward" in (stacks / "rank1.txt").read_text()  # rank 1 waits in the all-reduce
-    assert seconds < 90, seconds
     assert not summaries(tmp_path)
 
 
@@ -378,12 +383,12 @@ def test_a_frozen_rank_zero_is_named_by_the_standby_on_rank_one(tmp_path):
 def test_a_hang_in_the_export_after_fit_is_named_with_its_phase(tmp_path):
     """Rank 1 hangs in the export after fit while rank 0, its model saved, waits in the export's
     barrier: the watch is still on, with the after-fit limit."""
-    process, seconds = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.during=export",
-                           "+callbacks.fault.at_step=0", "trainer.max_steps=4", *QUICK,
-                           "callbacks.watchdog.after_fit_timeout_s=8", outputs=tmp_path)
+    process, _ = run(*FAULT, "+callbacks.fault.kind=hang", "+callbacks.fault.during=export",
+                     "+callbacks.fault.at_step=0", "trainer.max_steps=4", *QUICK,
+                     f"callbacks.watchdog.after_fit_timeout_s={QUICK_LIMIT_S}", outputs=tmp_path)
     assert process.returncode == 1, explain(process)
     match = the_hang_line(process)
     assert match.group(1, 2, 4) == ("4", "stuck in after fit (export)", "after fit (export, in barrier)")
     assert_stacks(match, rank1_frame="in on_after_fit")
-    assert seconds < 90, seconds
+    assert_named_after_the_limit(match, QUICK_LIMIT_S)
     assert not summaries(tmp_path)
