@@ -10,8 +10,8 @@ from helpers.configs import compose_job
 
 from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.validation import validate
-from litscale.compatibility import render
-from litscale.compatibility import strategy_rows as _strategy_rows
+from litscale.app.compatibility import render
+from litscale.app.compatibility import strategy_rows as _strategy_rows
 from litscale.contract import Option, why_not
 from litscale.errors import ConfigError
 
@@ -24,7 +24,7 @@ CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2", "launcher.oversubscribe=
 
 
 def test_the_compatibility_page_is_what_the_contract_says_now():
-    assert PAGE.read_text() == render(), "run: python -m litscale.compatibility > docs/compatibility.md"
+    assert PAGE.read_text() == render(), "run: python -m litscale.app.compatibility > docs/compatibility.md"
 
 
 def _refusal(overrides: list[str], tmp_path) -> str | None:

@@ -1,6 +1,6 @@
 """``docs/compatibility.md``, written from the strategy contract (``litscale.contract``).
 
-    python -m litscale.compatibility > docs/compatibility.md
+    python -m litscale.app.compatibility > docs/compatibility.md
 
 Each strategy option of ``conf/strategy/`` is built as a run builds it (DeepSpeed once per
 ZeRO stage) and asked, for each option of the contract, whether it takes it and, if not, why:
@@ -52,7 +52,7 @@ def render() -> str:
     rows, reasons = strategy_rows(), {}
     lines = ["# Compatibility", "",
              "Which option each strategy takes (`yes`) or refuses before any rank starts (`no`, with the",
-             "one-line reason a run prints). Written by `python -m litscale.compatibility > docs/compatibility.md`",
+             "one-line reason a run prints). Written by `python -m litscale.app.compatibility > docs/compatibility.md`",
              "from what each strategy states (`litscale.contract`); the tests check it is current, and a",
              "generated test (`tests/test_combinations.py`) checks that validation refuses exactly these and",
              "that what it accepts trains.", "",
