@@ -29,9 +29,9 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.contract import Option, Requirement, StrategyContract, refusal_line
+from litscale.declarations import declared
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding
-from litscale.declarations import declared
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 

@@ -29,6 +29,7 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
+from litscale.declarations import declared, name_matches
 from litscale.layout import CONTEXT, MeshAxis
 from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
@@ -40,7 +41,6 @@ from litscale.strategies.context_parallel import (
     data_context_mesh,
     shard_batch,
 )
-from litscale.declarations import declared, name_matches
 from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
 from litscale.strategies.mesh import (
     MeshSizes,

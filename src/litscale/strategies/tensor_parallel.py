@@ -25,6 +25,7 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
+from litscale.declarations import declared, name_matches
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.context_parallel import (
@@ -34,7 +35,6 @@ from litscale.strategies.context_parallel import (
     data_context_mesh,
     shard_batch,
 )
-from litscale.declarations import declared, name_matches
 from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
 from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
 from litscale.strategies.mesh import (
