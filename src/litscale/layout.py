@@ -65,7 +65,7 @@ class MeshSizes:
         for name in ("pipeline", "data_shard", "tensor", "data_replicate", "context", "expert"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MeshSizes.{name}={getattr(self, name)} is not valid: expected >= 1")
-        borrowed = self.data * self.context
+        borrowed = self.expert_borrowed
         if borrowed % self.expert:
             raise ValueError(f"strategy.expert_parallel_size={self.expert} does not divide the data x context "
                              f"ranks ({self.data} x {self.context} = {borrowed}); allowed: a divisor of {borrowed}")
@@ -78,6 +78,31 @@ class MeshSizes:
     @property
     def world_size(self) -> int:
         return self.pipeline * self.data * self.context * self.tensor
+
+    # The derived groups, named once (torchtitan's ParallelDims): nobody multiplies sizes again.
+    @property
+    def fsdp(self) -> int:
+        """Ranks a parameter is sharded over: the data shards x the context ranks, which hold
+        the same weights and split the work of a sample."""
+        return self.data_shard * self.context
+
+    @property
+    def loss(self) -> int:
+        """Ranks whose tokens one loss averages: every data rank's samples, each split over
+        the context ranks. Also the factor the summed gradients are divided by."""
+        return self.data * self.context
+
+    gradient_divide_factor = loss
+
+    @property
+    def expert_borrowed(self) -> int:
+        """Ranks expert parallel borrows its groups from: data x context."""
+        return self.data * self.context
+
+    @property
+    def expert_data(self) -> int:
+        """Ranks that hold the same experts (the borrowed ranks over the expert-parallel size)."""
+        return self.expert_borrowed // self.expert
 
     def shape_and_names(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The ``pipeline x data x tensor`` mesh of the tensor-parallel and pipeline strategies

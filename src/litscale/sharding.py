@@ -104,7 +104,7 @@ def state_bytes_per_rank(*, num_params: int, mesh: MeshSizes, sharding: Sharding
     left (the expert-data ranks, all of them, replicas included: ``strategies/expert_parallel.py``)."""
     stage = sharding.peak_stage if at_peak else sharding.zero_stage
     master = 4 if sharding.fp32_master_copy else 0
-    shards = mesh.data_shard * mesh.context
+    shards = mesh.fsdp
 
     def sharded(count: float, over: int) -> dict[str, float]:
         return estimate_bytes(num_params=count, world_size=over, zero_stage=stage if over > 1 else 0,
@@ -113,5 +113,5 @@ def state_bytes_per_rank(*, num_params: int, mesh: MeshSizes, sharding: Sharding
     experts = expert_params if mesh.expert > 1 else 0
     parts = [sharded((num_params - tensor_whole_params) / (mesh.tensor * mesh.pipeline), shards),
              sharded((tensor_whole_params - experts) / mesh.pipeline, shards),
-             sharded(experts / (mesh.pipeline * mesh.expert), mesh.data * mesh.context // mesh.expert)]
+             sharded(experts / (mesh.pipeline * mesh.expert), mesh.expert_data)]
     return {key: sum(part[key] for part in parts) for key in parts[0]}
