@@ -78,7 +78,7 @@ def render() -> str:
     lines += ["", "Rules that hold whatever the strategy (each one line, before any rank starts): precision",
               "`fp16_mixed` and `fp8` need a GPU; `determinism=layout_invariant` takes no compression and needs",
               "`determinism.chunks` to split the global batch evenly; a strategy whose package is missing is",
-              "refused with the `pip install` line. See `docs/determinism.md` for the mode's own rules.", ""]
+              "refused with the `pip install` line. The mode's own rules: [reliability.md](reliability.md#bit-identical-layouts-determinismlayout_invariant).", ""]
     return "\n".join(lines)
 
 
