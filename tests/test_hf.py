@@ -12,9 +12,11 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.cli import explain, run_train
 from helpers.configs import compose_job
 from helpers.deferred import Deferred
 from helpers.parity import ParitySetup, assert_ranks_match, fit_on_mesh, reference
+from helpers.without_extras import environment
 from lightning.pytorch import Callback
 
 from litscale.models.hf import HFCausalLM, HFModelConfig, build_hf
@@ -397,6 +399,26 @@ def test_a_missing_checkpoint_is_one_line_before_any_rank_starts_whatever_the_st
     with pytest.raises(ConfigError) as error:
         validate(cfg, choices=choices)
     assert str(error.value) == f"model.net.path='/no/such/checkpoint' is not a local directory; {NEVER_DOWNLOADED}"
+
+
+@pytest.mark.slow  # starts train.py
+@pytest.mark.parametrize("raising", [False, True], ids=["transformers-absent", "transformers-refused"])
+@pytest.mark.parametrize(("path", "message"), [
+    ("/no/such/checkpoint", f"model.net.path='/no/such/checkpoint' is not a local directory; {NEVER_DOWNLOADED}"),
+    (None, "model=hf needs the transformers package, which is not installed; install it with: "
+           "pip install 'litscale[hf]'"),
+], ids=["bad-path", "good-path"])
+def test_without_the_hf_extra_model_hf_is_refused_in_litscales_one_line(path, message, raising, tmp_path):
+    """The path is checked before transformers is asked for: a bad path is named as such; a good
+    one without transformers says how to install it. In a process where transformers is absent
+    (or where a finder refuses it)."""
+    if path is None:
+        seeded(QWEN3).transformers_model.save_pretrained(tmp_path / "checkpoint")
+        path = str(tmp_path / "checkpoint")
+    process = run_train("model=hf", f"model.net.path={path}", "trainer.max_steps=1", outputs=tmp_path,
+                        env=environment(("transformers",), raising=raising))
+    shown = [line for line in (process.stdout + process.stderr).splitlines() if line.strip()]
+    assert (process.returncode, shown) == (2, [f"error: {message}"]), explain(process)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

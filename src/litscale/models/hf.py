@@ -35,9 +35,6 @@ from litscale.models.hf_parallel import (
     tensor_parallel_plan,
 )
 
-if importlib.util.find_spec("transformers") is None:  # one line where a config names model=hf without the extra
-    raise ImportError("Hugging Face models need transformers: pip install 'litscale[hf]'")
-
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -273,7 +270,19 @@ def checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return dict(fields)
 
 
+def transformers_missing() -> bool:
+    try:
+        return importlib.util.find_spec("transformers") is None
+    except ImportError:  # a finder that refuses it (an install that blocks it) says so by raising
+        return True
+
+
 def _config_class(model_type: Any, key: str) -> type[PretrainedConfig]:
+    # NOTE: the first use of transformers in a build, after the checks of model.net.path and
+    # model.net.config that need none: a bad path is named as such with or without the extra.
+    if transformers_missing():
+        raise ValueError("model=hf needs the transformers package, which is not installed; install it with: "
+                         "pip install 'litscale[hf]'")
     import transformers
     from transformers import CONFIG_MAPPING
 
