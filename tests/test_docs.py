@@ -242,8 +242,6 @@ def test_readme_links_resolve():
 # --- what the code cites, and the environment the commands run in ----------------------------
 
 DOC_CITATION = re.compile(r"docs/[\w./-]+\.md(?:#[\w-]+)?")
-# Pages the code names before they are written: (page, why it is missing).
-PENDING_PAGES = {"docs/compatibility.md": "the strategy contract's compatibility page is not written yet"}
 
 
 def cited_docs() -> list[tuple[str, str]]:
@@ -261,13 +259,7 @@ def heading_anchors(page: Path) -> set[str]:
     return {slugify(heading.replace("`", ""), "-") for heading in headings}
 
 
-def _cited_param(file: str, citation: str):
-    page = citation.split("#")[0]
-    marks = [pytest.mark.xfail(strict=False, reason=PENDING_PAGES[page])] if page in PENDING_PAGES else []
-    return pytest.param(file, citation, id=f"{file}:{citation}", marks=marks)
-
-
-@pytest.mark.parametrize(("file", "citation"), [_cited_param(*cited) for cited in cited_docs()])
+@pytest.mark.parametrize(("file", "citation"), [pytest.param(*cited, id=":".join(cited)) for cited in cited_docs()])
 def test_a_docs_page_the_code_cites_exists(file, citation):
     page, _, anchor = citation.partition("#")
     assert (REPO / page).is_file(), f"{file} cites {citation}, which does not exist"
