@@ -116,7 +116,8 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
     ddp = predict(Plan("ddp", MeshSizes(data_replicate=2), micro_batch=8, accumulation=2), facts, CLUSTER)
     fsdp = predict(Plan("fsdp", MeshSizes(data_shard=2), micro_batch=8, accumulation=2), facts, CLUSTER)
     tp = predict(Plan("tensor_parallel", MeshSizes(tensor=2), micro_batch=8, accumulation=2), facts, CLUSTER)
-    zero1 = predict(Plan("deepspeed_zero1", MeshSizes(data_shard=2), micro_batch=8, accumulation=2), facts, CLUSTER)
+    zero1 = predict(Plan("deepspeed_zero", MeshSizes(data_shard=2), micro_batch=8, accumulation=2,
+                         options={"stage": 1}), facts, CLUSTER)
     assert (ddp.compute_s, fsdp.compute_s, tp.compute_s) == pytest.approx((0.2, 0.3, 0.1))
     assert (ddp.optimizer_s, fsdp.optimizer_s, tp.optimizer_s, zero1.optimizer_s) == pytest.approx(
         (0.02, 0.012, 0.01, 0.01))
@@ -133,7 +134,8 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
     assert topk.collectives[0].bytes_per_rank == pytest.approx(ddp.collectives[0].bytes_per_rank / 40)
     # DeepSpeed: its engine's forward-backward and step, the step timed on all of it at one rank
     facts = dataclasses.replace(facts, profiles={**facts.profiles, "zero3": Profile({8: 0.14}, 0.03)})
-    zero3 = predict(Plan("deepspeed_zero3", MeshSizes(data_shard=2), micro_batch=8, accumulation=2), facts, CLUSTER)
+    zero3 = predict(Plan("deepspeed_zero", MeshSizes(data_shard=2), micro_batch=8, accumulation=2,
+                         options={"stage": 3}), facts, CLUSTER)
     assert (zero3.compute_s, zero3.optimizer_s) == pytest.approx((0.28, 0.015))
 
 
@@ -227,8 +229,9 @@ def test_the_planners_choice_is_the_fastest_of_every_plan_enumerated_by_brute_fo
             MeshSizes(pipeline=p, data_shard=d, tensor=t)
         if not _strategy_accepts(strategy, mesh, micro, microbatches, schedule, virtual, net):
             continue
-        plan = Plan(strategy, mesh, micro, global_batch // d // micro, checkpointing, microbatches=microbatches,
-                    schedule=schedule, virtual_stages=virtual)
+        stage = {"stage": int(strategy[-1])} if strategy.startswith("deepspeed") else {}
+        plan = Plan(strategy.rstrip("123"), mesh, micro, global_batch // d // micro, checkpointing,
+                    microbatches=microbatches, schedule=schedule, virtual_stages=virtual, options=stage)
         prediction = predict(plan, facts, cluster)
         if prediction.peak_bytes <= cluster.device_memory_bytes:
             brute.append(prediction)
@@ -591,13 +594,15 @@ def test_the_planner_accepts_the_pipelines_the_strategy_accepts_and_costs_the_bu
 
     with torch.device("meta"):
         facts = model_facts(build_gpt(vocab_size=256, block_size=64, n_layer=5), seq_len=64, vocab_size=256)
-    uneven = Plan("pipeline", MeshSizes(pipeline=2, data_shard=4), micro_batch=8, accumulation=1, microbatches=4)
+    uneven = Plan("pipeline", MeshSizes(pipeline=2, data_shard=4), micro_batch=8, accumulation=1, microbatches=4,
+                  options={"pipeline_parallel_size": 2, "data_parallel_size": 4})
     assert why_not(uneven, CLUSTER, facts, 32) is None
     assert busiest_pipeline_share(uneven, facts) == 3 / 5
     even = dataclasses.replace(uneven, mesh=MeshSizes(pipeline=2, data_shard=4))
     assert busiest_pipeline_share(dataclasses.replace(even, schedule="interleaved_1f1b", virtual_stages=2),
                                   dataclasses.replace(facts, layers=4)) == 1 / 2
-    deep = Plan("pipeline", MeshSizes(pipeline=8), micro_batch=8, accumulation=1, microbatches=8)
+    deep = Plan("pipeline", MeshSizes(pipeline=8), micro_batch=8, accumulation=1, microbatches=8,
+                options={"pipeline_parallel_size": 8})
     assert why_not(dataclasses.replace(deep, schedule="interleaved_1f1b", virtual_stages=2), CLUSTER, facts, 8) == (
         "strategy.pipeline_parallel_size=8 needs 16 pipeline stages but the model declares only "
         f"{facts.pipeline_blocks} blocks to cut between; allowed: at most {facts.pipeline_blocks} stages "
@@ -621,7 +626,8 @@ def test_context_parallel_plans_divide_activations_and_gather_keys_and_values_pe
         net = build_llama(vocab_size=256, block_size=64, n_layer=4)
     facts = model_facts(net, seq_len=64, vocab_size=256)
     assert facts.kv_width == net.config.n_kv_heads * net.config.head_dim
-    split = Plan("fsdp", MeshSizes(data_shard=2, context=2), micro_batch=2, accumulation=3)
+    split = Plan("fsdp", MeshSizes(data_shard=2, context=2), micro_batch=2, accumulation=3,
+                 options={"context_parallel_size": 2})
     whole = Plan("fsdp", MeshSizes(data_shard=4), micro_batch=2, accumulation=3)
     split_memory, whole_memory = memory_per_rank(split, facts, CLUSTER), memory_per_rank(whole, facts, CLUSTER)
     assert all(split_memory[k] == whole_memory[k] for k in ("params", "grads", "optimizer"))

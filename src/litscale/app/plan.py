@@ -16,6 +16,7 @@ from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
 from litscale.planner.model_facts import ModelFacts, model_facts
 from litscale.planner.search import plans, search, why_not
+from litscale.planner.strategies import Refusals
 from litscale.planner.trust import Trust, trust_for
 
 GiB = 2**30
@@ -84,11 +85,12 @@ def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]
         cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
     dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
     facts = facts_of(cfg)
+    refusals = Refusals(facts.net, facts.seq_len)  # each layout asked once, for the timing and the ranking
     runnable = [p for p in plans(cluster, facts, layout.global_batch, **dtypes)
-                if why_not(p, cluster, facts, layout.global_batch) is None]
+                if why_not(p, cluster, facts, layout.global_batch, refusals) is None]
     configured = configured_plan(cfg, choices, layout)
     facts = timed_here(cfg, cluster, facts, runnable + ([configured] if configured else []))
-    ranked, pruned = search(cluster, facts, layout.global_batch, **dtypes)
+    ranked, pruned = search(cluster, facts, layout.global_batch, refusals=refusals, **dtypes)
     return cluster, facts, configured, ranked, pruned
 
 
@@ -125,26 +127,38 @@ def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
     return trust_for(OmegaConf.to_container(net, resolve=True))
 
 
-# A run's strategy option -> the planner's name for it (None: not modelled).
-RUN_STRATEGIES = {"single": "ddp", "ddp": "ddp", "fsdp": "fsdp", "tensor_parallel": "tensor_parallel",
-                  "pipeline": "pipeline"}
-
-
 def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
-    """The run as configured, as the planner's ``Plan`` (None where its strategy is not modelled)."""
+    """The run as configured, as the planner's ``Plan``; None where its strategy is not one the
+    planner costs (not a registered litscale strategy, or not ``plannable``)."""
+    from litscale.contract import contract_value
+    from litscale.planner.strategies import registered, takes
     from litscale.strategies.pipeline import default_virtual_stages
 
-    strategy = RUN_STRATEGIES.get(choices.get("strategy", ""))
-    if choices.get("strategy") == "deepspeed_zero":
-        strategy = f"deepspeed_zero{cfg.strategy.stage}"
-    if strategy is None:
+    name = choices.get("strategy", "")
+    cls = registered().get(name)
+    if cls is None or not contract_value(cls, "plannable"):
         return None
     microbatches, schedule = int(cfg.strategy.get("microbatches", 1)), str(cfg.strategy.get("schedule", "1f1b"))
-    return Plan(strategy, layout.mesh, layout.micro_batch, layout.accumulation,
+    return Plan(name, layout.mesh, layout.micro_batch, layout.accumulation,
                 bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
                 cfg.precision.param_dtype, microbatches, schedule,
                 int(cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)),
-                choices.get("compression", "none") if strategy == "ddp" else "none")
+                choices.get("compression", "none") if takes(cls, "compression") else "none",
+                options=configured_options(cfg, cls, layout))
+
+
+def configured_options(cfg: DictConfig, cls: type, layout: RunLayout) -> dict:
+    """The configured strategy's options as the planner's plans state them: the keys its
+    ``candidate_meshes`` sets (so the run reads as the ranked plans do) and every other plain
+    value that differs from its constructor's default (what may change how a rank holds its share)."""
+    import inspect
+
+    stated = {key for options, _ in cls.candidate_meshes(world_size=layout.world_size, nodes=layout.num_nodes,
+                                                           devices_per_node=layout.processes_per_node,
+                                                           context_sizes=[1]) for key in options}
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+    return {key: value for key, value in cfg.strategy.items() if key in defaults
+            and isinstance(value, (bool, int, float, str)) and (key in stated or value != defaults[key])}
 
 
 def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> dict:
@@ -317,7 +331,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     peak = cluster.peak_flops["float32"]
     keys: dict[str, set[int]] = {}
     for plan in plans_:
-        micro = plan.micro_batch // plan.microbatches
+        micro = plan.pipeline_micro_batch
         if facts.flops_per_token * micro * facts.seq_len / peak < PROFILE_LIMIT_S:
             keys.setdefault(profile_key(plan), set()).add(micro)
     if not cluster.is_this_machine or not keys:
@@ -386,31 +400,19 @@ def table(ranked: list[Prediction], cluster: Cluster) -> str:
 
 
 def overrides(plan: Plan, cluster: Cluster) -> list[str]:
-    """The command-line overrides that run ``plan``."""
-    mesh = plan.mesh
-    found = [f"trainer.devices={cluster.devices_per_node}", f"trainer.num_nodes={cluster.nodes}",
-             f"data.batch_size={plan.micro_batch}", f"trainer.accumulate_grad_batches={plan.accumulation}"]
-    if plan.strategy.startswith("deepspeed_zero"):
-        return ["strategy=deepspeed_zero", f"strategy.stage={plan.strategy[-1]}", *found]
-    found.insert(0, f"strategy={plan.strategy}")
-    if plan.strategy == "fsdp":
-        if mesh.data_replicate > 1:
-            found.append(f"strategy.replicate_size={mesh.data_replicate}")
-        if plan.activation_checkpointing:
-            found.append("strategy.activation_checkpointing=true")
-    if plan.strategy == "tensor_parallel":
-        found.append(f"strategy.tensor_parallel_size={mesh.tensor}")
-    if mesh.context > 1:
-        found.append(f"strategy.context_parallel_size={mesh.context}")
-    if mesh.expert > 1:
-        found.append(f"strategy.expert_parallel_size={mesh.expert}")
-    if plan.strategy == "pipeline":
-        found += [f"strategy.pipeline_parallel_size={mesh.pipeline}", f"strategy.tensor_parallel_size={mesh.tensor}",
-                  f"strategy.data_parallel_size={mesh.data}", f"strategy.microbatches={plan.microbatches}",
-                  f"strategy.schedule={plan.schedule}"]
-        if plan.virtual_stages > 1:
-            found.append(f"strategy.virtual_stages={plan.virtual_stages}")
-    return found
+    """The command-line overrides that run ``plan``: its strategy with the options it was
+    planned with (each one, so the run does not depend on the option file's defaults)."""
+    from litscale.layout import mesh_of
+    from litscale.planner.strategies import built
+
+    laid_out = mesh_of(built(plan.strategy, plan.strategy_options()), plan.mesh.world_size)
+    if laid_out != plan.mesh:  # a command line that would run another layout than the one planned
+        raise ValueError(f"{plan.describe()}: strategy={plan.strategy} with {plan.options} lays out {laid_out}")
+    return [f"strategy={plan.strategy}",
+            *(f"strategy.{key}={str(value).lower() if isinstance(value, bool) else value}"
+              for key, value in plan.strategy_options().items()),
+            f"trainer.devices={cluster.devices_per_node}", f"trainer.num_nodes={cluster.nodes}",
+            f"data.batch_size={plan.micro_batch}", f"trainer.accumulate_grad_batches={plan.accumulation}"]
 
 
 def _size(nbytes: float) -> str:

@@ -77,15 +77,14 @@ def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
 
     from litscale.app.build import build_strategy
     from litscale.app.validation import meta_net
-    from litscale.strategies.ddp import DDPStrategy
-    from litscale.strategies.single import SingleStrategy
+    from litscale.sharding import sharding_of
 
     cfg = OmegaConf.create(run_config)
     strategy = build_strategy(cfg)
     # As the strategies see it: the LightningModule, whose network is `net`, converted first
     # (bf16-true stores the shards in bf16).
     holder = nn.ModuleDict({"net": meta_net(cfg).to(getattr(torch, cfg.precision.param_dtype))})
-    if isinstance(strategy, (DDPStrategy, SingleStrategy)):
+    if sharding_of(strategy).zero_stage == 0:  # replicated, as the strategy states: nothing to split
         return {"params_bytes": held_bytes([holder]), "mesh": REPLICATED_MESH, "ranks": world_size}
     if not hasattr(strategy, "split"):
         return {"params_bytes": None, "mesh": "not built", "ranks": world_size, "skipped": DEEPSPEED_SKIPPED}

@@ -2,6 +2,8 @@
 micro batch and activation checkpointing on a described cluster, and rank them.
 
 Library modules, no Hydra: ``cluster`` (the machines), ``model_facts`` (what a model needs:
-FLOPs and activation bytes traced on the meta device), ``cost`` (one plan's prediction),
-``search`` (every plan for a world size and global batch, pruned with reasons, ranked).
+FLOPs and activation bytes traced on the meta device), ``plan`` (one way to run), ``cost``
+(its prediction), ``strategies`` (the registered strategies, each built and asked why it
+refuses a plan), ``search`` (every plan for a world size and global batch, pruned with
+reasons, ranked).
 """

@@ -13,11 +13,9 @@ in ``moe_cost.py``.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 
-from litscale.layout import MeshSizes
 from litscale.planner.cluster import Cluster
 from litscale.planner.model_facts import ModelFacts
 from litscale.planner.moe_cost import (
@@ -26,62 +24,13 @@ from litscale.planner.moe_cost import (
     expert_fsdp_collectives,
     flops_per_token_per_rank,
 )
+from litscale.planner.plan import Plan
 from litscale.sharding import Sharding, state_bytes_per_rank
 
 # Optimizer state per parameter (AdamW: two fp32 moments) and the fp32 master copy kept when
 # parameters are held in 16 bits.
 ADAM_STATE_BYTES = 8
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@functools.cache
-def sharding_of_plan(strategy: str) -> Sharding:
-    """How a plan's strategy holds a rank's share, as the strategy itself states it with its
-    default options (a pipeline keeps its stage gathered through the step: ZeRO-2 at its peak)."""
-    from litscale.strategies.ddp import DDPStrategy
-    from litscale.strategies.deepspeed_zero import zero_sharding
-    from litscale.strategies.fsdp import FSDPStrategy
-    from litscale.strategies.pipeline import PipelineParallelStrategy
-    from litscale.strategies.tensor_parallel import TensorParallelStrategy
-
-    if strategy.startswith("deepspeed_zero"):
-        return zero_sharding(int(strategy[-1]))  # its class imports DeepSpeed when built
-    classes = {"ddp": DDPStrategy, "fsdp": FSDPStrategy, "tensor_parallel": TensorParallelStrategy,
-               "pipeline": PipelineParallelStrategy}
-    return classes[strategy]().sharding
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A way to run: a strategy on a mesh, the batch split, and what trades memory for time."""
-
-    strategy: str
-    mesh: MeshSizes
-    micro_batch: int
-    accumulation: int
-    activation_checkpointing: bool = False
-    compute_dtype: str = "float32"
-    param_dtype: str = "float32"
-    microbatches: int = 1  # a pipeline's split of the micro batch
-    schedule: str = "1f1b"
-    virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules: 2 or more)
-    compression: str = "none"  # DDP's gradient compression (litscale's compression= option)
-
-    def describe(self) -> str:
-        mesh = self.mesh
-        hybrid = mesh.data_replicate > 1 and mesh.data_shard > 1  # HSDP: replicas x shards
-        data = f"dp{mesh.data_replicate}x{mesh.data_shard}" if hybrid else f"dp{mesh.data}"
-        parts = [self.strategy, f"pp{mesh.pipeline}", data,
-                 *([f"cp{mesh.context}"] if mesh.context > 1 else []), f"tp{mesh.tensor}",
-                 *([f"ep{mesh.expert}"] if mesh.expert > 1 else []),
-                 f"mb{self.micro_batch}", f"acc{self.accumulation}"]
-        if self.mesh.pipeline > 1:
-            parts.append(f"{self.schedule}x{self.microbatches}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        if self.compression != "none":
-            parts.append(self.compression)
-        return " ".join(parts) + (" ac" if self.activation_checkpointing else "")
-
-
 @dataclass(frozen=True)
 class Collective:
     name: str
@@ -130,7 +79,7 @@ def predict(plan: Plan, facts: ModelFacts, cluster: Cluster) -> Prediction:
 
 
 def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str, float]:
-    sharding, param_bytes = sharding_of_plan(plan.strategy), DTYPE_BYTES[plan.param_dtype]
+    sharding, param_bytes = plan.sharding, DTYPE_BYTES[plan.param_dtype]
     master = 4 if param_bytes < 4 and not sharding.fp32_master_copy else 0  # 16-bit parameters' fp32 copy
     moe = facts.moe
     states = state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=sharding,
@@ -149,7 +98,7 @@ def activation_bytes(plan: Plan, facts: ModelFacts) -> float:
     with context parallel, its share of the sequence's, plus each layer's keys and values
     gathered whole (kept for backward)."""
     mesh, scale = plan.mesh, DTYPE_BYTES[plan.compute_dtype] / 4
-    micro = plan.micro_batch // plan.microbatches  # a pipeline's unit of work
+    micro = plan.pipeline_micro_batch
     whole = facts.activations(micro) * scale
     if plan.activation_checkpointing:  # every layer keeps its input; one layer is recomputed at a time
         whole = facts.layers * facts.boundary_bytes(micro) * scale + whole / facts.layers
@@ -164,8 +113,7 @@ def context_kv_bytes(plan: Plan, facts: ModelFacts) -> float:
     parallel's split): what context parallel gathers, 0 without it."""
     if plan.mesh.context == 1:
         return 0.0
-    micro = plan.micro_batch // plan.microbatches
-    return 2 * facts.layers * micro * facts.seq_len * facts.kv_width * DTYPE_BYTES[plan.compute_dtype]
+    return 2 * facts.layers * plan.pipeline_micro_batch * facts.seq_len * facts.kv_width * DTYPE_BYTES[plan.compute_dtype]
 
 
 # DDP's gradient buckets: the first holds 1 MiB, the others 25 MiB (torch's defaults).
@@ -198,14 +146,16 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
             per_rank = factor * (group - 1) / group * nbytes
             found.append(Collective(name, per_rank, calls, link.seconds(per_rank, messages=calls * latency_steps(group, factor))))
 
-    stage = sharding_of_plan(plan.strategy).peak_stage if shards > 1 else 0
+    sharding = plan.sharding
+    stage = sharding.peak_stage if shards > 1 else 0
     if stage == 0:  # accumulation runs under no_sync: one reduction per step
         buckets = 1 + math.ceil(max(0.0, grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
         # NOTE: a compressed bucket is costed as an all-reduce of what its hook sends; hooks
         # that all-gather (top-k, QSGD, ...) send that many bytes per rank only at 2 ranks
         timed = facts.profiles.get(profile_key(plan))
         sent = grad_bytes / (timed.bytes_ratio if timed is not None else 1.0)
-        ring("gradient all-reduce", sent, buckets if plan.strategy == "ddp" else 1, mesh.data, data_link, 2)
+        # a replicated strategy (DDP) reduces in buckets; a sharded one over a single shard, at once
+        ring("gradient all-reduce", sent, buckets if sharding.zero_stage == 0 else 1, mesh.data, data_link, 2)
     else:
         acc = plan.accumulation
         if stage == 3:  # each unit gathered for forward and again for backward; the root once, kept
@@ -221,9 +171,8 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         if mesh.data_replicate > 1:
             ring("gradient all-reduce (replicas)", grad_bytes / shards, 1, mesh.data_replicate,
                  cluster.inter_node, 2)
-    micro = plan.micro_batch // plan.microbatches
+    micro, runs = plan.pipeline_micro_batch, plan.forward_backwards
     activation = facts.boundary_bytes(micro) * DTYPE_BYTES[plan.compute_dtype] / 4 / mesh.context
-    runs = plan.accumulation * plan.microbatches  # forward-backwards per step
     found += [Collective(*exchange) for exchange in all_to_all(plan, facts, cluster, DTYPE_BYTES[plan.compute_dtype])]
     if mesh.context > 1:
         # Each attention gathers the keys and values of the whole sequence in forward (two
@@ -276,18 +225,23 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
 
 
 def profile_key(plan: Plan) -> str:
-    """How one rank of ``plan`` runs the network, as ``ModelFacts.profiles`` names it: under
-    FSDP2 sharded over its data ranks (``fsdp<n>``), under tensor parallel (``tp<n>``), under
-    DDP with a compression hook (``ddp<n>-<compression>``: the codec's time and ratio), inside
-    DeepSpeed's engine of ZeRO stage ``s`` (``zero<s>``, timed at one rank), or plain."""
-    if plan.strategy == "tensor_parallel":
-        return f"tp{plan.mesh.tensor}"
-    if plan.strategy.startswith("deepspeed_zero") and plan.mesh.data_shard > 1:
-        return f"zero{plan.strategy[-1]}"
-    if plan.strategy == "ddp" and plan.compression != "none" and plan.mesh.data > 1:
-        return f"ddp{plan.mesh.data}-{plan.compression}"
-    shards = plan.mesh.data_shard * plan.mesh.context  # FSDP shards over data x context
-    if plan.strategy == "fsdp" and shards > 1:
+    """How one rank of ``plan`` runs the network, as ``ModelFacts.profiles`` names it, from its
+    mesh and what its strategy states of itself (``sharding``): under tensor parallel
+    (``tp<n>``), inside a ZeRO optimizer that keeps fp32 partitions (DeepSpeed's engine, stage
+    ``s``: ``zero<s>``, timed at one rank), with a compression hook (``ddp<n>-<compression>``:
+    the codec's time and ratio), under FSDP2 sharded over its data x context ranks (``fsdp<n>``),
+    or plain (a pipeline's stage too)."""
+    mesh, sharding = plan.mesh, plan.sharding
+    shards = mesh.data_shard * mesh.context
+    if mesh.pipeline > 1:
+        return "plain"
+    if mesh.tensor > 1:
+        return f"tp{mesh.tensor}"
+    if sharding.fp32_master_copy and mesh.data_shard > 1:
+        return f"zero{sharding.zero_stage}"
+    if plan.compression != "none" and mesh.data > 1:
+        return f"ddp{mesh.data}-{plan.compression}"
+    if sharding.zero_stage == 3 and shards > 1:
         return f"fsdp{shards}"
     return "plain"
 
@@ -297,7 +251,7 @@ def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
     this machine where the facts carry a profile of the network as the plan runs it (else of
     the plain network, divided by the tensor-parallel size), else FLOPs over the cluster's
     achieved throughput."""
-    micro, count = plan.micro_batch // plan.microbatches, plan.accumulation * plan.microbatches
+    micro, count = plan.pipeline_micro_batch, plan.forward_backwards
     timed = timed_forward_backward_s(plan, facts)
     if timed is not None:
         return count * timed
@@ -310,7 +264,7 @@ def timed_forward_backward_s(plan: Plan, facts: ModelFacts) -> float | None:
     plain network's over the tensor-parallel size); None where nothing was timed. Profiles run
     whole sequences: a context-parallel rank is costed at 1 / context of one (its load-balanced
     share of the attention too), its gathers as collectives."""
-    micro = plan.micro_batch // plan.microbatches
+    micro = plan.pipeline_micro_batch
     timed = facts.profiles.get(profile_key(plan))
     if timed is not None and micro in timed.forward_backward_s:
         return timed.forward_backward_s[micro] / plan.mesh.context
@@ -328,7 +282,7 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
     if key != "plain" and key in facts.profiles:  # timed on the shard this rank holds
         return facts.profiles[key].optimizer_step_s / plan.mesh.pipeline
     # The parameters whose optimizer state this rank holds: its share as the memory counts it.
-    moe, stage = facts.moe, min(sharding_of_plan(plan.strategy).zero_stage, 1)
+    moe, stage = facts.moe, min(plan.sharding.zero_stage, 1)
     updated = state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=Sharding(zero_stage=stage),
                                    param_bytes=0, optimizer_bytes_per_param=1,
                                    tensor_whole_params=moe.layer_params if moe else 0,
@@ -368,7 +322,7 @@ def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
         compute *= cluster.contention
     if plan.activation_checkpointing:
         compute *= 4 / 3  # the forward again, inside backward
-    compute += plan.accumulation * plan.microbatches * cluster.overhead_per_microbatch_s
+    compute += plan.forward_backwards * cluster.overhead_per_microbatch_s
     if mesh.pipeline > 1:  # idle time: p - 1 stage-steps of v x m (Narayanan et al. 2021, interleaved)
         work = plan.virtual_stages * plan.microbatches
         prediction.bubble = (mesh.pipeline - 1) / (work + mesh.pipeline - 1)

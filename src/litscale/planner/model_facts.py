@@ -96,6 +96,8 @@ class ModelFacts:
     kv_width: int = 0
     moe: MoEFacts | None = None  # a mixture of experts' (None for a dense model)
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
+    # The network read (on the meta device): what the strategies check a plan against.
+    net: nn.Module | None = field(default=None, repr=False, compare=False)
 
     def activations(self, micro_batch: int) -> float:
         return self.activation_bytes_fixed + micro_batch * self.activation_bytes_per_sample
@@ -155,7 +157,7 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int) -> ModelFacts:
                       activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units,
                       vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
                       pipeline_blocks=len(net.pipeline_blocks()) if hasattr(net, "pipeline_blocks") else 0,
-                      kv_width=_kv_width(net), moe=moe_facts(net))
+                      kv_width=context_parallel_kv_width(net), moe=moe_facts(net), net=net)
 
 
 def moe_facts(net: nn.Module) -> MoEFacts | None:
@@ -175,7 +177,7 @@ def moe_facts(net: nn.Module) -> MoEFacts | None:
                     active_params=sum(p.numel() for p in net.parameters()) - unchosen)
 
 
-def _kv_width(net: nn.Module) -> int:
+def context_parallel_kv_width(net: nn.Module) -> int:
     """The key projection's width of the first attention a context-parallel strategy splits."""
     attention = net.context_parallel_attention() if hasattr(net, "context_parallel_attention") else []
     return attention[0].k_proj.out_features if attention else 0

@@ -72,8 +72,7 @@ def all_to_all(plan, facts: ModelFacts, cluster: Cluster, dtype_bytes: int):
     mesh, moe = plan.mesh, facts.moe
     if moe is None or mesh.expert == 1:
         return []
-    ep, runs = mesh.expert, plan.accumulation * plan.microbatches
-    micro = plan.micro_batch // plan.microbatches
+    ep, runs, micro = mesh.expert, plan.forward_backwards, plan.pipeline_micro_batch
     forwards = 1 + plan.activation_checkpointing
     tokens = micro * facts.seq_len / mesh.context  # tensor-parallel ranks run their MoE layers whole
     rows = runs * moe.layers * (2 * forwards + 2) * tokens * moe.top_k * facts.hidden * dtype_bytes

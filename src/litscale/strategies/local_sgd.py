@@ -50,6 +50,7 @@ class LocalSGDStrategy(DDPStrategy):
                Option.COMPRESSION: "its synchronisation already is its communication hook"}
     untraced = "its parameter averaging every few steps is not traced"
     phase_collectives = {"backward": "gradient all-reduce (warm-up)", "optimizer": "parameter all-reduce"}
+    plannable = False  # parameters averaged every few steps: not the planner's synchronous step
 
     @checked_arguments("strategy")
     def __init__(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -36,6 +39,13 @@ class SingleStrategy(StrategyContract, SingleDeviceStrategy):
         return self._root_device
 
     sharding: Sharding = REPLICATED  # litscale.sharding.LaidOut: what the memory figures read
+
+    @classmethod
+    def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
+                         context_sizes: Sequence[int]) -> list[tuple[dict[str, Any], MeshSizes]]:
+        """None: one process is data parallel over one rank, which the planner ranks as
+        ``strategy=ddp``."""
+        return []
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """One process: every mesh dimension has size 1."""
