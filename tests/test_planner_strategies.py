@@ -92,6 +92,7 @@ def check_against_the_strategies(facts: ModelFacts, worlds) -> int:
     return checked
 
 
+@pytest.mark.slow  # about 1,800 plans checked twice: seconds on 2 shared cores
 def test_the_search_keeps_what_the_tiny_presets_strategies_take_and_prunes_with_their_lines():
     """GPT-nano, Llama-tiny and the tiny MoE at 1 to 8 ranks: every layout of every plannable
     strategy (with the heads, key/value heads, width and vocabulary TP splits, the blocks a
