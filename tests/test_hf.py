@@ -422,7 +422,7 @@ def test_without_the_hf_extra_model_hf_is_refused_in_litscales_one_line(path, me
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["export_hf=true"], "export_hf=true needs model=llama or model=hf (got model=gpt)"),
+    (["export_hf=true"], "export_hf=true needs model=llama, model=moe or model=hf (got model=gpt)"),
     (["export_hf=true", "model=llama", "strategy=pipeline", "trainer.accelerator=cpu", "trainer.devices=2"],
      "export_hf=true is not available with strategy=pipeline: each rank holds only its stages' "
      "weights; export from a checkpoint loaded without a pipeline"),
@@ -434,6 +434,14 @@ def test_export_hf_is_refused_in_one_line_where_it_cannot_work(overrides, messag
     with pytest.raises(ConfigError) as error:
         validate(cfg, choices=choices)
     assert str(error.value) == message
+
+
+def test_export_hf_is_accepted_for_a_mixture_of_experts(tmp_path, outputs_root):
+    """litscale.hf_export writes a MoE's Hugging Face form (tested above): a run may ask for it."""
+    from litscale.app.validation import validate
+
+    cfg, choices = compose_job(["export_hf=true", "model=moe", "data=synthetic", "data.seq_len=32"], tmp_path / "run")
+    validate(cfg, choices=choices)
 
 
 @pytest.mark.slow

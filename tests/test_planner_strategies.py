@@ -101,7 +101,8 @@ def test_the_search_keeps_what_the_tiny_presets_strategies_take_and_prunes_with_
         assert check_against_the_strategies(layout_facts(family, preset), range(1, 9)) > 100, preset
 
 
-@pytest.mark.slow  # every preset of the zoo on the meta device, up to 64 ranks: seconds each
+@pytest.mark.full  # every preset of the zoo on the meta device, up to 64 ranks: 5-100 s each
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("family", "preset"), PRESETS, ids=[f"{f}-{p}" for f, p in PRESETS])
 def test_every_preset_is_planned_as_its_strategies_take_it_at_1_to_64_ranks(family, preset):

@@ -320,7 +320,7 @@ def meta_net(cfg: DictConfig):
 
 
 # The factories of the zoo's networks that have a Hugging Face form (litscale.hf_export).
-HF_EXPORTABLE = {"litscale.models.llama.build_llama", "litscale.models.hf.build_hf"}
+HF_EXPORTABLE = {"litscale.models.llama.build_llama", "litscale.models.moe.build_moe", "litscale.models.hf.build_hf"}
 
 
 def check_export_hf(cfg: DictConfig, choices: dict[str, str]) -> None:
@@ -331,7 +331,7 @@ def check_export_hf(cfg: DictConfig, choices: dict[str, str]) -> None:
     net = cfg.model.get("net")
     target = net.get("_target_") if isinstance(net, DictConfig) else None
     if target not in HF_EXPORTABLE:
-        raise ConfigError(f"export_hf=true needs model=llama or model=hf (got model={choices.get('model', target)})")
+        raise ConfigError(f"export_hf=true needs model=llama, model=moe or model=hf (got model={choices.get('model', target)})")
     if "pipeline_parallel_size" in cfg.strategy:
         raise ConfigError(
             f"export_hf=true is not available with strategy={choices.get('strategy', 'pipeline')}: "
