@@ -35,13 +35,11 @@ from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.context_parallel import (
-    apply_context_parallel,
     check_context_parallel_fits,
     check_sequence_splits,
-    data_context_mesh,
     shard_batch,
 )
-from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
+from litscale.strategies.expert_parallel import check_expert_parallel_fits
 from litscale.strategies.mesh import (
     MeshSizes,
     ShapeAndNames,
@@ -293,22 +291,14 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
         """Shard ``module`` (the LightningModule) on ``mesh`` (laid out by ``mesh_layout``) as
         this strategy does; its parameters stay where they are (the meta device, in a dry run).
         Returns the modules this rank runs besides ``module``: none."""
-        if self.context_parallel_size > 1:
-            apply_context_parallel(module, mesh[CONTEXT])
-            data = (MeshAxis.REPLICATE, MeshAxis.SHARD) if self.replicate_size > 1 else (MeshAxis.SHARD,)
-            mesh = data_context_mesh(mesh, data, CONTEXT)
-        apply_expert_parallel(module, mesh, expert_parallel_size=self.expert_parallel_size,
-                              borrowed_dims=tuple(mesh.mesh_dim_names),
-                              reshard_after_forward=self.reshard_after_forward,
-                              mp_policy=mixed_precision_policy(self.precision_dtypes))
-        apply_fsdp(
-            module, mesh,
-            units=find_sharding_units(module, self.sharding_unit_patterns),
-            reshard_after_forward=self.reshard_after_forward,
-            mp_policy=mixed_precision_policy(self.precision_dtypes),
-            cpu_offload=self.cpu_offload and mesh.device_type == "cuda",
-            activation_checkpointing=self.activation_checkpointing,
-        )
+        # NOTE: imported here: the parallelize function builds on this module's apply_fsdp.
+        from litscale.strategies.parallelize import ParallelOptions, parallelize
+
+        data = (MeshAxis.REPLICATE, MeshAxis.SHARD) if self.replicate_size > 1 else (MeshAxis.SHARD,)
+        parallelize(module, mesh, self.resolve_mesh(mesh.size()), data, ParallelOptions(
+            sharding_units=self.sharding_unit_patterns, reshard_after_forward=self.reshard_after_forward,
+            mp_policy=mixed_precision_policy(self.precision_dtypes), cpu_offload=self.cpu_offload,
+            activation_checkpointing=self.activation_checkpointing, shard_single_rank=True))
         return []
 
     @property

@@ -29,18 +29,15 @@ from litscale.declarations import declared, name_matches
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.context_parallel import (
-    apply_context_parallel,
     check_context_parallel_fits,
     check_sequence_splits,
-    data_context_mesh,
     shard_batch,
 )
-from litscale.strategies.expert_parallel import apply_expert_parallel, check_expert_parallel_fits
-from litscale.strategies.fsdp import apply_fsdp, find_sharding_units, mixed_precision_policy
+from litscale.strategies.expert_parallel import check_expert_parallel_fits
+from litscale.strategies.fsdp import mixed_precision_policy
 from litscale.strategies.mesh import (
     CONTEXT,
     DATA,
-    TENSOR,
     MeshSizes,
     check_tensor_parallel_fits,
     clip_by_norm_across_mesh,
@@ -302,22 +299,11 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
         """TP on the tensor dimension of ``mesh`` (laid out by ``mesh_layout``), the sequence
         split on its context dimension, then FSDP2 on its data (x context) dimension
         (torchtitan's order). Returns the modules this rank runs besides ``module``: none."""
-        sizes = self.resolve_mesh(mesh.size())
-        if sizes.tensor > 1:
-            apply_declared_plan(module, mesh[TENSOR], self.plan,
-                                sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
-        data_mesh = mesh[DATA]
-        if sizes.context > 1:
-            apply_context_parallel(module, mesh[CONTEXT])
-            data_mesh = data_context_mesh(mesh, (DATA,), CONTEXT)
-        apply_expert_parallel(module, data_mesh, expert_parallel_size=sizes.expert,
-                              borrowed_dims=tuple(data_mesh.mesh_dim_names),
-                              reshard_after_forward=self.reshard_after_forward,
-                              mp_policy=mixed_precision_policy(self.precision_dtypes))
-        if data_mesh.size() > 1:
-            apply_fsdp(module, data_mesh, units=find_sharding_units(module),
-                       reshard_after_forward=self.reshard_after_forward,
-                       mp_policy=mixed_precision_policy(self.precision_dtypes))
+        from litscale.strategies.parallelize import ParallelOptions, parallelize
+
+        parallelize(module, mesh, self.resolve_mesh(mesh.size()), (DATA,), ParallelOptions(
+            tensor_plan=self.plan, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
+            reshard_after_forward=self.reshard_after_forward, mp_policy=mixed_precision_policy(self.precision_dtypes)))
         return []
 
     @contextmanager
