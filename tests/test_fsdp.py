@@ -54,7 +54,7 @@ def test_fsdp_shards_every_parameter_along_dim0_with_blocks_as_units():
 
 
 def test_sharding_units_from_model_patterns_and_warning():
-    from litscale.strategies.fsdp import NO_UNITS_WARNING, find_sharding_units
+    from litscale.strategies.fully_shard import NO_UNITS_WARNING, find_sharding_units
 
     module = tiny_module(ParitySetup())
     assert find_sharding_units(module) == list(module.net.blocks.values())
@@ -70,7 +70,7 @@ def test_sharding_units_from_model_patterns_and_warning():
 
 def test_mixed_precision_policy_follows_precision_group():
     from litscale.precision import PrecisionDtypes
-    from litscale.strategies.fsdp import mixed_precision_policy
+    from litscale.strategies.fully_shard import mixed_precision_policy
 
     bf16_mixed = PrecisionDtypes.from_names(param_dtype="float32", compute_dtype="bfloat16",
                                             reduce_dtype="float32")

@@ -405,7 +405,7 @@ def test_a_trial_keeps_its_layout_unless_it_does_not_fit(tmp_path, monkeypatch, 
     """GPT-nano's group ranks below the bar: the trial keeps DDP x 2 at micro batch 16 where it
     fits, and takes the planner's pick (the same global batch) where it would not."""
     from litscale.app.experiment_file import PLAN_KEYS, without
-    from litscale.app.plan import pick_layout
+    from litscale.app.plan.ranking import pick_layout
 
     cache = tmp_path / "cache"
     cache.mkdir()

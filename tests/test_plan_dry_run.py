@@ -1,4 +1,4 @@
-"""The dry run of ``plan=show`` (``litscale.app.plan_dry_run``): the configured strategy, built
+"""The dry run of ``plan=show`` (``litscale.app.plan.dry_run``): the configured strategy, built
 from the composed config as a run builds it, splits the network on the meta device over
 torch's fake process group, up to 256 ranks; what rank 0 holds is checked against counts
 taken here from the plain network, and against the planner's prediction. Most tests build in
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from helpers.configs import compose_job
 from omegaconf import OmegaConf
 
-from litscale.app.plan import configured_plan, facts_of
-from litscale.app.plan_dry_run import REPLICATED_MESH, built_in_this_process, built_on_fake_world
+from litscale.app.plan.dry_run import REPLICATED_MESH, built_in_this_process, built_on_fake_world
+from litscale.app.plan.ranking import configured_plan, facts_of
 from litscale.app.validation import meta_net, validate
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import memory_per_rank

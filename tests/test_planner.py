@@ -142,7 +142,7 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
-    from litscale.app.plan_profile import profiles_in_child
+    from litscale.app.plan.profile import profiles_in_child
 
     net = {"_target_": "litscale.models.gpt.build_gpt", "vocab_size": 256, "block_size": 32}
     found = profiles_in_child(net, keys={"plain": {1, 2}, "fsdp2": {2}, "tp2": {2}}, seq_len=32, vocab_size=256)
@@ -155,7 +155,7 @@ def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_compression_hook_and_deepspeed_are_timed_as_they_run_in_a_child_process():
-    from litscale.app.plan_profile import profiles_in_child
+    from litscale.app.plan.profile import profiles_in_child
 
     net = {"_target_": "litscale.models.gpt.build_gpt", "vocab_size": 256, "block_size": 32}
     # DDP with litscale's top-k hook past its warm-up: 1% of values + int32 indices, 50x fewer bytes
@@ -615,7 +615,7 @@ def test_context_parallel_plans_divide_activations_and_gather_keys_and_values_pe
     activations plus every layer's whole keys and values, and per layer two gathers of them in
     forward and two reduce-scatters of their gradients in backward. The search offers such
     plans for a model whose attention declares it, as meshes the strategies themselves lay out."""
-    from litscale.app.plan import overrides
+    from litscale.app.plan.ranking import overrides
     from litscale.planner.cost import activation_bytes
     from litscale.planner.search import context_sizes
     from litscale.strategies import FSDPStrategy, TensorParallelStrategy

@@ -158,7 +158,7 @@ def _fsdp_counts(world: int):
 
 
 def _tensor_parallel_net(world: int):
-    from litscale.strategies.tensor_parallel import apply_declared_plan
+    from litscale.strategies.tensor_plan import apply_declared_plan
 
     net, facts = _gpt_and_facts(n_head=8)  # heads for 8 ranks
     apply_declared_plan(net, init_device_mesh("cpu", (world,)))  # as the strategy: sequence parallel
@@ -235,7 +235,7 @@ def test_tensor_parallel_step_of_a_mixture_of_experts_issues_the_predicted_colle
     whole on both ranks, gathers its input and its output's gradient but scatters neither."""
     from litscale.models.moe import build_moe
     from litscale.strategies.mesh import sum_partial_gradients_after
-    from litscale.strategies.tensor_parallel import apply_declared_plan
+    from litscale.strategies.tensor_plan import apply_declared_plan
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:

@@ -118,7 +118,7 @@ def test_the_search_offers_the_expert_parallel_sizes_the_strategies_accept():
     """Every ranked plan with EP is one the strategy itself lays out and validates on the tiny
     decoder (with 6 experts); the sizes it refuses (4 does not divide them) are pruned with its
     own line."""
-    from litscale.app.plan import overrides
+    from litscale.app.plan.ranking import overrides
     from litscale.strategies import FSDPStrategy, TensorParallelStrategy
 
     net, facts = _tiny_facts(n_experts=6)
@@ -167,7 +167,7 @@ def test_plan_show_ranks_expert_parallel_plans_for_qwen3_moe_at_64_devices(tmp_p
 def test_a_runs_tokens_per_expert_set_the_imbalance(tmp_path):
     from helpers.configs import compose_job
 
-    from litscale.app.plan import facts_of
+    from litscale.app.plan.ranking import facts_of
     from litscale.errors import ConfigError
 
     summary = tmp_path / "summary.json"

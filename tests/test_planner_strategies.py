@@ -128,7 +128,7 @@ def test_a_strategy_whose_package_is_missing_is_pruned_with_the_pip_install_line
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a))
-    from litscale.app.plan import overrides
+    from litscale.app.plan.ranking import overrides
 
     with torch.device("meta"):
         facts = model_facts(gpt.build_gpt(vocab_size=VOCAB, block_size=SEQ), seq_len=SEQ, vocab_size=VOCAB)
@@ -147,7 +147,7 @@ def test_the_planner_plans_any_registered_strategy_from_its_own_candidate_meshes
     command line from its options; one that is not ``plannable`` is not."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from litscale.app.plan import overrides
+    from litscale.app.plan.ranking import overrides
     from litscale.sharding import Sharding
     from litscale.strategies import DDPStrategy
 

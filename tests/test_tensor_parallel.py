@@ -35,7 +35,7 @@ def tensor_parallel_trace(rank, world_size, setup, sequence_parallel, loss_paral
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_context
 
-    from litscale.strategies.tensor_parallel import apply_tensor_parallel
+    from litscale.strategies.tensor_plan import apply_tensor_parallel
 
     net = tiny_net(setup)
     apply_tensor_parallel(net, init_device_mesh("cpu", (world_size,)), GPT.tensor_parallel_plan,

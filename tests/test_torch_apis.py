@@ -42,7 +42,7 @@ def torch_and_litscale_on_two_ranks(rank, world_size):
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     from litscale.strategies.mesh import clip_grad_norm_across_mesh
-    from litscale.strategies.tensor_parallel import apply_tensor_parallel
+    from litscale.strategies.tensor_plan import apply_tensor_parallel
 
     torch.manual_seed(0)
     reference = GPT(TINY)

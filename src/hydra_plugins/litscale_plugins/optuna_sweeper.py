@@ -250,7 +250,7 @@ class OptunaSweeper(Sweeper):
         if self.plan != "auto":
             return overrides
         from litscale.app.experiment_file import PLAN_KEYS, without
-        from litscale.app.plan import pick_layout
+        from litscale.app.plan.ranking import pick_layout
         from litscale.app.preflight import fail
         from litscale.errors import ConfigError
 

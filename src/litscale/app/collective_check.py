@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from litscale.app.plan_dry_run import fake_group, strategy_mesh, without_process_group
+from litscale.app.plan.dry_run import fake_group, strategy_mesh, without_process_group
 from litscale.contract import contract_value
 
 # c10d's ops (``dist.*``) and the functional ones (DTensor) -> the name a user knows.

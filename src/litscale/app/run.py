@@ -43,7 +43,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     choices = hydra_choices() if choices is None else choices
     layout = validate(cfg, choices=choices, this_machine=not only_planned(cfg))
     if planning(cfg):
-        from litscale.app.plan import run_plan
+        from litscale.app.plan.ranking import run_plan
 
         return run_plan(cfg, layout, choices)
     spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,

@@ -8,7 +8,7 @@
   vocabulary rows, the LM head column-wise (by vocabulary). The ``norm``,
   ``sequence_input`` and ``sequence_start`` entries only act with sequence parallelism
   (Korthikanti et al. 2022): LayerNorms and dropout then run on a slice of the sequence.
-  The styles are defined in ``litscale.strategies.tensor_parallel.STYLES``.
+  The styles are defined in ``litscale.strategies.tensor_plan.STYLES``.
 - ``pipeline_blocks(net)``: the ordered units a pipeline may cut between: the embeddings,
   each transformer block, and the final norm + head. A stage keeps its units and sets the
   others to ``None`` (``GPT.forward`` skips them), so checkpoint keys stay the same.

@@ -3,7 +3,7 @@ strategies, derived from the transformers model's own data rather than written p
 
 - ``tensor_parallel_plan(net)``: the model's ``base_model_tp_plan`` (transformers' style
   names, under its base-model prefix ``model.``) translated to litscale's (``TRANSLATIONS``;
-  the styles are ``litscale.strategies.tensor_parallel.STYLES``), plus what litscale's own
+  the styles are ``litscale.strategies.tensor_plan.STYLES``), plus what litscale's own
   Llama plan has (``llama_parallel.py``) and transformers' leaves out: the token embedding
   split by vocabulary rows, the output layer as ``head`` (transformers' ``colwise_rep``; loss
   parallel may keep its logits split), and per-head QK-norms (Qwen3) as ``head_norm``, whose

@@ -20,7 +20,7 @@
   attention): a context-parallel strategy sets their ``sequence`` to its rank's shard; every
   other module works token by token and runs on the shard as it is.
 
-The styles are defined in ``litscale.strategies.tensor_parallel.STYLES``.
+The styles are defined in ``litscale.strategies.tensor_plan.STYLES``.
 """
 
 from __future__ import annotations

@@ -7,14 +7,13 @@ subclasses the latter and does the sharding itself, from what the model declares
 (``sharding_units()``) or module-name patterns. Because DCP checkpoints hold DTensor shards
 with their global shapes, a run saved on N ranks resumes on M ranks.
 
-``apply_fsdp`` is the reusable part (torchtitan style): it shards a module on a given mesh,
-so a 2D/3D strategy can apply it to the data-parallel dimension of its own mesh
-(``fsdp_options`` and ``shard_units`` are its steps, for a strategy that picks its own roots).
+The reusable part (torchtitan style) is ``fully_shard.apply_fsdp``, which shards a module on
+a given mesh, and the one parallelize function (``parallelize.py``) that orders it after
+tensor, context and expert parallel.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -29,7 +28,6 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
-from litscale.declarations import declared, name_matches
 from litscale.layout import CONTEXT, MeshAxis
 from litscale.lightning_private import materialize_distributed_module
 from litscale.precision import PrecisionDtypes
@@ -40,6 +38,7 @@ from litscale.strategies.context_parallel import (
     shard_batch,
 )
 from litscale.strategies.expert_parallel import check_expert_parallel_fits
+from litscale.strategies.fully_shard import find_sharding_units, mixed_precision_policy
 from litscale.strategies.mesh import (
     MeshSizes,
     ShapeAndNames,
@@ -49,114 +48,11 @@ from litscale.strategies.mesh import (
     setup_parallel_module,
     start_mesh,
 )
+from litscale.strategies.parallelize import ParallelOptions, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-NO_UNITS_WARNING = (
-    "litscale FSDP: the model declares no sharding units, so it is sharded as one unit (all "
-    "parameters are gathered at once, which saves no peak memory). Declare units with a "
-    "`sharding_units(self) -> list[nn.Module]` method on the LightningModule or its `net` "
-    "(e.g. returning the transformer blocks), or pass strategy.sharding_units=['net.blocks.*']"
-)
-
-
-def mixed_precision_policy(dtypes: PrecisionDtypes | None) -> MixedPrecisionPolicy:
-    """FSDP2's policy for the ``precision`` group: parameters are gathered in the compute
-    dtype and gradients reduced in the reduce dtype; the sharded (optimizer-facing)
-    parameters keep the storage dtype."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    if dtypes is None or (dtypes.compute == dtypes.param and dtypes.reduce == dtypes.param):
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtypes.compute, reduce_dtype=dtypes.reduce)
-
-
-def find_sharding_units(module: nn.Module, patterns: Sequence[str] | None = None) -> list[nn.Module]:
-    """The submodules to shard one by one: from ``patterns`` if given, else what ``module``
-    or its ``net`` declares as ``sharding_units``; ``[]`` (with a warning) if neither."""
-    if patterns:
-        units = [m for name, m in module.named_modules() if any(name_matches(name, p) for p in patterns)]
-        if not units:
-            raise ValueError(f"strategy.sharding_units={list(patterns)} matches no submodule of the model")
-        return units
-    found = declared(module, "sharding_units")
-    if found is not None:
-        return list(found[1])
-    warnings.warn(NO_UNITS_WARNING, stacklevel=2)
-    return []
-
-
-def _roots(module: nn.Module) -> list[nn.Module]:
-    """The modules whose forward runs each step and that own the remaining parameters: ``net``
-    for litscale modules, else each direct child holding parameters (a LightningModule's own
-    forward is not what Lightning calls, so it cannot be FSDP's root)."""
-    net = getattr(module, "net", None)
-    if isinstance(net, nn.Module) and not any(True for _ in module.parameters(recurse=False)):
-        owned = {id(p) for p in net.parameters()}
-        if all(id(p) in owned for p in module.parameters()):
-            return [net]
-    if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(
-            f"{type(module).__name__} holds parameters directly; FSDP shards submodules, so move "
-            "them into a submodule (e.g. self.net)")
-    return [child for child in module.children() if any(True for _ in child.parameters())]
-
-
-def fsdp_options(mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
-                 cpu_offload: bool = False) -> dict[str, Any]:
-    """``fully_shard`` keyword arguments shared by every FSDP group on ``mesh``."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-    return {
-        "mesh": mesh,
-        "mp_policy": mp_policy or mixed_precision_policy(None),
-        "offload_policy": CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload
-        else OffloadPolicy(),
-    }
-
-
-def shard_units(units: Sequence[nn.Module], *, reshard_after_forward: bool,
-                activation_checkpointing: bool = False, **options: Any) -> None:
-    """Make each unit its own FSDP group (gathered just before its forward and, with
-    ``reshard_after_forward``, freed after it: ZeRO-3; without, kept until backward: ZeRO-2).
-    Activation checkpointing, applied per unit first, recomputes a unit's activations in backward."""
-    from torch.distributed._composable import checkpoint
-    from torch.distributed.fsdp import fully_shard
-
-    for unit in units:
-        if activation_checkpointing:
-            checkpoint(unit)  # composable: parameter names (and checkpoint keys) stay the same
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **options)
-
-
-def apply_fsdp(
-    module: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    units: Sequence[nn.Module] = (),
-    reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    cpu_offload: bool = False,
-    activation_checkpointing: bool = False,
-) -> None:
-    """Shard ``module`` in place with FSDP2 on ``mesh`` (1D: shard; 2D: replicate x shard).
-
-    Each of ``units`` becomes its own FSDP group (``shard_units``); the roots (``net``, or the
-    children holding parameters) take the rest.
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    options = fsdp_options(mesh, mp_policy=mp_policy, cpu_offload=cpu_offload)
-    shard_units(units, reshard_after_forward=reshard_after_forward,
-                activation_checkpointing=activation_checkpointing, **options)
-    for root in _roots(module):
-        # NOTE: a root is resharded after forward only when it is not the last to run; keeping
-        # it gathered (False) avoids an all-gather at the start of backward, as torchtitan does.
-        fully_shard(root, reshard_after_forward=False if units else reshard_after_forward, **options)
-
 
 class _NoAutocast(MixedPrecision):
     """Lightning's mixed precision without autocast: FSDP's policy already runs the forward in
@@ -291,9 +187,6 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
         """Shard ``module`` (the LightningModule) on ``mesh`` (laid out by ``mesh_layout``) as
         this strategy does; its parameters stay where they are (the meta device, in a dry run).
         Returns the modules this rank runs besides ``module``: none."""
-        # NOTE: imported here: the parallelize function builds on this module's apply_fsdp.
-        from litscale.strategies.parallelize import ParallelOptions, parallelize
-
         data = (MeshAxis.REPLICATE, MeshAxis.SHARD) if self.replicate_size > 1 else (MeshAxis.SHARD,)
         parallelize(module, mesh, self.resolve_mesh(mesh.size()), data, ParallelOptions(
             sharding_units=self.sharding_unit_patterns, reshard_after_forward=self.reshard_after_forward,

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 from litscale.layout import CONTEXT, TENSOR, MeshSizes
 from litscale.strategies.context_parallel import apply_context_parallel, data_context_mesh
 from litscale.strategies.expert_parallel import apply_expert_parallel
-from litscale.strategies.fsdp import apply_fsdp, find_sharding_units
+from litscale.strategies.fully_shard import apply_fsdp, find_sharding_units
+from litscale.strategies.tensor_plan import apply_declared_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,8 +47,6 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, sizes: MeshSizes, data_dims
     """Split ``module`` in place on ``mesh`` (``sizes``' mesh; ``data_dims`` its data
     dimensions, outermost first: ``(replicate, shard)`` for HSDP)."""
     if sizes.tensor > 1:
-        from litscale.strategies.tensor_parallel import apply_declared_plan
-
         apply_declared_plan(module, mesh[TENSOR], options.tensor_plan,
                             sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
     data_mesh = mesh[data_dims]

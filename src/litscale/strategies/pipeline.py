@@ -6,7 +6,7 @@ units a pipeline may cut between (``GPT.pipeline_blocks``); ``stages.py`` cuts t
 stages (balanced by parameter count, or at ``split_points``) and keeps on each rank only what
 its stages own; this module runs a torch schedule (GPipe, 1F1B, interleaved, zero-bubble) per
 step. Tensor parallel and FSDP2 are the same functions the sibling strategies apply
-(``apply_declared_plan`` on the whole model, then ``fsdp.shard_units`` per stage).
+(``apply_declared_plan`` on the whole model, then ``fully_shard.shard_units`` per stage).
 
 In the fit loop: ``training_step`` runs ``schedule.step`` (forward and backward of every
 micro-batch), broadcasts the last stage's mean loss to the pipeline group, and lets the
@@ -38,7 +38,7 @@ from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
-from litscale.strategies.fsdp import (
+from litscale.strategies.fully_shard import (
     find_sharding_units,
     fsdp_options,
     mixed_precision_policy,
@@ -63,7 +63,7 @@ from litscale.strategies.stages import (
     keep_stages,
     plan_stages,
 )
-from litscale.strategies.tensor_parallel import (
+from litscale.strategies.tensor_plan import (
     StyleName,
     apply_declared_plan,
     check_tensor_parallel_setup,
@@ -262,7 +262,7 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
 
     def _shard_stage(self, view: nn.Module, data_mesh: DeviceMesh) -> None:
         """FSDP2 on the data dimension: the stage's sharding units (GPT: its blocks), then the
-        stage itself as the root for the rest. (Not ``fsdp.apply_fsdp``: its roots are a
+        stage itself as the root for the rest. (Not ``fully_shard.apply_fsdp``: its roots are a
         LightningModule's children; a stage's root is the stage, which the schedule calls, and
         it is always kept gathered after forward, as the last module of the stage to run.)"""
         from torch.distributed.fsdp import fully_shard

@@ -9,7 +9,7 @@ from collections import Counter
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.app.plan_verify import aligned
+from litscale.app.plan.verify import aligned
 from litscale.errors import ConfigError
 from litscale.layout import RunLayout
 from litscale.planner.cluster import Cluster
@@ -243,7 +243,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
 def _dry_run(cfg: DictConfig, layout: RunLayout) -> float | None:
     """Build the configured strategy at the configured world on a fake process group (no rank
     starts); say what rank 0 holds and return its parameters' bytes (None: not built)."""
-    from litscale.app.plan_dry_run import REPLICATED_MESH, built_on_fake_world
+    from litscale.app.plan.dry_run import REPLICATED_MESH, built_on_fake_world
 
     built = built_on_fake_world(OmegaConf.to_container(cfg, resolve=True), layout.world_size)
     if built["params_bytes"] is None:
@@ -324,7 +324,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are.
     What an earlier plan timed for this model and cluster file is read back, not timed again;
     what is new is timed in a child process and cached."""
-    from litscale.app.plan_profile import profiles_in_child
+    from litscale.app.plan.profile import profiles_in_child
     from litscale.planner import profile_cache
     from litscale.planner.cost import profile_key
 
@@ -366,7 +366,7 @@ def _verify(cfg: DictConfig, cluster: Cluster, choices: dict[str, str], top: lis
     plan measured fastest (None when none could be measured), after saying where the predicted
     order was wrong."""
     from litscale.app.devices import resolve_accelerator
-    from litscale.app.plan_verify import check_verifiable, order_mistakes, table, verify
+    from litscale.app.plan.verify import check_verifiable, order_mistakes, table, verify
 
     reason = check_verifiable(cluster)
     if reason:

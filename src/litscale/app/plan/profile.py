@@ -45,8 +45,8 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from litscale.planner.model_facts import profile
-    from litscale.strategies.fsdp import shard_units
-    from litscale.strategies.tensor_parallel import apply_declared_plan
+    from litscale.strategies.fully_shard import shard_units
+    from litscale.strategies.tensor_plan import apply_declared_plan
 
     # DeepSpeed's engine calls c10d functions torch deprecates (a FutureWarning per call, about
     # forty per plan): the user's own DeepSpeed run shows them, a plan need not.
