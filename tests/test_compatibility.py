@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from helpers.configs import compose_job
 
-from litscale.app.contract_checks import check_strategy_accepts
-from litscale.app.validation import validate
 from litscale.app.compatibility import render
 from litscale.app.compatibility import strategy_rows as _strategy_rows
+from litscale.app.contract_checks import check_strategy_accepts
+from litscale.app.validation import validate
 from litscale.contract import Option, why_not
 from litscale.errors import ConfigError
 
