@@ -130,6 +130,7 @@ def check_trains(count: int, seed: int, tmp_path) -> None:
     problems = []
     for index, combination in enumerate(accepted(count, seed, tmp_path)):
         outputs = tmp_path / f"run{index}"
+        print(f"combination {index} (seed {seed}): {' '.join(combination.job_overrides())}", flush=True)
         try:
             loss = train(combination.job_overrides(), combination.devices, outputs)["train/loss"]
             reference = reference_of(combination, tmp_path)

@@ -78,7 +78,9 @@ def render() -> str:
     lines += ["", "Rules that hold whatever the strategy (each one line, before any rank starts): precision",
               "`fp16_mixed` and `fp8` need a GPU; `determinism=layout_invariant` takes no compression and needs",
               "`determinism.chunks` to split the global batch evenly; a strategy whose package is missing is",
-              "refused with the `pip install` line. The mode's own rules: [reliability.md](reliability.md#bit-identical-layouts-determinismlayout_invariant).", ""]
+              "refused with the `pip install` line; expert parallel beside context parallel",
+              "(`strategy.expert_parallel_size` and `strategy.context_parallel_size` both above 1) is refused:",
+              "its groups would be borrowed from data x context, which no parity test checks yet. The mode's own rules: [reliability.md](reliability.md#bit-identical-layouts-determinismlayout_invariant).", ""]
     return "\n".join(lines)
 
 
