@@ -350,3 +350,19 @@ def test_resume_at_another_global_batch_rescales_the_restored_schedule(tmp_path)
     # Peak lr 2 x BASE_LR at global batch 16; the linear decay over 8 steps continues at step 4.
     lrs = [group[0] for group in recorder.lrs]
     assert lrs == pytest.approx([2 * BASE_LR * (1 - step / 7) for step in range(4, 8)], rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["lars", "lamb"])
+def test_a_large_batch_optimizer_steps_sharded_parameters_as_plain_ones(optimizer, tmp_path):
+    """FSDP2's parameters are DTensors (at one rank too): the trust ratio's norms are taken over
+    the whole tensor, and the step equals one process's. LARS's batched path crashed there
+    (``aten._foreach_copy_`` has no DTensor sharding rule)."""
+    common = ["trainer.accelerator=cpu", "trainer.max_steps=3", "data=synthetic", "data.seq_len=32",
+              "data.batch_size=4", "logger=none", "callbacks=none", f"optimizer={optimizer}"]
+    losses = {}
+    for strategy in ("single", "fsdp"):
+        process = train_on_pool(*common, f"strategy={strategy}", outputs=tmp_path / strategy)
+        assert process.returncode == 0, explain(process)
+        losses[strategy] = summaries(tmp_path / strategy)[-1]["train/loss"]
+    assert math.isclose(losses["fsdp"], losses["single"], rel_tol=1.3e-6, abs_tol=1e-5), losses

@@ -45,6 +45,14 @@ class LARS(pytorch_optimizer.LARS):
         super().__init__(params, lr=lr, momentum=momentum, weight_decay=weight_decay,
                          trust_coefficient=trust_coefficient, nesterov=nesterov)
 
+    def _can_use_foreach(self, group: dict) -> bool:
+        # NOTE: the batched path calls torch._foreach_copy_, which DTensor has no sharding rule
+        # for (FSDP2 and tensor parallel crashed in their first step); the per-tensor path takes
+        # DTensors, their norms reduced over the mesh by DTensor itself.
+        from torch.distributed.tensor import DTensor
+
+        return not any(isinstance(p, DTensor) for p in group["params"]) and super()._can_use_foreach(group)
+
 
 class LAMB(Optimizer):
     """LAMB, Algorithm 2 of You et al. 2019 ("Large Batch Optimization for Deep Learning").

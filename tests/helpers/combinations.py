@@ -1,7 +1,8 @@
 """Combinations of litscale's options, drawn from their cross product by a seeded generator.
 
 A combination is one choice per dimension (strategy with its mesh sizes, precision,
-determinism, model family, compression, devices, accumulation, Hydra launcher and sweeper),
+determinism, model family, compression, optimizer (LARS and LAMB among them), devices,
+accumulation, Hydra launcher and sweeper),
 turned into the overrides a user would type. ``tests/test_combinations.py`` checks that each
 is either refused in one line before any rank starts, or accepted and trains right.
 """
@@ -43,6 +44,7 @@ MODELS = {
     "resnet": ["model=resnet", "data=digits"],  # BatchNorm: running statistics in buffers
 }
 COMPRESSIONS = ("none", "fp16", "powersgd", "topk")
+OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
 DEVICES = (1, 2, 4)
 ACCUMULATIONS = (1, 2)
 LAUNCHERS = ("basic", "ray", "slurm_local")
@@ -60,6 +62,7 @@ class Combination:
     determinism: str
     model: str
     compression: str
+    optimizer: str
     devices: int
     accumulation: int
     launcher: str
@@ -69,6 +72,7 @@ class Combination:
         """What the job sees: everything but the Hydra launcher and sweeper."""
         return [*BASE, *STRATEGIES[self.strategy], f"precision={self.precision}",
                 f"determinism={self.determinism}", *MODELS[self.model], f"compression={self.compression}",
+                f"optimizer={self.optimizer}",
                 f"trainer.devices={self.devices}", f"trainer.accumulate_grad_batches={self.accumulation}"]
 
     def overrides(self) -> list[str]:
@@ -87,7 +91,7 @@ class Combination:
         return " ".join(self.overrides())
 
 
-DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRESSIONS, DEVICES,
+DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRESSIONS, OPTIMIZERS, DEVICES,
               ACCUMULATIONS, LAUNCHERS, SWEEPERS)
 
 
@@ -95,7 +99,7 @@ DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRES
 # partners, so the usual value of the dimensions that refuse most (compression, fp16, the
 # determinism mode) is drawn more often: a sample with as many accepted combinations to train
 # as refused ones to read.
-WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), None, None, (3, 1, 1), (3, 1))
+WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), (4, 2, 1, 1), None, None, (3, 1, 1), (3, 1))
 
 
 def cross_product_size() -> int:
