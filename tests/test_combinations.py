@@ -3,8 +3,8 @@ and trains right.
 
 A seeded generator (``helpers.combinations``) draws combinations from the cross product of
 strategy (with EP/CP/TP/PP sizes) x precision x determinism x model family (a BatchNorm
-network, a mixture of experts and a Hugging Face model among them) x compression x devices x
-accumulation x Hydra launcher x sweeper. Each is checked in this process as ``train.py``
+network, a mixture of experts and a Hugging Face model among them) x compression x optimizer x
+devices x accumulation x Hydra launcher x sweeper. Each is checked in this process as ``train.py``
 checks a job before launching it (``litscale.app.preflight.validate_job``): refused with a
 one-line ``ConfigError`` that names a key of the combination, or accepted. A sample of the
 accepted ones then trains 2 steps on the rank pool, and those with a single-process reference
