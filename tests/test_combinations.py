@@ -88,13 +88,13 @@ def test_every_combination_of_a_large_sample_is_refused_in_one_line_or_accepted(
     check_sample(500, combination_seed(2026), tmp_path)
 
 
-def accepted(count: int, seed: int, tmp_path) -> list[Combination]:
-    """The first ``count`` accepted combinations of a seeded sample (basic launcher and
-    sweeper: what a cluster launcher's job runs is the same job)."""
+def accepted(count: int, seed: int, tmp_path, *, max_devices: int) -> list[Combination]:
+    """The first ``count`` accepted combinations of a seeded sample on at most ``max_devices``
+    ranks (basic launcher and sweeper: what a cluster launcher's job runs is the same job)."""
     found = []
     for combination in sample(20 * count, seed):
         job = Combination(**{**combination.__dict__, "launcher": "basic", "sweeper": "basic"})
-        if job not in found and checked(job, tmp_path) is None:
+        if job.devices <= max_devices and job not in found and checked(job, tmp_path) is None:
             found.append(job)
         if len(found) == count:
             return found
@@ -126,9 +126,9 @@ def train(overrides: list[str], devices: int, outputs) -> dict:
     return summaries(outputs)[-1]
 
 
-def check_trains(count: int, seed: int, tmp_path) -> None:
+def check_trains(count: int, seed: int, tmp_path, *, max_devices: int) -> None:
     problems = []
-    for index, combination in enumerate(accepted(count, seed, tmp_path)):
+    for index, combination in enumerate(accepted(count, seed, tmp_path, max_devices=max_devices)):
         outputs = tmp_path / f"run{index}"
         print(f"combination {index} (seed {seed}): {' '.join(combination.job_overrides())}", flush=True)
         try:
@@ -147,11 +147,13 @@ def check_trains(count: int, seed: int, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_a_sample_of_accepted_combinations_trains_and_matches_one_process(tmp_path):
-    check_trains(20, combination_seed(38), tmp_path)
+    # NOTE: up to 2 ranks here: a 4-rank run oversubscribes the 2 cores (about 60 s each, against
+    # 10-30 s at 2 ranks); the 4-rank layouts (EP 2, CP 2, TP 2 x CP 2, PP 2 x DP 2) train in make test-full.
+    check_trains(20, combination_seed(38), tmp_path, max_devices=2)
 
 
 @pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_a_large_sample_of_accepted_combinations_trains_and_matches_one_process(tmp_path):
-    check_trains(100, combination_seed(2026), tmp_path)
+    check_trains(100, combination_seed(2026), tmp_path, max_devices=4)
