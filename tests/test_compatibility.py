@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers.configs import compose_job
 
-from litscale.app.compatibility import render
+from litscale.app.compatibility import render, strategy_nodes
 from litscale.app.compatibility import strategy_rows as _strategy_rows
 from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.validation import validate
@@ -18,7 +18,7 @@ from litscale.errors import ConfigError
 strategy_rows = functools.cache(_strategy_rows)  # built once for every test here
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
 # Each row of the page as a command line chooses it.
-ROWS = {name: name.replace(" stage=", " strategy.stage=").split() for name, _ in strategy_rows()}
+ROWS = {name: name.replace(" stage=", " strategy.stage=").split() for name, _ in strategy_nodes()}
 CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2", "launcher.oversubscribe=true", "data=synthetic",
         "data.seq_len=32"]
 
@@ -63,3 +63,18 @@ def test_fp16_is_refused_by_exactly_the_strategies_the_page_says_no_to(row, tmp_
     else:
         with pytest.raises(ConfigError, match="^precision=fp16_mixed is not supported with strategy="):
             check_strategy_accepts(cfg, choices, dict(strategy_rows())[row])
+
+
+@pytest.mark.parametrize(("aux_loss_coef", "refused"), [(0.01, True), (0.0, False)])
+def test_a_pipeline_refuses_a_load_balancing_loss_its_schedule_would_drop(aux_loss_coef, refused, tmp_path):
+    """The schedule computes the loss from the last stage's output only: a mixture of experts'
+    balance loss (added beside the output) vanished silently; without one, the pipeline trains it."""
+    overrides = [*CPU2, "strategy=pipeline", "model=moe", f"model.net.aux_loss_coef={aux_loss_coef}"]
+    refusal = _refusal(overrides, tmp_path)
+    if refused:
+        assert refusal == (f"model.net.aux_loss_coef={aux_loss_coef} is not supported with strategy=pipeline: the "
+                           "schedule computes the loss from the last stage's output only, so a mixture of experts "
+                           "trains only without its load-balancing loss (model.net.aux_loss_coef=0; the bias update, "
+                           "model.net.bias_update_rate, still balances the experts); allowed: model.net.aux_loss_coef=0")
+    else:
+        assert refusal is None

@@ -16,7 +16,7 @@ from typing import Any
 
 from litscale.contract import ALTERNATIVES, Option, contract_value, why_not
 
-CONF_STRATEGIES = Path(__file__).resolve().parents[2] / "conf" / "strategy"
+CONF_STRATEGIES = Path(__file__).resolve().parents[3] / "conf" / "strategy"
 # Arguments a run passes at build time (runtime objects), not written in the option files.
 RUNTIME_ARGUMENTS = ("precision_dtypes", "compression")
 # The columns: the contract's options as a user reads them.
@@ -27,9 +27,9 @@ HEADINGS = {
 }
 
 
-def strategy_rows() -> list[tuple[str, Any]]:
-    """``(name, strategy)`` for each option file, DeepSpeed once per ZeRO stage."""
-    from hydra.utils import instantiate
+def strategy_nodes() -> list[tuple[str, Any]]:
+    """``(name, config node)`` for each option file, DeepSpeed once per ZeRO stage: the rows,
+    read without building anything."""
     from omegaconf import OmegaConf
 
     rows = []
@@ -39,13 +39,21 @@ def strategy_rows() -> list[tuple[str, Any]]:
             node.pop(key, None)
         for key in [k for k in node if OmegaConf.is_interpolation(node, k)]:
             del node[key]  # the run's own values (federated's ${seed}); their defaults here
-        variants = {"stage": (1, 2, 3)} if "stage" in node else {}
-        for stage in variants.get("stage", (None,)):
+        for stage in (1, 2, 3) if "stage" in node else (None,):
+            variant = node.copy()
             if stage is not None:
-                node.stage = stage
-            name = path.stem + (f" stage={stage}" if stage is not None else "")
-            rows.append((name, instantiate(node)))
+                variant.stage = stage
+            rows.append((path.stem + (f" stage={stage}" if stage is not None else ""), variant))
+    if not rows:  # a page of no strategies would pass for a current one
+        raise FileNotFoundError(f"no strategy option files under {CONF_STRATEGIES}")
     return rows
+
+
+def strategy_rows() -> list[tuple[str, Any]]:
+    """``(name, strategy)`` for each row, built as a run builds it."""
+    from hydra.utils import instantiate
+
+    return [(name, instantiate(node)) for name, node in strategy_nodes()]
 
 
 def render() -> str:
