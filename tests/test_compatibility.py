@@ -78,3 +78,17 @@ def test_a_pipeline_refuses_a_load_balancing_loss_its_schedule_would_drop(aux_lo
                            "model.net.bias_update_rate, still balances the experts); allowed: model.net.aux_loss_coef=0")
     else:
         assert refusal is None
+
+
+@pytest.mark.parametrize(("precision", "refused"), [("bf16_mixed", True), ("fp32", False)])
+def test_deepspeed_refuses_16_bit_training_of_batch_norm_statistics(precision, refused, tmp_path):
+    """Found by the combination test: ZeRO-3 in bf16 on model=resnet crashed in its first forward
+    ("expected scalar type BFloat16 but found Float"): DeepSpeed casts parameters, not statistics."""
+    refusal = _refusal(["trainer.accelerator=cpu", "trainer.devices=1", "model=resnet", "data=digits",
+                        "strategy=deepspeed_zero", "strategy.stage=3", f"precision={precision}"], tmp_path)
+    if refused:
+        assert refusal == ("strategy=deepspeed_zero with a bfloat16 precision: the network's BatchNorm2d keeps "
+                           "fp32 running statistics, which DeepSpeed's 16-bit engine does not cast; allowed: "
+                           "precision=fp32 with this model, or strategy=ddp or fsdp in 16 bits")
+    else:
+        assert refusal is None

@@ -258,7 +258,7 @@ def test_the_issue_command_trains_and_prints_participation_and_label_skew(tmp_pa
      "trainer.num_nodes); allowed: 1..2"),
     (["strategy=federated", "strategy.outer_optimizer=lamb"],
      "strategy.outer_optimizer='lamb' is not valid: expected one of: 'none', 'nesterov', 'sgd', 'adam'"),
-    (["strategy=federated", "compression=topk"], "compression=topk is not supported by strategy=federated"),
+    (["strategy=federated", "compression=topk"], "compression=topk is not supported with strategy=federated"),
     (["experiment=digits_mlp", "data.partition=labels"],
      "data.partition='labels' is not valid: expected one of: 'iid', 'dirichlet', 'shards'"),
     (["experiment=digits_mlp", "data.alpha=0"], "data.alpha=0 is not valid: expected a number > 0"),

@@ -165,7 +165,7 @@ def test_diloco_trains_and_sends_parameters_once_per_period(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["strategy=local_sgd", "compression=topk"],
-     "compression=topk is not supported by strategy=local_sgd"),
+     "compression=topk is not supported with strategy=local_sgd"),
     (["strategy=local_sgd", "strategy.outer_optimizer=lamb"],
      "strategy.outer_optimizer='lamb' is not valid: expected one of: 'none', 'nesterov', 'sgd', 'adam'"),
     (["strategy=local_sgd", "strategy.sync_every=0"],

@@ -370,8 +370,8 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     reads instead of timing again (only a new micro batch is timed)."""
     from helpers.configs import compose_job
 
-    from litscale.app import plan as plan_module
-    from litscale.app import plan_profile
+    from litscale.app.plan import ranking as plan_module
+    from litscale.app.plan import profile as plan_profile
     from litscale.app.build import build
     from litscale.app.validation import validate
     from litscale.planner import profile_cache
@@ -462,7 +462,7 @@ def test_a_failed_verify_job_is_recorded_and_the_plans_after_it_still_run(tmp_pa
     """Hydra stops a multirun at its first failed job: that plan gets the job's error line and
     the plans after it run in a second multirun. The jobs here are stand-ins that write what a
     real job would (a summary, or an error line)."""
-    from litscale.app import plan_verify
+    from litscale.app.plan import verify as plan_verify
 
     calls = []
 

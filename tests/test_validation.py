@@ -294,8 +294,8 @@ CASES = {
     ),
     "fp16-with-fsdp": Case(
         ["precision=fp16_mixed", "strategy=fsdp", "trainer.accelerator=cpu"],
-        "precision=fp16_mixed is not supported with strategy=fsdp (FSDP2 and DTensor strategies have no "
-        "sharded loss scaler); use precision=bf16_mixed or bf16_true",
+        "precision=fp16_mixed is not supported with strategy=fsdp: FSDP2 and DTensor strategies have no "
+        "sharded loss scaler; allowed: precision=bf16_mixed or bf16_true",
     ),
     "paths-match-nothing": Case(
         ["data=text_files", "data.paths=/nonexistent/*.txt"],
@@ -356,10 +356,10 @@ CASES = {
     ),
     "zero3-moe": Case(
         ["model=moe", "strategy=deepspeed_zero", "strategy.stage=3", "trainer.accelerator=cpu"],
-        "strategy=deepspeed_zero strategy.stage=3 with model=moe: DeepSpeed's ZeRO-3 does not train a mixture "
-        "of experts yet (its backward reads an expert weight the engine has released: \"The size of tensor a (0) "
-        "must match the size of tensor b (64)\"); use strategy.stage=1 or 2, or strategy=fsdp "
-        "(strategy.expert_parallel_size shards the experts)",
+        "model=moe is not supported with strategy=deepspeed_zero strategy.stage=3: DeepSpeed's ZeRO-3 does not "
+        "train a mixture of experts yet (its backward reads an expert weight the engine has released: \"The size "
+        "of tensor a (0) must match the size of tensor b (64)\"); allowed: strategy=fsdp, tensor_parallel or "
+        "deepspeed_zero stage 1 or 2",
     ),
     "group-null": Case(
         ["cluster=null"],

@@ -89,10 +89,12 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         for name, node in (cfg.get(group) or {}).items():
             if isinstance(node, DictConfig) and "_target_" in node:
                 check_target_node(f"{group}.{name}", node)
-    processes = check_devices(cfg, choices, this_machine=this_machine, planned=planning(cfg))
-    check_data_paths(cfg)
+    # The strategy's own refusals first: more specific than the machine's (fp16 under FSDP is
+    # refused for FSDP's reason whether or not this machine has a GPU).
     strategy = built_strategy(cfg)
     check_strategy_accepts(cfg, choices, strategy)
+    processes = check_devices(cfg, choices, this_machine=this_machine, planned=planning(cfg))
+    check_data_paths(cfg)
     layout = run_layout(cfg, processes, strategy, choices=choices)
     check_determinism(cfg, choices, layout)
     check_baseline(cfg)

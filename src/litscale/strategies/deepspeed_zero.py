@@ -56,6 +56,21 @@ ZERO3_MIXTURE_OF_EXPERTS = ("DeepSpeed's ZeRO-3 does not train a mixture of expe
                             "size of tensor b (64)\")")
 
 
+def check_no_running_statistics_in_16_bit(net: nn.Module, dtypes: PrecisionDtypes | None) -> None:
+    """NOTE: DeepSpeed's bf16/fp16 engine casts the parameters to 16 bits but leaves BatchNorm's
+    running statistics in fp32, and the first forward fails ("expected scalar type BFloat16 but
+    found Float", seen at ZeRO-3 with precision=bf16_mixed on model=resnet): refused up front."""
+    if dtypes is None or dtypes.compute == torch.float32:
+        return
+    norm = next((m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 and m.track_running_stats), None)
+    if norm is not None:
+        raise ValueError(f"strategy=deepspeed_zero with a {str(dtypes.compute).removeprefix('torch.')} precision: "
+                         f"the network's {type(norm).__name__} keeps fp32 running statistics, which DeepSpeed's "
+                         "16-bit engine does not cast; allowed: precision=fp32 with this model, or strategy=ddp "
+                         "or fsdp in 16 bits")
+
+
 def zero_sharding(stage: int) -> Sharding:
     """ZeRO stage ``stage``; DeepSpeed's ZeRO optimizers keep an fp32 partition of the weights,
     even in fp32."""
@@ -148,7 +163,9 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
 
     def validate_setup(self, *, world_size: int, net: nn.Module, seq_len: int | None = None,
                        micro_batch: int | None = None) -> None:
-        """Pre-flight: ZeRO-3 cannot train a network with experts (one that declares them)."""
+        """Pre-flight: ZeRO-3 cannot train a network with experts (one that declares them), and
+        DeepSpeed's 16-bit engine no network with BatchNorm statistics."""
+        check_no_running_statistics_in_16_bit(net, self.precision_dtypes)
         if self.stage == 3 and declared(net, "expert_modules") is not None:
             raise ValueError(refusal_line(Option.MIXTURE_OF_EXPERTS, "deepspeed_zero strategy.stage=3",
                                           ZERO3_MIXTURE_OF_EXPERTS))
