@@ -387,8 +387,8 @@ SLOW_CPU = {"cores": 2, "peak_flops": {"float32": 1e6, "bfloat16": 2e6}, "bandwi
 def calibrated(cache, fraction_of_given: float) -> None:
     """Write ``SLOW_CPU`` into ``cache`` with device memory ``fraction_of_given`` of what the
     trial's given layout (``TRIAL``: DDP, 2 ranks, micro batch 16) is predicted to need."""
-    from litscale.app.plan import ranking as plan_module
     from litscale.app.build import build
+    from litscale.app.plan import ranking as plan_module
     from litscale.planner.cost import predict
 
     (cache / "cluster_local_cpu.json").write_text(json.dumps({**SLOW_CPU, "memory_bytes": 2**40}))

@@ -370,9 +370,9 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     reads instead of timing again (only a new micro batch is timed)."""
     from helpers.configs import compose_job
 
-    from litscale.app.plan import ranking as plan_module
-    from litscale.app.plan import profile as plan_profile
     from litscale.app.build import build
+    from litscale.app.plan import profile as plan_profile
+    from litscale.app.plan import ranking as plan_module
     from litscale.app.validation import validate
     from litscale.planner import profile_cache
 

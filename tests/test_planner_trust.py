@@ -108,8 +108,8 @@ def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float, *overrides
     returns its result, what it printed, and the experiment it wrote."""
     from helpers.configs import compose_job
 
-    from litscale.app.plan import ranking as plan_module
     from litscale.app import scaling_study
+    from litscale.app.plan import ranking as plan_module
     from litscale.app.validation import validate
     from litscale.planner import trust
 
