@@ -1,0 +1,57 @@
+"""A run resumes only a checkpoint of the network it configures: checked on the meta network
+before any rank starts. Part of ``litscale.app.validation``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from litscale.checkpoints import network_shapes
+from litscale.errors import ConfigError
+
+
+def check_checkpoint_network(cfg: DictConfig, ckpt_path: str | None, net: Any,
+                             choices: dict[str, str]) -> None:
+    """A run resumes only a checkpoint of the network it configures: the same tensors, of the
+    same shapes (what loading it demands). NOTE: checked here, on the meta network, because a
+    mismatch otherwise shows only once every rank has started, as the first line of PyTorch's
+    list of missing and unexpected keys."""
+    saved = network_shapes(ckpt_path) if ckpt_path else {}
+    if not saved:
+        return  # no checkpoint, or a sharded one (its strategy checks it as it loads)
+    wanted = {f"net.{name}": tuple(tensor.shape) for name, tensor in net.state_dict().items()
+              if hasattr(tensor, "shape")}
+    if saved == wanted:
+        return
+    missing, extra = sorted(wanted.keys() - saved.keys()), sorted(saved.keys() - wanted.keys())
+    if extra or missing:
+        difference = f"{extra[0]} is not in the run's network" if extra else f"it lacks {missing[0]}"
+    else:
+        name = next(n for n in sorted(saved) if saved[n] != wanted[n])
+        difference = f"{name} is {list(saved[name])} there, {list(wanted[name])} here"
+    shown = repr(ckpt_path) if cfg.ckpt_path == ckpt_path else f"{cfg.ckpt_path} ({ckpt_path})"
+    ours = _model_named(choices.get("model"), OmegaConf.select(cfg, "model.net.preset", default=None))
+    raise ConfigError(
+        f"ckpt_path={shown}: the checkpoint holds {_checkpoint_model(ckpt_path)}, the run configures "
+        f"{ours}: {difference}; resume with the model it was trained with, or start fresh with "
+        "ckpt_path=null")
+
+
+def _checkpoint_model(path: str) -> str:
+    """The model a checkpoint's run configured, from the ``.hydra/`` beside its ``checkpoints/``."""
+    hydra_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), ".hydra")
+    try:
+        choice = OmegaConf.select(OmegaConf.load(os.path.join(hydra_dir, "hydra.yaml")),
+                                  "hydra.runtime.choices.model", default=None)
+        preset = OmegaConf.select(OmegaConf.load(os.path.join(hydra_dir, "config.yaml")),
+                                  "model.net.preset", default=None, throw_on_resolution_failure=False)
+    except Exception:  # noqa: BLE001 - no run dir around it (a copied file), or not Hydra's
+        return "another network"
+    return _model_named(choice, preset)
+
+
+def _model_named(choice: str | None, preset: Any) -> str:
+    return (f"model={choice}" if choice else "a network") + (
+        f" (preset {preset})" if isinstance(preset, str) else "")
