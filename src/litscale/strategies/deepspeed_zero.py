@@ -13,6 +13,7 @@ does not, so the pre-flight check stays fast).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -189,6 +190,7 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
             return super().setup_distributed()  # CUDA: Lightning's device-index check applies
         reset_seed()
         self.set_world_ranks()
+        skip_shared_memory_all_reduce_build()
         self._init_deepspeed_distributed()
 
     @override
@@ -225,6 +227,20 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         """This rank's bytes of parameters, gradients and optimizer state, read from DeepSpeed's
         own partitioned buffers (see ``litscale.callbacks.memory``)."""
         return zero_memory_bytes(self.deepspeed_engine, self.stage)
+
+
+def skip_shared_memory_all_reduce_build() -> None:
+    """Start DeepSpeed's CPU communication backend without its shared-memory all-reduce op.
+
+    NOTE: on CPU, DeepSpeed's ``TorchBackend`` JIT-compiles that C++ op at every process-group
+    start (``deepspeed.comm.torch.build_shm_op``): 10 s to a minute of each run's start, under a
+    file lock in the torch extensions cache that a compile killed midway leaves behind, after
+    which every later DeepSpeed run on the machine waits on it for ever (seen: ranks in
+    ``FileBaton.wait`` for 20 minutes). Only ``inference_all_reduce`` uses the op; training's
+    collectives are torch.distributed's. Its own switch is the op's compatibility probe, so the
+    builder function is replaced."""
+    # NOTE: by import_module: ``deepspeed.comm``'s attribute ``torch`` is the torch package.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def restore_torch_linear() -> None:
