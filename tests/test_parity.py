@@ -72,14 +72,14 @@ def llama_setups(**changes):
     return setups(config, net_class=Llama, global_batch=16, accumulation=2)
 
 
-def moe_setups(optimizers=("sgd", "adamw"), **options):
+def moe_setups(optimizers=("sgd", "adamw"), aux_loss_coef=0.0, **options):
     """A small MoE decoder: a dense layer, then two MoE layers of 4 experts (one per rank at EP
-    4), top-2, one shared expert; dropless, with neither the balance loss nor the bias update
-    (both read a rank's own tokens: under data parallel they are per micro batch, by design,
-    not the global batch's)."""
+    4), top-2, one shared expert; dropless, without the bias update and by default without the
+    balance loss (both read a rank's own tokens: under data parallel they are per micro batch,
+    by design, not the global batch's; under context parallel the loss is the sequence's)."""
     config = MoEConfig(n_layer=3, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64, vocab_size=64,
                        block_size=16, n_experts=4, top_k=2, moe_ffn_hidden_size=16, n_shared_experts=1,
-                       dense_layers=1)
+                       dense_layers=1, aux_loss_coef=aux_loss_coef)
     return setups(config, optimizers, net_class=MoEDecoder, **options)
 
 
@@ -193,6 +193,10 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "llama_cp4": Case(P(fsdp, context_parallel_size=4), LLAMA_LONG, world_sizes=(4,), sequence_share=4),
         "llama_cp2_fsdp2": Case(P(fsdp, context_parallel_size=2), LLAMA_LONG, world_sizes=(4,),
                                 sequence_share=2),
+        # The balance loss's expert shares are the whole sequence's: every rank's share of
+        # the loss together makes the sequence's, as one process computes it.
+        "moe_cp2_balanced": Case(P(fsdp, context_parallel_size=2), moe_setups(aux_loss_coef=0.1),
+                                 world_sizes=(2,), sequence_share=2),
         "llama_cp2_tp2": Case(P(tensor_parallel, tensor_parallel_size=2, context_parallel_size=2, **TP_FULL),
                               LLAMA_LONG, world_sizes=(4,), sequence_share=2),
     },

@@ -383,6 +383,13 @@ CASES = {
         "strategy.context_parallel_size=2 needs a model with attention that declares "
         "context_parallel_attention; MLP does not; allowed: 1 (or model=llama, model=moe)",
     ),
+    "context-parallel-moe-capacity": Case(
+        ["model=moe", "model.net.capacity_factor=1.25", "strategy=fsdp", "strategy.context_parallel_size=2",
+         "trainer.devices=2"],
+        "model.net.capacity_factor=1.25 with strategy.context_parallel_size=2: each rank would drop tokens by its "
+        "own share of the sequence, not by the whole sequence as one process does; allowed: "
+        "model.net.capacity_factor=null (dropless) or strategy.context_parallel_size=1",
+    ),
     "set-absent-trainer-arg": Case(
         ["trainer.enable_checkpointing=false"],
         "trainer.enable_checkpointing is not in the config yet; add it with "

@@ -49,13 +49,18 @@ def find_expert_modules(module: nn.Module) -> list[nn.Module]:
     return [owner.get_submodule(name) for name in names]
 
 
-def moe_parameter_counts(module: nn.Module) -> tuple[int, int]:
-    """(parameters of the MoE layers, of their routed experts) of ``module`` or its ``net``: each
-    declared grouped-experts module's parent is its MoE layer (router, routed and shared
-    experts), which tensor parallel leaves whole (``models/moe_parallel.py``) and whose routed
-    experts expert parallel splits; (0, 0) without declared experts."""
+def find_moe_layers(module: nn.Module) -> list[nn.Module]:
+    """The MoE layers of ``module`` or its ``net``: each declared grouped-experts module's
+    parent (router, routed and shared experts); [] without declared experts."""
     experts = find_expert_modules(module)
     names = {id(m): name for name, m in module.named_modules()}
-    layers = [module.get_submodule(names[id(m)].rpartition(".")[0]) for m in experts]
+    return [module.get_submodule(names[id(m)].rpartition(".")[0]) for m in experts]
+
+
+def moe_parameter_counts(module: nn.Module) -> tuple[int, int]:
+    """(parameters of the MoE layers, of their routed experts) of ``module`` or its ``net``:
+    tensor parallel leaves the layers whole (``models/moe_parallel.py``), expert parallel
+    splits their routed experts; (0, 0) without declared experts."""
+    experts, layers = find_expert_modules(module), find_moe_layers(module)
     return (sum(p.numel() for layer in layers for p in layer.parameters()),
             sum(p.numel() for m in experts for p in m.parameters()))

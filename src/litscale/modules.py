@@ -81,7 +81,10 @@ class TaskModule(LightningModule):
             return self.determinism.training_step(self, batch, batch_idx)
         loss = self.loss(batch)
         if is_logging_step(self._trainer):
-            self.log("train/loss", loss, prog_bar=True)
+            # Under context parallel a rank's loss is over its share of each sequence: the
+            # logged one is its peers' mean, the samples' loss (one process's).
+            peers = getattr(self._trainer.strategy, "loss_peers", None) if self._trainer is not None else None
+            self.log("train/loss", loss, prog_bar=True, sync_dist=peers is not None, sync_dist_group=peers)
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:

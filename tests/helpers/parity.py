@@ -146,6 +146,8 @@ def loop_trace(net: torch.nn.Module, setup: ParitySetup, *, loss_context=None) -
         optimizer.zero_grad()
         with (loss_context or contextlib.nullcontext)():
             loss = module.loss((tokens[:, :-1], tokens[:, 1:]))
+            auxiliary = net.auxiliary_loss() if hasattr(net, "auxiliary_loss") else None  # MoE balance
+            loss = loss if auxiliary is None else loss + auxiliary
             loss.backward()
         losses.append(float(full(loss)))
         gradients.append(full_gradients(net))

@@ -151,6 +151,10 @@ class WholeSequence:
         """Causal attention on ``[batch, heads, seq, head_dim]`` (fewer key/value heads: GQA)."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
+    def sum_over_sequence(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-token counts of the whole sequence: here, this device's."""
+        return counts
+
 
 WHOLE_SEQUENCE = WholeSequence()
 

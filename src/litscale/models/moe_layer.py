@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils import flop_counter
 
-from litscale.models.llama import SwiGLU
+from litscale.models.llama import WHOLE_SEQUENCE, SwiGLU
 from litscale.models.moe_config import MoEConfig
 
 # --- grouped matmul --------------------------------------------------------------------------
@@ -226,7 +226,11 @@ class GroupedExperts(nn.Module):
 class MoELayer(nn.Module):
     """Routed experts plus ``n_shared_experts`` always-on ones (DeepSeek's, one SwiGLU as wide
     as them together): ``[..., dim] -> [..., dim]``. In training mode each forward records its
-    load for ``take_statistics`` and its load-balancing loss in ``aux_loss``."""
+    load for ``take_statistics`` and its load-balancing loss in ``aux_loss``. ``sequence``
+    (``WholeSequence``) sums the experts' load over the sequence: under context parallel, over
+    the ranks that hold its shares."""
+
+    sequence = WHOLE_SEQUENCE
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -279,7 +283,11 @@ class MoELayer(nn.Module):
 
     def _record(self, routing: Routing, dispatch: Dispatch) -> None:
         load = dispatch.routed_per_expert
-        share = load.float() / load.sum()  # f_i: each expert's share of the assignments
+        # f_i: each expert's share of the whole sequence's assignments. Under context parallel,
+        # with this rank's P_i, the mean over the ranks of their losses (the gradient mean) is
+        # the whole sequence's loss: f_i P_i is not linear in the tokens, f_i alone is constant.
+        whole = self.sequence.sum_over_sequence(load)
+        share = whole.float() / whole.sum()
         balance = self.n_experts * (share * routing.probabilities.mean(dim=0)).sum()
         self.aux_loss = self.aux_loss_coef * balance if self.aux_loss_coef else None
         counts = torch.cat([load, dispatch.dropped[None]]).detach()

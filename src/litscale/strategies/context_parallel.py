@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from litscale.declarations import declared
+from litscale.declarations import declared, find_moe_layers
 from litscale.strategies.context_attention import causal_attention_of_chunks
 
 if TYPE_CHECKING:
@@ -84,6 +84,13 @@ class SequenceShard:
         keys, values = self.gather_in_sequence_order(k), self.gather_in_sequence_order(v)
         return causal_attention_of_chunks(q, keys, values, chunks_of(self.rank, self.size))
 
+    def sum_over_sequence(self, counts: torch.Tensor) -> torch.Tensor:
+        """``counts`` (no gradient) of this rank's tokens summed with its peers': the whole
+        sequence's."""
+        summed = counts.clone()
+        torch.distributed.all_reduce(summed, group=self.mesh.get_group())
+        return summed
+
     def gather_in_sequence_order(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's share of ``[batch, heads, local seq, head_dim]``, as the whole sequence."""
         from torch.distributed._functional_collectives import all_gather_single
@@ -113,6 +120,13 @@ def check_context_parallel_fits(net: nn.Module, context_parallel_size: int) -> N
             f"strategy.context_parallel_size={context_parallel_size} needs a model with attention that "
             f"declares context_parallel_attention; {type(net).__name__} does not; allowed: 1 "
             "(or model=llama, model=moe)")
+    for layer in find_moe_layers(net) if context_parallel_size > 1 else ():
+        if getattr(layer, "capacity_factor", None) is not None:
+            raise ValueError(
+                f"model.net.capacity_factor={layer.capacity_factor} with strategy.context_parallel_size="
+                f"{context_parallel_size}: each rank would drop tokens by its own share of the sequence, "
+                "not by the whole sequence as one process does; allowed: model.net.capacity_factor=null "
+                "(dropless) or strategy.context_parallel_size=1")
 
 
 def check_sequence_splits(seq_len: int | None, context_parallel_size: int) -> None:
@@ -124,11 +138,12 @@ def check_sequence_splits(seq_len: int | None, context_parallel_size: int) -> No
 
 
 def apply_context_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Give each attention ``module`` declares this rank's share of the sequence on ``mesh``
-    (the context dimension)."""
+    """Give each attention ``module`` declares, and each of its MoE layers, this rank's share
+    of the sequence on ``mesh`` (the context dimension): the MoE layers count the experts'
+    load of the whole sequence for their balance loss."""
     shard = SequenceShard(mesh)
-    for attention in attention_modules(module) or ():
-        attention.sequence = shard
+    for user in [*(attention_modules(module) or ()), *find_moe_layers(module)]:
+        user.sequence = shard
 
 
 def data_context_mesh(mesh: DeviceMesh, data: tuple[str, ...], context: str) -> DeviceMesh:
