@@ -83,8 +83,10 @@ class TaskModule(LightningModule):
         if is_logging_step(self._trainer):
             # Under context parallel a rank's loss is over its share of each sequence: the
             # logged one is its peers' mean, the samples' loss (one process's).
+            # A loss-parallel loss is a replicated DTensor, which no plain all-reduce takes.
             peers = getattr(self._trainer.strategy, "loss_peers", None) if self._trainer is not None else None
-            self.log("train/loss", loss, prog_bar=True, sync_dist=peers is not None, sync_dist_group=peers)
+            logged = loss.to_local() if peers is not None and hasattr(loss, "to_local") else loss
+            self.log("train/loss", logged, prog_bar=True, sync_dist=peers is not None, sync_dist_group=peers)
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
