@@ -176,8 +176,9 @@ def test_client_sampler_draws_its_own_samples_for_an_equal_epoch():
     sampler.set_epoch(1)
     second = list(sampler)
     assert second != first and list(sampler) == second  # reshuffled per epoch, reproducibly
-    sampler.skip_in_epoch(1, 4)
-    assert list(sampler) == second[4:]
+    sampler.resume_at(1, 4)
+    sampler.set_epoch(3)  # Lightning's epoch after a resume may run ahead of the data's
+    assert sampler.epoch == 1 and list(sampler) == second[4:]
 
 
 def _digits(partition: str, clients: int, rank: int, **options):

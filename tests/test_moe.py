@@ -298,8 +298,7 @@ def test_causal_lm_module_adds_the_aux_loss_once():
     torch.testing.assert_close(total, language_model_loss + auxiliary)
     assert module.net.auxiliary_loss() is None  # taken
     dense = CausalLMModule(net=build_llama(), optimizer=torch.optim.AdamW)
-    with pytest.warns(UserWarning, match="self.log"):
-        torch.testing.assert_close(dense.training_step(batch, 0), dense.loss(batch))
+    torch.testing.assert_close(dense.training_step(batch, 0), dense.loss(batch))
 
 
 # --- the callback ---------------------------------------------------------------------------

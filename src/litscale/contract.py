@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from litscale.layout import CONTEXT, MeshSizes
+from litscale.layout import MeshSizes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -127,15 +127,6 @@ class StrategyContract:
         ``micro_batch`` samples per data-parallel rank. Called before any process exists (the
         app's validation, the planner's pruning); the default checks the mesh."""
         self.resolve_mesh(world_size)
-
-    @property
-    def loss_peers(self) -> Any:
-        """The process group of the ranks whose training-step losses are shares of the same
-        samples' loss (context parallel: each holds part of every sequence), for the logged
-        loss to be their mean; None where a rank's loss is that of its own whole samples."""
-        if getattr(self, "context_parallel_size", 1) <= 1:
-            return None
-        return self.device_mesh[CONTEXT].get_group()
 
     def why_not(self, option: Option) -> str | None:
         """Why this strategy, as configured, refuses ``option``; ``None`` if it takes it."""

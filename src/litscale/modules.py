@@ -60,6 +60,7 @@ class TaskModule(LightningModule):
         self.weight_decay = weight_decay
         self.compile_net = compile
         self.val_loss = MeanMetric()
+        self._window_losses: list[Tensor] = []  # this optimizer step's micro-batch losses
         self.initial_val_loss: float | None = None
 
     def configure_model(self) -> None:
@@ -81,12 +82,8 @@ class TaskModule(LightningModule):
             return self.determinism.training_step(self, batch, batch_idx)
         loss = self.loss(batch)
         if is_logging_step(self._trainer):
-            # Under context parallel a rank's loss is over its share of each sequence: the
-            # logged one is its peers' mean, the samples' loss (one process's).
-            # A loss-parallel loss is a replicated DTensor, which no plain all-reduce takes.
-            peers = getattr(self._trainer.strategy, "loss_peers", None) if self._trainer is not None else None
-            logged = loss.to_local() if peers is not None and hasattr(loss, "to_local") else loss
-            self.log("train/loss", logged, prog_bar=True, sync_dist=peers is not None, sync_dist_group=peers)
+            # A loss-parallel loss is a replicated DTensor, whose local value is the loss.
+            self._window_losses.append((loss.to_local() if hasattr(loss, "to_local") else loss).detach())
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -94,6 +91,14 @@ class TaskModule(LightningModule):
             loss = self.determinism.finish(self)
             if is_logging_step(self._trainer):
                 self.log("train/loss", loss, prog_bar=True)
+            return
+        if self._window_losses:
+            # The logged loss is the global batch's: the mean of the accumulation window's micro
+            # batches, then of every rank's (equal micro batches; a context or tensor parallel
+            # peer holds a share or a copy of the same samples' loss). One process with the same
+            # global batch logs the same value, whatever the layout.
+            window, self._window_losses = torch.stack(self._window_losses).mean(), []
+            self.log("train/loss", window, prog_bar=True, sync_dist=True)
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])

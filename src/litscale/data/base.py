@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,24 +16,14 @@ from litscale.data.partition import (
     label_skew,
     partition_indices,
 )
+from litscale.data.resume import ResumableOrder
 
 
-class ResumableSampler(DistributedSampler):
-    """A ``DistributedSampler`` that can start an epoch part-way, for mid-epoch resumes."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._skip: tuple[int, int] | None = None  # (epoch, samples of this rank to skip)
-
-    def skip_in_epoch(self, epoch: int, samples: int) -> None:
-        self._skip = (epoch, samples)
+class ResumableSampler(ResumableOrder, DistributedSampler):
+    """A ``DistributedSampler`` that can start an epoch part-way, for resumes."""
 
     def __iter__(self) -> Iterator[int]:
-        skip, self._skip = self._skip, None  # one epoch only: later epochs start at their beginning
-        skipped = skip[1] if skip and skip[0] == self.epoch else 0
-        # NOTE: __len__ stays the whole epoch's: Lightning counts the resumed epoch's batches
-        # from where the checkpoint left off, so only the iterator is shorter.
-        return itertools.islice(self.rank_order(), skipped, None)
+        return self.resumed(self.rank_order())
 
     def rank_order(self) -> Iterator[int]:
         """This rank's indices for the epoch: every ``num_replicas``-th of the permutation."""
@@ -74,6 +63,12 @@ def resume_position(trainer: Any) -> tuple[int, int]:
     if fit_loop is None or not fit_loop.restarting:
         return 0, 0
     return trainer.current_epoch, int(fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def batches_drawn(trainer: Any) -> int:
+    """The micro batches this rank's training loop has taken in Lightning's current epoch."""
+    fit_loop = getattr(trainer, "fit_loop", None) if trainer is not None else None
+    return int(fit_loop.epoch_loop.batch_progress.current.ready) if fit_loop is not None else 0
 
 
 class ShardedDataModule(LightningDataModule):
@@ -122,6 +117,10 @@ class ShardedDataModule(LightningDataModule):
         self.seed = int(seed)
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
+        self._restored_state: dict[str, Any] | None = None  # a checkpoint's loader position
+        # (data epoch, global samples skipped at its start, batches_drawn then) of the epoch the
+        # train loader is in: what state_dict counts the run's position from.
+        self._epoch_start: tuple[int, int, int] | None = None
 
     @property
     def tokens_per_sample(self) -> int | None:
@@ -226,11 +225,69 @@ class ShardedDataModule(LightningDataModule):
             **kwargs,
         )
 
-    def train_dataloader(self) -> DataLoader:
-        sampler = self.train_sampler()
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position, saved in every checkpoint (Lightning stores a data module's
+        state): the data epoch, the samples of it all data-parallel ranks have drawn together,
+        the permutation's seed. Counted in global samples so that a resume on another layout
+        (ranks, micro batch, accumulation) continues where the run stopped."""
+        if self._epoch_start is None:  # no training epoch began: where a resume would start
+            return dict(self._restored_state or {"epoch": 0, "samples_drawn": 0, "seed": self.seed,
+                                                 "dataset_samples": len(self.train_dataset or ())})
+        epoch, skipped, batches_then = self._epoch_start
+        drawn = (batches_drawn(self.trainer) - batches_then) * self.batch_size * self.replicas()[0]
+        return {"epoch": epoch, "samples_drawn": skipped + drawn, "seed": self.seed,
+                "dataset_samples": len(self._require(self.train_dataset, "train"))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Kept until the train loader is built (Lightning restores a data module's state
+        before its ``setup``, so the training set is not there to compare yet)."""
+        self._restored_state = dict(state)
+
+    def _resume_point(self, sampler: Sampler, num_replicas: int) -> tuple[int, int] | None:
+        """``(data epoch, samples of this rank's order to skip)`` on a resume: the checkpoint's
+        global position shared out over this run's data-parallel ranks; a finished epoch moves
+        to the next. A checkpoint saved without one: Lightning's epoch and this rank's batches."""
         epoch, batches = resume_position(self.trainer)
-        if batches:
-            sampler.skip_in_epoch(epoch, batches * self.batch_size)
+        restored, self._restored_state = self._restored_state, None
+        if restored is None:
+            return (epoch, batches * self.batch_size) if batches else None
+        epoch, samples = int(restored["epoch"]), int(restored["samples_drawn"])
+        if samples >= len(sampler) * num_replicas:
+            return epoch + 1, 0
+        if samples % num_replicas:
+            raise ValueError(
+                f"trainer.devices: the checkpoint stopped at sample {samples} of epoch {epoch}, which "
+                f"{num_replicas} data-parallel ranks cannot share out evenly; resume on a count of "
+                f"data-parallel ranks that divides it")
+        return epoch, samples // num_replicas
+
+    def _continue_restored_order(self) -> None:
+        """A resume draws the checkpoint's permutation: its seed, over a training set of its
+        size (another size is another order: refused)."""
+        restored = self._restored_state
+        if restored is None:
+            return
+        ours = len(self._require(self.train_dataset, "train"))
+        if restored.get("dataset_samples", ours) != ours:
+            raise ValueError(
+                f"data: the checkpoint's training set has {restored['dataset_samples']} samples, this "
+                f"run's {ours}; resume with the data it was trained on, or start fresh with ckpt_path=null")
+        if restored.get("seed", self.seed) != self.seed:
+            rank_zero_info(f"litscale: data.seed={self.seed}, but the checkpoint's order was drawn from "
+                           f"seed {restored['seed']}: the run continues that order")
+            self.seed = int(restored["seed"])
+
+    def _epoch_began(self, epoch: int, skipped: int) -> None:
+        self._epoch_start = (epoch, skipped * self.replicas()[0], batches_drawn(self.trainer))
+
+    def train_dataloader(self) -> DataLoader:
+        self._continue_restored_order()
+        sampler = self.train_sampler()
+        num_replicas = self.replicas()[0]
+        point = self._resume_point(sampler, num_replicas)
+        if point is not None:
+            sampler.resume_at(*point)
+        sampler.on_epoch_start = self._epoch_began
         # drop_last keeps every step's global batch full, which step-for-step parity needs.
         return self._loader(self._require(self.train_dataset, "train"), sampler, True)
 

@@ -23,13 +23,14 @@ and its validation, ends. Federated averaging weighs clients by what they hold
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
+
+from litscale.data.resume import ResumableOrder
 
 Partition = Literal["iid", "dirichlet", "shards"]
 _DIRICHLET_DRAWS = 100  # redraws allowed until every client holds at least a micro batch
@@ -108,7 +109,7 @@ def label_skew(histograms: Sequence[Sequence[int]]) -> float:
     return float(0.5 * np.abs(mixes - overall).sum(1).mean())
 
 
-class ClientSampler(Sampler[int]):
+class ClientSampler(ResumableOrder, Sampler[int]):
     """One client's samples, reshuffled every epoch (from ``seed``, the epoch and the client)
     and repeated to ``epoch_samples``, the same count on every client. ``client_samples``:
     how many distinct samples the client holds (its FedAvg weight)."""
@@ -118,26 +119,16 @@ class ClientSampler(Sampler[int]):
         self.client_samples = len(self.indices)
         self.epoch_samples, self.seed, self.client = epoch_samples, seed, client
         self.epoch = 0
-        self._skip: tuple[int, int] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def skip_in_epoch(self, epoch: int, samples: int) -> None:
-        """Start ``epoch`` ``samples`` in (a mid-epoch resume), as ``ResumableSampler`` does."""
-        self._skip = (epoch, samples)
 
     def __len__(self) -> int:
         return self.epoch_samples
 
     def __iter__(self) -> Iterator[int]:
-        skip, self._skip = self._skip, None
-        skipped = skip[1] if skip and skip[0] == self.epoch else 0
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 1009 + self.client)
         repeats = -(-self.epoch_samples // self.client_samples)
         order = torch.cat([self.indices[torch.randperm(self.client_samples, generator=generator)]
                            for _ in range(repeats)])[: self.epoch_samples]
-        return itertools.islice(iter(order.tolist()), skipped, None)
+        return self.resumed(iter(order.tolist()))
 
 
 def plot_label_histograms(histograms: Sequence[Sequence[int]], path: str) -> str | None:

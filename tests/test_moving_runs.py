@@ -1,0 +1,125 @@
+"""A run moves between layouts: every layout of the same global batch trains step ``k`` on the
+same samples and logs their mean loss, and a checkpoint resumes on another layout, mid-epoch,
+with the losses and weights of the uninterrupted run.
+
+Every run is ``train.py`` on the rank pool; the reference is always one process with the whole
+global batch (16 samples), never the layout under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.cli import explain, summaries, train_losses
+from helpers.inprocess import train_on_pool
+
+pytestmark = pytest.mark.slow  # every test here runs train.py
+
+# fp32 parity with one process (PyTorch's defaults for float32 comparisons).
+TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
+STEPS = 8
+RUN = ("model.net.preset=nano", "data.seq_len=32", "data.max_bytes=400000", "trainer.accelerator=cpu",
+       "trainer.log_every_n_steps=1", f"trainer.val_check_interval={STEPS}", "trainer.limit_val_batches=1",
+       "logger=csv", "trainer.enable_progress_bar=false")
+
+# Layouts of a global batch of 16: (name, overrides, ranks).
+SINGLE = ("single", ("strategy=single", "data.batch_size=16"), 1)
+LAYOUTS = [
+    ("single_acc2", ("strategy=single", "data.batch_size=8", "trainer.accumulate_grad_batches=2"), 1),
+    ("ddp2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=8"), 2),
+    ("ddp2_acc2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=4",
+                   "trainer.accumulate_grad_batches=2"), 2),
+    pytest.param(("ddp4", ("strategy=ddp", "trainer.devices=4", "launcher.oversubscribe=true",
+                           "data.batch_size=4"), 4), marks=pytest.mark.full),
+    pytest.param(("fsdp4_acc2", ("strategy=fsdp", "trainer.devices=4", "launcher.oversubscribe=true",
+                                 "data.batch_size=2", "trainer.accumulate_grad_batches=2"), 4),
+                 marks=pytest.mark.full),
+]
+
+
+def train(outputs, name: str, overrides: tuple[str, ...], ranks: int, *more: str) -> dict:
+    process = train_on_pool(*RUN, *overrides, f"name={name}", *more, outputs=outputs, devices=ranks,
+                            timeout=300)
+    assert process.returncode == 0, explain(process)
+    return summaries(outputs / name)[-1]
+
+
+def weights(summary: dict) -> dict[str, torch.Tensor]:
+    """The network as the run exported it (one file, whatever the layout sharded)."""
+    return torch.load(summary["export"], map_location="cpu", weights_only=True)
+
+
+def assert_same_run(actual: dict, expected: dict, *, steps: range, exact: bool = False) -> None:
+    """The logged loss of every step in ``steps`` and the final weights of two runs agree."""
+    ours, theirs = train_losses(actual["output_dir"]), train_losses(expected["output_dir"])
+    assert sorted(ours) == list(steps), f"logged steps {sorted(ours)}"
+    tolerance = {"rtol": 0, "atol": 0} if exact else TOLERANCE
+    torch.testing.assert_close(torch.tensor([ours[s] for s in steps], dtype=torch.float64),
+                               torch.tensor([theirs[s] for s in steps], dtype=torch.float64), **tolerance)
+    expected_weights, actual_weights = weights(expected), weights(actual)
+    assert actual_weights.keys() == expected_weights.keys() and len(actual_weights) > 10
+    for name, tensor in expected_weights.items():
+        if exact:
+            assert torch.equal(actual_weights[name], tensor), name
+        else:
+            torch.testing.assert_close(actual_weights[name], tensor, **tolerance, msg=name)
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    return tmp_path_factory.mktemp("moving")
+
+
+@pytest.fixture(scope="module")
+def one_process(outputs) -> dict:
+    """The reference: one process, batch 16, ``STEPS`` steps."""
+    name, overrides, ranks = SINGLE
+    return train(outputs, name, overrides, ranks, f"trainer.max_steps={STEPS}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout[0])
+def test_every_layout_of_a_global_batch_trains_and_logs_as_one_process(outputs, one_process, layout):
+    name, overrides, ranks = layout
+    summary = train(outputs, name, overrides, ranks, f"trainer.max_steps={STEPS}")
+    assert summary["global_batch"] == one_process["global_batch"] == 16
+    assert_same_run(summary, one_process, steps=range(STEPS))
+
+
+@pytest.mark.timeout(600)
+def test_a_run_stopped_on_two_ranks_resumes_on_one_with_the_uninterrupted_losses(outputs, one_process):
+    """Saved when ``max_steps`` stopped the fit mid-epoch (Lightning then counts the epoch as
+    done), with another micro batch and accumulation: the resume continues the same epoch's
+    order at the same sample."""
+    half = STEPS // 2
+    _, ddp, ranks = LAYOUTS[2]
+    part = train(outputs, "part_ddp2_acc2", ddp, ranks, f"trainer.max_steps={half}")
+    name, single, _ = SINGLE
+    resumed = train(outputs, "resumed_single", single, 1, f"trainer.max_steps={STEPS}",
+                    f"ckpt_path={part['checkpoint']}")
+    assert_same_run(resumed, one_process, steps=range(half, STEPS))
+
+
+@pytest.mark.full
+@pytest.mark.timeout(900)
+def test_fsdp_on_four_ranks_resumes_under_tensor_parallel_on_two(outputs, one_process):
+    half = STEPS // 2
+    part = train(outputs, "part_fsdp4", ("strategy=fsdp", "trainer.devices=4", "launcher.oversubscribe=true",
+                                         "data.batch_size=4"), 4, f"trainer.max_steps={half}")
+    resumed = train(outputs, "resumed_tp2", ("strategy=tensor_parallel", "trainer.devices=2",
+                                             "data.batch_size=16"), 2, f"trainer.max_steps={STEPS}",
+                    f"ckpt_path={part['checkpoint']}")
+    assert_same_run(resumed, one_process, steps=range(half, STEPS))
+
+
+@pytest.mark.full
+@pytest.mark.timeout(900)
+def test_layout_invariant_ddp_on_four_ranks_resumes_on_one_bit_for_bit(outputs):
+    invariant = ("determinism=layout_invariant",)
+    half = STEPS // 2
+    straight = train(outputs, "invariant_single", (*SINGLE[1], *invariant), 1, f"trainer.max_steps={STEPS}")
+    part = train(outputs, "invariant_ddp4", ("strategy=ddp", "trainer.devices=4", "launcher.oversubscribe=true",
+                                             "data.batch_size=4", *invariant), 4, f"trainer.max_steps={half}")
+    resumed = train(outputs, "invariant_resumed", (*SINGLE[1], *invariant), 1, f"trainer.max_steps={STEPS}",
+                    f"ckpt_path={part['checkpoint']}")
+    assert_same_run(resumed, straight, steps=range(half, STEPS), exact=True)
