@@ -5,12 +5,12 @@ directory of shards with Lightning's ``meta.pt`` (FSDP, tensor/pipeline parallel
 DeepSpeed checkpoint directory (its ``latest`` tag file and per-rank partitions).
 
 ``ckpt_path=auto``/``last`` resume from the newest *complete* checkpoint in the ``checkpoints/``
-dirs of the runs named ``name``: a save that a crash cut short (a truncated file, a directory
-half rewritten in place) is skipped, and the one before it is used. ``last.ckpt`` is
-overwritten in place at every save, so "the one before" is usually another file of the same
-dir: ModelCheckpoint's best ``step*.ckpt``, or an older run's ``last.ckpt``. Every ``*.ckpt``
-in a ``checkpoints/`` dir counts except ``nonfinite-*.ckpt`` (the NaN guard's, saved to be
-inspected, never resumed from).
+dirs of the runs named ``name``. litscale's strategies publish every save atomically
+(``litscale.atomic_checkpoint``), so a save cut short is never visible; the completeness checks
+here are for checkpoints written otherwise (a strategy of the user's own, an older run, a copy):
+a truncated file, or a directory half rewritten in place, is skipped for the one before it.
+Every ``*.ckpt`` in a ``checkpoints/`` dir counts except ``nonfinite-*.ckpt`` (the NaN guard's,
+saved to be inspected, never resumed from).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import re
 import zipfile
 
+from litscale.atomic_checkpoint import ASIDE_SUFFIX
 from litscale.errors import ConfigError
 
 RESUME_WORDS = ("last", "auto")
@@ -108,7 +109,11 @@ def resumable_checkpoints(search_dir: str) -> list[str]:
     """Every checkpoint in a ``checkpoints/`` dir under ``search_dir`` that a run may resume
     from (complete or not; ``nonfinite-*.ckpt`` excluded)."""
     pattern = os.path.join(glob.escape(search_dir), "**", "checkpoints", "*.ckpt")
-    return [path for path in glob.glob(pattern, recursive=True)
+    # A directory set aside while a save was swapped in where the system has no atomic
+    # exchange (``litscale.atomic_checkpoint``): the old checkpoint, if the swap was cut short.
+    aside = os.path.join(glob.escape(search_dir), "**", "checkpoints", f".*.ckpt{ASIDE_SUFFIX}")
+    found = glob.glob(pattern, recursive=True) + glob.glob(aside, recursive=True)
+    return [path for path in found
             if not os.path.basename(path).startswith(NOT_RESUMABLE_PREFIXES) and is_checkpoint(path)]
 
 

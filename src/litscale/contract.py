@@ -128,6 +128,23 @@ class StrategyContract:
         app's validation, the planner's pruning); the default checks the mesh."""
         self.resolve_mesh(world_size)
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """The strategy's own save, written beside the old checkpoint and swapped in once every
+        rank has written its part: a checkpoint is complete or invisible
+        (``litscale.atomic_checkpoint``)."""
+        from litscale.atomic_checkpoint import publish, remove, staging_path
+
+        path = str(self.broadcast(str(filepath)))  # the one path rank 0 chose
+        staging = staging_path(path)
+        if self.is_global_zero:
+            remove(staging)  # what a save cut short left
+        self.barrier("litscale checkpoint staged")
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier("litscale checkpoint written")
+        if self.is_global_zero:
+            publish(staging, path)
+        self.barrier("litscale checkpoint published")
+
     def why_not(self, option: Option) -> str | None:
         """Why this strategy, as configured, refuses ``option``; ``None`` if it takes it."""
         if option in self.refuses:
