@@ -302,7 +302,7 @@ def test_a_transformers_model_litscales_llama_lacks_is_one_line(tmp_path):
     AutoModelForCausalLM.from_config(config.transformers_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError) as error:
         llama_from_hf(str(tmp_path))
-    assert str(error.value) == (f"{str(tmp_path)!r} has attention_bias=True, which litscale's Llama does not "
+    assert str(error.value) == (f"model.net.from_hf={str(tmp_path)!r} has attention_bias=True, which litscale's Llama does not "
                                 "have; allowed: attention_bias=False")
 
 
@@ -546,3 +546,85 @@ def test_tensor_parallel_training_exports_what_transformers_loads(two_rank_fits)
     model = AutoModelForCausalLM.from_pretrained(directory / "hf", local_files_only=True)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()).logits, trained(tokens()), rtol=0, atol=0)
+
+
+# --- your own checkpoint, from the command line ------------------------------------------------
+
+
+FROM_HF_CASES = [
+    ("moe", QWEN3_MOE, ("model.net.aux_loss_coef=0", "strategy=fsdp", "strategy.expert_parallel_size=2",
+                        "trainer.devices=2", "data.batch_size=4")),
+    pytest.param("llama", QWEN3, ("strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=8"),
+                 marks=pytest.mark.full),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("model", "config", "layout"), FROM_HF_CASES, ids=["qwen3_moe-ep2", "qwen3-tp2"])
+def test_a_transformers_directory_fine_tunes_on_a_parallel_layout_and_exports_what_it_trained(
+        tmp_path, model, config, layout):
+    """``model=moe|llama model.net.from_hf=<dir>``: a Qwen3-MoE (Qwen3) directory written by
+    transformers trains 4 steps at one process and at expert (tensor) parallel 2 to the same
+    losses; each run's ``hf/`` export gives, in transformers, the logits its trained weights
+    (``model.pt``) give in litscale's decoder. The MoE balance loss is off: it weighs each
+    rank's own micro batch, which no single process reproduces (docs/moving-runs.md)."""
+    from helpers.cli import summaries, train_losses
+    from helpers.inprocess import train_on_pool
+
+    torch.manual_seed(0)
+    directory = tmp_path / model
+    with_random_gains(AutoModelForCausalLM.from_config(config.transformers_config())).save_pretrained(directory)
+    original = (moe_from_hf if model == "moe" else llama_from_hf)(str(directory), block_size=16)
+    common = (f"model={model}", f"model.net.from_hf={directory}", "data=synthetic",
+              "data.vocab_size=64", "data.seq_len=16", "export_hf=true", "trainer.max_steps=4",
+              "trainer.log_every_n_steps=1", "logger=csv", "trainer.val_check_interval=4",
+              "trainer.limit_val_batches=1", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false")
+    runs = {}
+    same_loss = tuple(o for o in layout if o.startswith("model."))
+    for name, overrides, ranks in (("one", ("strategy=single", "data.batch_size=8", *same_loss), 1),
+                                   ("parallel", layout, 2)):
+        process = train_on_pool(*common, *overrides, f"name={name}", outputs=tmp_path / name, devices=ranks)
+        assert process.returncode == 0, explain(process)
+        (runs[name],) = summaries(tmp_path / name)
+    one, parallel = (train_losses(runs[name]["output_dir"]) for name in ("one", "parallel"))
+    assert sorted(one) == sorted(parallel) == [0, 1, 2, 3]
+    torch.testing.assert_close(torch.tensor(list(parallel.values())), torch.tensor(list(one.values())),
+                               rtol=1.3e-6, atol=1e-5)
+    tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for summary in runs.values():
+        trained = copy.deepcopy(original)
+        trained.load_state_dict(torch.load(summary["export"], weights_only=True))
+        # The checkpoint's weights were the start: 4 steps move them a little, not to a new init.
+        start, end = original.embed_tokens.weight, trained.embed_tokens.weight
+        assert 0 < (end - start).norm() < 0.5 * start.norm()
+        exported = AutoModelForCausalLM.from_pretrained(summary["export_hf"], local_files_only=True)
+        with torch.no_grad():
+            torch.testing.assert_close(exported(tokens).logits, trained(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("build", "arguments", "message"), [
+    ("moe", {"from_hf": "/no/such"}, f"model.net.from_hf='/no/such' is not a local directory; {NEVER_DOWNLOADED}"),
+    ("llama", {"from_hf": "/no/such", "n_kv_heads": 2},
+     "model.net.n_kv_heads=2 with model.net.from_hf: the checkpoint fixes the architecture; allowed: leave "
+     "model.net.n_kv_heads unset"),
+], ids=["missing", "architecture-beside-it"])
+def test_from_hf_errors_are_one_line(build, arguments, message):
+    from litscale.models.llama import build_llama
+    from litscale.models.moe import build_moe
+
+    with pytest.raises(ValueError) as error:
+        {"moe": build_moe, "llama": build_llama}[build](**arguments)
+    assert str(error.value) == message
+
+
+def test_from_hf_on_the_meta_device_reads_the_config_not_the_weights(tmp_path):
+    AutoModelForCausalLM.from_config(QWEN3_MOE.transformers_config()).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not read on meta")
+    from litscale.models.moe import build_moe
+
+    with torch.device("meta"):
+        net = build_moe(from_hf=str(tmp_path), vocab_size=64, block_size=16)
+    assert net.config.n_experts == 4 and all(p.is_meta for p in net.parameters())
+    with pytest.raises(ValueError, match=r"has vocab_size=64 but data.vocab_size=256; allowed: data.vocab_size=64"):
+        build_moe(from_hf=str(tmp_path), vocab_size=256)

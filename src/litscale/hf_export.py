@@ -20,12 +20,13 @@ imports it (``litscale.export`` does so only when asked for a Hugging Face direc
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from litscale.models.hf import HFCausalLM
+from litscale.models.hf import HFCausalLM, checkpoint_fields, with_vocab_size
 from litscale.models.llama import Llama, LlamaConfig, RopeScaling, check_shape
 from litscale.models.moe import MoEConfig, MoEDecoder
 from litscale.models.moe import check_shape as check_moe_shape
@@ -126,24 +127,64 @@ def rope_scaling_of_hf(scaling: dict | None, source: str) -> RopeScaling | None:
                        original_max_positions=scaling["original_max_position_embeddings"])
 
 
-def llama_from_hf(directory: str) -> Llama:
+def llama_from_hf(directory: str, *, vocab_size: int | None = None, block_size: int | None = None,
+                  key: str = "model.net.from_hf") -> Llama:
     """litscale's ``Llama`` with the weights of a local transformers Llama or Qwen3 directory
-    (safetensors; never downloaded)."""
-    source = f"{directory!r}"
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise ValueError(f"{source} is not a local Hugging Face directory (no config.json); allowed: a "
-                         "directory written by save_pretrained; models are never downloaded")
-    config = llama_config_of_hf(AutoConfig.from_pretrained(directory, local_files_only=True), source)
+    (safetensors; never downloaded), trained on ``block_size`` tokens of a ``vocab_size``
+    vocabulary (the data's). On the meta device (a pre-flight check) only the config is read."""
+    source = f"{key}={directory!r}"
+    config = fitted_to_data(llama_config_of_hf(hf_config_of_directory(directory, key), source),
+                            vocab_size, block_size, source)
     check_shape(config)
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
-                                                 dtype=torch.float32)
+    if reading_shapes_only():
+        return Llama(config)
     with torch.device("meta"):  # the loaded tensors are assigned, not copied
         net = Llama(config)
-    weights = {name.removeprefix(BASE_PREFIX): tensor for name, tensor in model.state_dict().items()}
-    net.load_state_dict(weights, strict=True, assign=True)
+    net.load_state_dict(hf_weights(directory), strict=True, assign=True)
     if config.tie_embeddings:  # assign replaced the two names' tensors one by one
         net.lm_head.weight = net.embed_tokens.weight
     return net
+
+
+def refuse_architecture_with_checkpoint(given: dict) -> None:
+    """``model.net.from_hf`` brings the architecture: a number set beside it is an error, not
+    silently ignored."""
+    name, value = next(((n, v) for n, v in given.items() if v is not None), (None, None))
+    if name is not None:
+        raise ValueError(f"model.net.{name}={value} with model.net.from_hf: the checkpoint fixes the "
+                         f"architecture; allowed: leave model.net.{name} unset")
+
+
+def hf_config_of_directory(directory: str, key: str) -> PretrainedConfig:
+    """The transformers config of a local checkpoint directory with safetensors weights."""
+    checkpoint_fields(directory, key)  # a local directory, its config.json, safetensors: or one line
+    return AutoConfig.from_pretrained(directory, local_files_only=True)
+
+
+def hf_weights(directory: str) -> dict[str, torch.Tensor]:
+    """A local transformers checkpoint's weights by litscale's names (safetensors only: a
+    pickled .bin can run code when it is loaded)."""
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
+                                                 dtype=torch.float32)
+    return {name.removeprefix(BASE_PREFIX): tensor for name, tensor in model.state_dict().items()}
+
+
+def reading_shapes_only() -> bool:
+    """Built under ``torch.device("meta")``: the app's checks before any rank starts want the
+    shapes, not gigabytes of weights."""
+    return torch.get_default_device().type == "meta"
+
+
+def fitted_to_data(config, vocab_size: int | None, block_size: int | None, source: str):
+    """A checkpoint's config trained on the data's sequences: its vocabulary must be the data's
+    (``with_vocab_size``); ``block_size`` (data.seq_len) within its positions replaces them."""
+    with_vocab_size({"vocab_size": config.vocab_size}, vocab_size, source, from_checkpoint=True)
+    if block_size is None:
+        return config
+    if block_size > config.block_size:
+        raise ValueError(f"model.net.block_size={block_size} (data.seq_len) is longer than {source}'s "
+                         f"max_position_embeddings={config.block_size}; allowed: at most {config.block_size}")
+    return replace(config, block_size=block_size)
 
 
 # --- litscale's MoE decoder <-> transformers' Qwen3-MoE ------------------------------------
@@ -228,16 +269,21 @@ def moe_config_of_hf(config: PretrainedConfig, source: str = "the config") -> Mo
         aux_loss_coef=config.router_aux_loss_coef)
 
 
-def moe_from_hf(directory: str) -> MoEDecoder:
+def moe_from_hf(directory: str, *, vocab_size: int | None = None, block_size: int | None = None,
+                key: str = "model.net.from_hf", **training: float | None) -> MoEDecoder:
     """litscale's MoE decoder with the weights of a local transformers Qwen3-MoE directory
-    (safetensors; never downloaded): each layer's experts stacked."""
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
-    config = moe_config_of_hf(config, f"{directory!r}")
+    (safetensors; never downloaded): each layer's experts stacked. ``training``: the routing
+    choices transformers does not store (``aux_loss_coef``, ``bias_update_rate``,
+    ``capacity_factor``; None keeps the checkpoint's, dropless). Meta device: the config only."""
+    source = f"{key}={directory!r}"
+    config = fitted_to_data(moe_config_of_hf(hf_config_of_directory(directory, key), source),
+                            vocab_size, block_size, source)
+    config = replace(config, **{name: value for name, value in training.items() if value is not None})
     check_moe_shape(config)
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
-                                                 dtype=torch.float32)
-    weights = {name.removeprefix(BASE_PREFIX): tensor for name, tensor in model.state_dict().items()}
     net = MoEDecoder(config)
+    if reading_shapes_only():
+        return net
+    weights = hf_weights(directory)
     for index in config.moe_layers:
         experts = f"layers.{index}.mlp.experts"
         for leaf in EXPERT_PROJECTIONS:

@@ -218,19 +218,20 @@ def build_hf(
     return HFCausalLM(spec)
 
 
-def checkpoint_fields(path: str) -> dict[str, Any]:
-    """The config fields of a local checkpoint directory that holds safetensors weights."""
+def checkpoint_fields(path: str, key: str = "model.net.path") -> dict[str, Any]:
+    """The config fields of a local checkpoint directory that holds safetensors weights (``key``:
+    the config key that named it, for the error)."""
     if not os.path.isdir(path):
-        raise ValueError(f"model.net.path={path!r} is not a local directory; allowed: a local Hugging Face "
+        raise ValueError(f"{key}={path!r} is not a local directory; allowed: a local Hugging Face "
                          "checkpoint directory (config.json and safetensors weights); models are never downloaded")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model.net.path={path!r} has no config.json; allowed: a directory written by "
+        raise ValueError(f"{key}={path!r} has no config.json; allowed: a directory written by "
                          "save_pretrained (config.json and model.safetensors)")
     if not any(os.path.isfile(os.path.join(path, name)) for name in SAFETENSORS_FILES):
-        raise ValueError(f"model.net.path={path!r} holds no safetensors weights "
+        raise ValueError(f"{key}={path!r} holds no safetensors weights "
                          f"({' or '.join(SAFETENSORS_FILES)}); allowed: a safetensors checkpoint (pickled .bin "
                          "weights are never loaded)")
-    return _read_json(os.path.join(path, "config.json"), f"model.net.path={path!r}")
+    return _read_json(os.path.join(path, "config.json"), f"{key}={path!r}")
 
 
 def config_file_fields(config: str) -> dict[str, Any]:

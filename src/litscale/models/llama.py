@@ -319,12 +319,20 @@ def build_llama(
     rope_scaling: RopeScalingName | None = None,
     qk_norm: bool | None = None,
     tie_embeddings: bool | None = None,
+    from_hf: str | None = None,
 ) -> Llama:
     """A Llama from a named preset, with any architecture number overridden (``None`` keeps
-    the preset's); ``rope_scaling`` names one of ``ROPE_SCALINGS``."""
-    overrides = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                     n_kv_heads=n_kv_heads, n_embd=n_embd, ffn_hidden_size=ffn_hidden_size,
-                     norm_eps=norm_eps, rope_theta=rope_theta, qk_norm=qk_norm, tie_embeddings=tie_embeddings,
+    the preset's); ``rope_scaling`` names one of ``ROPE_SCALINGS``. ``from_hf``: a local
+    transformers Llama or Qwen3 directory instead, its architecture and weights (to fine-tune)."""
+    architecture = dict(n_layer=n_layer, n_head=n_head, n_kv_heads=n_kv_heads, n_embd=n_embd,
+                        ffn_hidden_size=ffn_hidden_size, norm_eps=norm_eps, rope_theta=rope_theta,
+                        rope_scaling=rope_scaling, qk_norm=qk_norm, tie_embeddings=tie_embeddings)
+    if from_hf is not None:
+        from litscale.hf_export import llama_from_hf, refuse_architecture_with_checkpoint
+
+        refuse_architecture_with_checkpoint(architecture)
+        return llama_from_hf(from_hf, vocab_size=vocab_size, block_size=block_size)
+    overrides = dict(architecture, vocab_size=vocab_size, block_size=block_size,
                      rope_scaling=ROPE_SCALINGS[rope_scaling] if rope_scaling else None)
     config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
     check_shape(config)

@@ -167,17 +167,26 @@ def build_moe(
     capacity_factor: PositiveFloat | None = None,
     qk_norm: bool | None = None,
     tie_embeddings: bool | None = None,
+    from_hf: str | None = None,
 ) -> MoEDecoder:
     """An MoE decoder from a named preset, with any number overridden (``None`` keeps the
-    preset's; the presets are dropless, so ``capacity_factor`` None is dropless)."""
-    overrides = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                     n_kv_heads=n_kv_heads, n_embd=n_embd, ffn_hidden_size=ffn_hidden_size,
-                     attention_head_dim=attention_head_dim, norm_eps=norm_eps, rope_theta=rope_theta, n_experts=n_experts,
-                     top_k=top_k, moe_ffn_hidden_size=moe_ffn_hidden_size, n_shared_experts=n_shared_experts,
-                     dense_layers=dense_layers, moe_every=moe_every, score_func=score_func,
-                     norm_topk_prob=norm_topk_prob, routed_scaling=routed_scaling, aux_loss_coef=aux_loss_coef,
-                     bias_update_rate=bias_update_rate, capacity_factor=capacity_factor, qk_norm=qk_norm,
-                     tie_embeddings=tie_embeddings)
+    preset's; the presets are dropless, so ``capacity_factor`` None is dropless). ``from_hf``:
+    a local transformers Qwen3-MoE directory instead, its architecture and weights (to
+    fine-tune); the routing choices it does not store (balance loss, bias update, capacity) apply."""
+    architecture = dict(n_layer=n_layer, n_head=n_head, n_kv_heads=n_kv_heads, n_embd=n_embd,
+                        ffn_hidden_size=ffn_hidden_size, attention_head_dim=attention_head_dim, norm_eps=norm_eps,
+                        rope_theta=rope_theta, n_experts=n_experts, top_k=top_k,
+                        moe_ffn_hidden_size=moe_ffn_hidden_size, n_shared_experts=n_shared_experts,
+                        dense_layers=dense_layers, moe_every=moe_every, score_func=score_func,
+                        norm_topk_prob=norm_topk_prob, routed_scaling=routed_scaling, qk_norm=qk_norm,
+                        tie_embeddings=tie_embeddings)
+    training = dict(aux_loss_coef=aux_loss_coef, bias_update_rate=bias_update_rate, capacity_factor=capacity_factor)
+    if from_hf is not None:
+        from litscale.hf_export import moe_from_hf, refuse_architecture_with_checkpoint
+
+        refuse_architecture_with_checkpoint(architecture)
+        return moe_from_hf(from_hf, vocab_size=vocab_size, block_size=block_size, **training)
+    overrides = dict(architecture, **training, vocab_size=vocab_size, block_size=block_size)
     config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
     check_shape(config)
     return MoEDecoder(config)
