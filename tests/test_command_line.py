@@ -67,8 +67,8 @@ ERRORS = {
                       f"has: block_size, dropout, preset, vocab_size; +model.net.<key>=<value> adds one of: "
                       f"{GPT_ADDABLE}"),
     "llama-unknown-key": (["model=llama", "model.net.nonsense=3"],  # Llama's keys, not GPT's
-                          "model.net.nonsense is not a known key; model.net has: block_size, n_kv_heads, "
-                          "preset, qk_norm, rope_scaling, vocab_size; +model.net.<key>=<value> adds one of: "
+                          "model.net.nonsense is not a known key; model.net has: block_size, from_hf, "
+                          "n_kv_heads, preset, qk_norm, rope_scaling, vocab_size; +model.net.<key>=<value> adds one of: "
                           "ffn_hidden_size, n_embd, n_head, n_layer, norm_eps, rope_theta, tie_embeddings"),
     "llama-key-needs-plus": (["model=llama", "model.net.n_layer=4"],
                              "model.net.n_layer is not in the config yet; add it with +model.net.n_layer=4"),

@@ -25,9 +25,9 @@ from litscale.models.moe import MoEConfig, MoEDecoder
 
 # transformers, and litscale.hf_export which imports it, at their first use (helpers.deferred).
 AutoModelForCausalLM = Deferred("transformers", "AutoModelForCausalLM")
-llama_from_hf = Deferred("litscale.hf_export", "llama_from_hf")
-moe_from_hf = Deferred("litscale.hf_export", "moe_from_hf")
-moe_layout_of = Deferred("litscale.hf_export", "moe_layout_of")
+llama_from_hf = Deferred("litscale.models.llama", "llama_from_hf")
+moe_from_hf = Deferred("litscale.models.moe", "moe_from_hf")
+moe_layout_of = Deferred("litscale.models.moe_config", "moe_layout_of")
 save_hf_directory = Deferred("litscale.hf_export", "save_hf_directory")
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from torch import nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveFloat, PositiveInt
+from litscale.models.hf_reading import refuse_architecture_with_checkpoint
 from litscale.models.llama_parallel import (
     context_parallel_attention,
     pipeline_blocks,
@@ -328,8 +329,6 @@ def build_llama(
                         ffn_hidden_size=ffn_hidden_size, norm_eps=norm_eps, rope_theta=rope_theta,
                         rope_scaling=rope_scaling, qk_norm=qk_norm, tie_embeddings=tie_embeddings)
     if from_hf is not None:
-        from litscale.hf_export import llama_from_hf, refuse_architecture_with_checkpoint
-
         refuse_architecture_with_checkpoint(architecture)
         return llama_from_hf(from_hf, vocab_size=vocab_size, block_size=block_size)
     overrides = dict(architecture, vocab_size=vocab_size, block_size=block_size,
@@ -337,3 +336,64 @@ def build_llama(
     config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
     check_shape(config)
     return Llama(config)
+
+
+# --- a transformers Llama / Qwen3 config as litscale's (model.net.from_hf, litscale.hf_export) ---
+
+
+def llama_config_of_hf(config: Any, source: str = "the config") -> LlamaConfig:
+    """litscale's ``LlamaConfig`` for a transformers Llama or Qwen3 config, or a one-line
+    error naming the first feature litscale's Llama does not have."""
+    if config.model_type not in ("llama", "qwen3"):
+        raise ValueError(f"{source} has model_type={config.model_type!r}; allowed: llama or qwen3")
+    unsupported = {
+        "hidden_act": (config.hidden_act, "silu"),
+        "attention_bias": (config.attention_bias, False),
+        "mlp_bias": (getattr(config, "mlp_bias", False), False),
+        "attention_dropout": (config.attention_dropout, 0.0),
+        "use_sliding_window": (getattr(config, "use_sliding_window", False), False),
+        "head_dim": (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+                     config.hidden_size // config.num_attention_heads),
+    }
+    for field, (value, allowed) in unsupported.items():
+        if value != allowed:
+            raise ValueError(f"{source} has {field}={value!r}, which litscale's Llama does not have; "
+                             f"allowed: {field}={allowed!r}")
+    return LlamaConfig(
+        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads, n_embd=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size, vocab_size=config.vocab_size,
+        block_size=config.max_position_embeddings, norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        rope_scaling=rope_scaling_of_hf(config.rope_scaling, source), qk_norm=config.model_type == "qwen3",
+        tie_embeddings=config.tie_word_embeddings)
+
+
+def rope_scaling_of_hf(scaling: dict | None, source: str) -> RopeScaling | None:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{source} has rope_scaling rope_type={kind!r}, which litscale's Llama does not have; "
+                         "allowed: llama3 or none")
+    return RopeScaling(factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+                       high_freq_factor=scaling["high_freq_factor"],
+                       original_max_positions=scaling["original_max_position_embeddings"])
+
+
+def llama_from_hf(directory: str, *, vocab_size: int | None = None, block_size: int | None = None,
+                  key: str = "model.net.from_hf") -> Llama:
+    """litscale's ``Llama`` with the weights of a local transformers Llama or Qwen3 directory
+    (safetensors; never downloaded), trained on ``block_size`` tokens of a ``vocab_size``
+    vocabulary (the data's). On the meta device (a pre-flight check) only the config is read."""
+    from litscale.models.hf_reading import checkpoint_config, hf_weights, reading_shapes_only
+
+    config = checkpoint_config(directory, llama_config_of_hf, vocab_size, block_size, key)
+    check_shape(config)
+    if reading_shapes_only():
+        return Llama(config)
+    with torch.device("meta"):  # the loaded tensors are assigned, not copied
+        net = Llama(config)
+    net.load_state_dict(hf_weights(directory), strict=True, assign=True)
+    if config.tie_embeddings:  # assign replaced the two names' tensors one by one
+        net.lm_head.weight = net.embed_tokens.weight
+    return net

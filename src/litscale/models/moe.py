@@ -28,8 +28,15 @@ from torch import Tensor, nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.models.hf_reading import refuse_architecture_with_checkpoint
 from litscale.models.llama import Llama
-from litscale.models.moe_config import PRESETS, MoEConfig, PresetName, ScoreFunction
+from litscale.models.moe_config import (
+    PRESETS,
+    MoEConfig,
+    PresetName,
+    ScoreFunction,
+    moe_config_of_hf,
+)
 from litscale.models.moe_layer import MoELayer
 from litscale.models.moe_parallel import expert_modules, pipeline_blocks, tensor_parallel_plan
 
@@ -182,11 +189,37 @@ def build_moe(
                         tie_embeddings=tie_embeddings)
     training = dict(aux_loss_coef=aux_loss_coef, bias_update_rate=bias_update_rate, capacity_factor=capacity_factor)
     if from_hf is not None:
-        from litscale.hf_export import moe_from_hf, refuse_architecture_with_checkpoint
-
         refuse_architecture_with_checkpoint(architecture)
         return moe_from_hf(from_hf, vocab_size=vocab_size, block_size=block_size, **training)
     overrides = dict(architecture, **training, vocab_size=vocab_size, block_size=block_size)
     config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
     check_shape(config)
     return MoEDecoder(config)
+
+
+def moe_from_hf(directory: str, *, vocab_size: int | None = None, block_size: int | None = None,
+                key: str = "model.net.from_hf", **training: float | None) -> MoEDecoder:
+    """litscale's MoE decoder with the weights of a local transformers Qwen3-MoE directory
+    (safetensors; never downloaded): each layer's experts stacked. ``training``: the routing
+    choices transformers does not store (``aux_loss_coef``, ``bias_update_rate``,
+    ``capacity_factor``; None keeps the checkpoint's, dropless). Meta device: the config only."""
+    from litscale.models.hf_reading import checkpoint_config, hf_weights, reading_shapes_only
+
+    config = checkpoint_config(directory, moe_config_of_hf, vocab_size, block_size, key)
+    config = replace(config, **{name: value for name, value in training.items() if value is not None})
+    check_shape(config)
+    net = MoEDecoder(config)
+    if reading_shapes_only():
+        return net
+    weights = hf_weights(directory)
+    for index in config.moe_layers:
+        experts = f"layers.{index}.mlp.experts"
+        for leaf in EXPERT_PROJECTIONS:
+            weights[f"{experts}.{leaf}"] = torch.stack(
+                [weights.pop(f"{experts}.{e}.{leaf}.weight") for e in range(config.n_experts)])
+        weights[f"layers.{index}.mlp.gate.selection_bias"] = torch.zeros(config.n_experts)
+    net.load_state_dict(weights, strict=True)
+    return net
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # transformers' names, one Linear per expert

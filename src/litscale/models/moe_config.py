@@ -4,7 +4,7 @@ data (STYLE: presets are data). The big presets are for planning on the meta dev
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from litscale.models.llama import LlamaConfig
 
@@ -65,3 +65,43 @@ PRESETS: dict[str, MoEConfig] = {
                                   dense_layers=3, score_func="sigmoid", norm_topk_prob=True, routed_scaling=2.5,
                                   bias_update_rate=0.001),
 }
+
+
+# --- a transformers Qwen3-MoE config as litscale's (model.net.from_hf, litscale.hf_export) ---
+
+
+def moe_layout_of(sparse: list[int], n_layer: int, source: str = "the config") -> tuple[int, int]:
+    """``(dense_layers, moe_every)`` that put the MoE layers at ``sparse``, or a one-line error.
+
+    NOTE: the export writes ``mlp_only_layers`` (every dense layer) with ``decoder_sparse_step``
+    1, so a model with ``moe_every`` > 1 comes back as a list of MoE layers, not as a step."""
+    if not sparse:
+        return n_layer, 1
+    for every in range(1, n_layer + 1):
+        dense_layers = sparse[0] - every + 1
+        if dense_layers >= 0 and sparse == [i for i in range(dense_layers, n_layer)
+                                            if (i - dense_layers + 1) % every == 0]:
+            return dense_layers, every
+    raise ValueError(f"{source} has MoE layers {sparse}; allowed: the dense layers first, then every k-th layer "
+                     "a MoE layer to the last (model.net.dense_layers, model.net.moe_every)")
+
+
+def moe_config_of_hf(config: Any, source: str = "the config") -> MoEConfig:
+    """litscale's ``MoEConfig`` for a transformers Qwen3-MoE config: its MoE layers as litscale
+    lays them out (the first ``dense_layers`` dense, then every ``moe_every``-th), else one line."""
+    if config.model_type != "qwen3_moe":
+        raise ValueError(f"{source} has model_type={config.model_type!r}; allowed: qwen3_moe")
+    sparse = [i for i in range(config.num_hidden_layers)
+              if i not in config.mlp_only_layers and (i + 1) % config.decoder_sparse_step == 0]
+    dense_layers, moe_every = moe_layout_of(sparse, config.num_hidden_layers, source)
+    head_dim = getattr(config, "head_dim", None)
+    return MoEConfig(
+        n_layer=config.num_hidden_layers, n_head=config.num_attention_heads, n_kv_heads=config.num_key_value_heads,
+        n_embd=config.hidden_size, ffn_hidden_size=config.intermediate_size,
+        attention_head_dim=None if head_dim == config.hidden_size // config.num_attention_heads else head_dim,
+        vocab_size=config.vocab_size,
+        block_size=config.max_position_embeddings, norm_eps=config.rms_norm_eps, rope_theta=config.rope_theta,
+        qk_norm=True, tie_embeddings=config.tie_word_embeddings, n_experts=config.num_experts,
+        top_k=config.num_experts_per_tok, moe_ffn_hidden_size=config.moe_intermediate_size, n_shared_experts=0,
+        dense_layers=dense_layers, moe_every=moe_every, norm_topk_prob=config.norm_topk_prob,
+        aux_loss_coef=config.router_aux_loss_coef)
