@@ -453,3 +453,28 @@ def test_lightning_keeps_our_sampler():
     sampler = trainer.train_dataloader.sampler
     assert isinstance(sampler, DistributedSampler) and sampler.seed == 4
     assert sampler.epoch == 1  # Lightning reshuffles per epoch through set_epoch
+
+
+def _synthetic(num_samples: int, seed: int = 0):
+    from litscale.data.synthetic import SyntheticDataModule
+
+    data = SyntheticDataModule(batch_size=4, num_samples=num_samples, val_samples=8, seed=seed)
+    data.setup()
+    return data
+
+
+def test_a_checkpoints_loader_position_of_another_training_set_is_refused_in_one_line():
+    saved = {"epoch": 0, "samples_drawn": 32, "seed": 0, "dataset_samples": 64}
+    data = _synthetic(128)
+    data.load_state_dict(saved)
+    with pytest.raises(ValueError) as error:
+        data.train_dataloader()
+    assert str(error.value) == ("data: the checkpoint's training set has 64 samples, this run's 128; resume with "
+                                "the data it was trained on, or start fresh with ckpt_path=null")
+
+
+def test_a_checkpoints_seed_is_the_order_a_resume_continues():
+    data = _synthetic(64, seed=5)
+    data.load_state_dict({"epoch": 0, "samples_drawn": 0, "seed": 3, "dataset_samples": 64})
+    data.train_dataloader()
+    assert data.seed == 3 and data.state_dict()["seed"] == 3

@@ -123,3 +123,71 @@ def test_layout_invariant_ddp_on_four_ranks_resumes_on_one_bit_for_bit(outputs):
     resumed = train(outputs, "invariant_resumed", (*SINGLE[1], *invariant), 1, f"trainer.max_steps={STEPS}",
                     f"ckpt_path={part['checkpoint']}")
     assert_same_run(resumed, straight, steps=range(half, STEPS), exact=True)
+
+
+# --- resume on another layout: the matrix -----------------------------------------------------
+
+# Layouts of 2 ranks (or one process) with the global batch of 16: where a checkpoint is saved
+# after STEPS // 2 steps, and where it resumes.
+MATRIX = {
+    "single": (("strategy=single", "data.batch_size=16"), 1),
+    "ddp2": (("strategy=ddp", "trainer.devices=2", "data.batch_size=8"), 2),
+    "fsdp2": (("strategy=fsdp", "trainer.devices=2", "data.batch_size=8"), 2),
+    "tp2": (("strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=16"), 2),
+    "pp2": (("strategy=pipeline", "trainer.devices=2", "data.batch_size=16"), 2),
+    "zero2": (("strategy=deepspeed_zero", "trainer.devices=2", "data.batch_size=8"), 2),
+}
+# make test trains these cells (each kind of checkpoint moving into each other kind); make
+# test-full the whole matrix.
+QUICK_CELLS = {("ddp2", "fsdp2"), ("fsdp2", "tp2"), ("tp2", "single"), ("pp2", "ddp2"), ("zero2", "zero2"),
+               ("single", "pp2"), ("zero2", "fsdp2")}
+CELLS = [pytest.param(source, target, id=f"{source}-to-{target}",
+                      marks=() if (source, target) in QUICK_CELLS else pytest.mark.full)
+         for source in MATRIX for target in MATRIX]
+
+
+@pytest.fixture(scope="module")
+def saved_halfway(outputs):
+    """Each source layout's checkpoint after ``STEPS // 2`` steps, trained once per module."""
+    saved: dict[str, dict] = {}
+
+    def save(source: str) -> dict:
+        if source not in saved:
+            overrides, ranks = MATRIX[source]
+            saved[source] = train(outputs, f"half_{source}", overrides, ranks, f"trainer.max_steps={STEPS // 2}")
+        return saved[source]
+
+    return save
+
+
+def refusal(source: str, target: str, path: str) -> str | None:
+    """The one line a move DeepSpeed cannot make is refused with; None for a move that works.
+    DeepSpeed's checkpoints are its own format, partitioned by rank."""
+    if (source == "zero2") == (target == "zero2"):
+        return None
+    if source == "zero2":
+        return (f"error: ckpt_path={path!r}: a DeepSpeed checkpoint resumes only under DeepSpeed, not "
+                f"strategy={MATRIX[target][0][0].split('=')[1]}; allowed: strategy=deepspeed_zero, or start from its "
+                "weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
+    kind = "a file" if source in ("single", "ddp2") else "a sharded directory"
+    return (f"error: ckpt_path={path!r}: strategy=deepspeed_zero resumes only DeepSpeed's own checkpoints, and "
+            f"this is {kind}; allowed: resume it with any other strategy, or start fresh with ckpt_path=null")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("source", "target"), CELLS)
+def test_a_checkpoint_resumes_on_another_layout_with_the_uninterrupted_run_or_is_refused_in_one_line(
+        outputs, one_process, saved_halfway, source, target):
+    part = saved_halfway(source)
+    overrides, ranks = MATRIX[target]
+    name, more = f"resumed_{source}_to_{target}", (f"trainer.max_steps={STEPS}", f"ckpt_path={part['checkpoint']}")
+    refused = refusal(source, target, part["checkpoint"])
+    if refused is not None:
+        # Refused before any rank starts: the command line runs on one pool rank.
+        process = train_on_pool(*RUN, *overrides, f"name={name}", *more, outputs=outputs / name)
+        assert process.returncode == 2, explain(process)
+        assert process.stderr.strip().splitlines() == [refused]
+        assert not (outputs / name).exists()  # nothing started
+        return
+    resumed = train(outputs, name, overrides, ranks, *more)
+    assert_same_run(resumed, one_process, steps=range(STEPS // 2, STEPS))

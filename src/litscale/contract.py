@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -105,6 +106,11 @@ class StrategyContract:
     # The planner costs and ranks this strategy: its step is a synchronous one whose memory and
     # communication follow from its sharding and mesh (not local SGD's or federated rounds).
     plannable: ClassVar[bool] = True
+    # The checkpoints it saves and resumes: "file" and torch.distributed.checkpoint directories
+    # move into each other (``litscale.checkpoint_moves``); "deepspeed" ones only to DeepSpeed.
+    checkpoint_kind: ClassVar[str] = "file"
+    # Each rank holds only some of the layers (pipeline stages): a whole-model export gathers them.
+    splits_layers_over_ranks: ClassVar[bool] = False
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
@@ -133,9 +139,13 @@ class StrategyContract:
         rank has written its part: a checkpoint is complete or invisible
         (``litscale.atomic_checkpoint``)."""
         from litscale.atomic_checkpoint import publish, remove, staging_path
+        from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES, param_names_by_group
 
         path = str(self.broadcast(str(filepath)))  # the one path rank 0 chose
         staging = staging_path(path)
+        names = param_names_by_group(self.lightning_module, self.optimizers) if self.optimizers else None
+        if names is not None:  # what lets the checkpoint move to a layout of the other kind
+            checkpoint[OPTIMIZER_PARAM_NAMES] = names
         if self.is_global_zero:
             remove(staging)  # what a save cut short left
         self.barrier("litscale checkpoint staged")
@@ -144,6 +154,32 @@ class StrategyContract:
         if self.is_global_zero:
             publish(staging, path)
         self.barrier("litscale checkpoint published")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The strategy's own load, or a checkpoint of the other kind moved onto this layout
+        (``litscale.checkpoint_moves``): a file into a sharded model, a sharded directory into
+        a replicated one."""
+        from litscale import checkpoint_moves
+        from litscale.checkpoints import DCP_METADATA
+
+        path = str(self.broadcast(str(checkpoint_path)))
+        if self.saves_shards and os.path.isfile(path):
+            return checkpoint_moves.load_file_into_sharded(path, self.model, self.optimizers,
+                                                           strict=self.lightning_module.strict_loading)
+        if not self.saves_shards and os.path.isfile(os.path.join(path, DCP_METADATA)):
+            return checkpoint_moves.directory_as_file_checkpoint(path)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        from litscale.checkpoint_moves import optimizer_states_by_position
+
+        super().load_optimizer_state_dict(
+            optimizer_states_by_position(checkpoint, self.lightning_module, self.optimizers))
+
+    @property
+    def saves_shards(self) -> bool:
+        """Saves a ``torch.distributed.checkpoint`` directory (else one file, or DeepSpeed's own)."""
+        return bool(getattr(self, "_save_distributed_checkpoint", False))
 
     def why_not(self, option: Option) -> str | None:
         """Why this strategy, as configured, refuses ``option``; ``None`` if it takes it."""

@@ -40,6 +40,20 @@ def _strip_prefix(state_dict: dict, prefix: str) -> dict:
 def consolidated_state_dict(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
     """The full, unsharded ``state_dict`` of ``module.net`` (or of ``module`` if it has no
     ``net``) on CPU. A collective: every rank must call it; rank 0's result is complete."""
+    from litscale.contract import contract_value
+
+    state = _rank_state_dict(trainer, module)
+    if not contract_value(trainer.strategy, "splits_layers_over_ranks") or not torch.distributed.is_initialized():
+        return state
+    # A pipeline rank holds only its stages' layers: every rank's part, gathered and merged
+    # (ranks of the same stage send the same tensors; an object gather, as export is once a run).
+    parts: list[dict | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, state)
+    return {name: tensor for part in parts for name, tensor in (part or {}).items()}
+
+
+def _rank_state_dict(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
+    """What this rank holds of the net's state, whole tensors on CPU."""
     net = getattr(module, "net", module)
     engine = _deepspeed_engine(trainer)
     if engine is not None and getattr(engine, "zero_optimization_partition_weights", lambda: False)():

@@ -55,3 +55,44 @@ def _checkpoint_model(path: str) -> str:
 def _model_named(choice: str | None, preset: Any) -> str:
     return (f"model={choice}" if choice else "a network") + (
         f" (preset {preset})" if isinstance(preset, str) else "")
+
+
+def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any, world_size: int,
+                           choices: dict[str, str]) -> None:
+    """A checkpoint resumes on a layout that can read it: files and sharded directories move
+    between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed
+    checkpoint moves only to DeepSpeed on as many ranks (its partitions are per rank)."""
+    from litscale.checkpoints import DEEPSPEED_LATEST
+    from litscale.contract import contract_value
+
+    if not ckpt_path:
+        return
+    saved_by_deepspeed = os.path.isfile(os.path.join(ckpt_path, DEEPSPEED_LATEST))
+    to_deepspeed = contract_value(strategy, "checkpoint_kind") == "deepspeed"
+    shown = repr(ckpt_path) if cfg.ckpt_path == ckpt_path else f"{cfg.ckpt_path} ({ckpt_path})"
+    ours = f"strategy={choices.get('strategy', type(strategy).__name__)}"
+    if saved_by_deepspeed and not to_deepspeed:
+        raise ConfigError(
+            f"ckpt_path={shown}: a DeepSpeed checkpoint resumes only under DeepSpeed, not {ours}; allowed: "
+            "strategy=deepspeed_zero, or start from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
+    if to_deepspeed and not saved_by_deepspeed:
+        kind = "a sharded directory" if os.path.isdir(ckpt_path) else "a file"
+        raise ConfigError(
+            f"ckpt_path={shown}: {ours} resumes only DeepSpeed's own checkpoints, and this is {kind}; allowed: "
+            "resume it with any other strategy, or start fresh with ckpt_path=null")
+    saved_ranks = _deepspeed_ranks(ckpt_path) if saved_by_deepspeed else world_size
+    if saved_ranks != world_size:
+        raise ConfigError(
+            f"ckpt_path={shown}: the DeepSpeed checkpoint holds {saved_ranks} ranks' partitions, the run has "
+            f"{world_size} ranks; allowed: resume it on {saved_ranks} ranks (trainer.devices x trainer.num_nodes)")
+
+
+def _deepspeed_ranks(path: str) -> int:
+    """How many ranks wrote a DeepSpeed checkpoint: one optimizer partition file each."""
+    import glob
+
+    from litscale.checkpoints import DEEPSPEED_LATEST
+
+    with open(os.path.join(path, DEEPSPEED_LATEST)) as file:
+        tag = file.read().strip()
+    return len(glob.glob(os.path.join(glob.escape(path), tag, "*optim_states.pt"))) or 1

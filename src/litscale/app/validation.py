@@ -21,7 +21,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from litscale.app.checkpoint_checks import check_checkpoint_network
+from litscale.app.checkpoint_checks import check_checkpoint_moves, check_checkpoint_network
 from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.devices import check_devices
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
@@ -235,6 +235,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
         raise ConfigError(str(error).splitlines()[0]) from None
     ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
     check_checkpoint_network(cfg, ckpt_path, net, choices or {})
+    check_checkpoint_moves(cfg, ckpt_path, strategy, world_size, choices or {})
     return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
                      micro_batch=micro_batch, accumulation=accumulation, ckpt_path=ckpt_path,
                      strong_scaling=bool(global_batch))

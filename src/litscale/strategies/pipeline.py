@@ -33,6 +33,7 @@ from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint_moves import load_file_into_sharded
 from litscale.constraints import PositiveInt
 from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
@@ -128,6 +129,7 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
     ``validation_step`` run with the pipeline's loss in its place (so it logs as usual).
     """
 
+    splits_layers_over_ranks = True
     refuses = {Option.FP16_MIXED: NO_SHARDED_LOSS_SCALER,
                Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul",
                Option.MIXTURE_OF_EXPERTS: AUXILIARY_LOSS_DROPPED}
@@ -273,7 +275,8 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Each stage loads its own parameters and optimizer state from the DCP directory.
+        """Each stage loads its own parameters and optimizer state from the DCP directory (or
+        from a file checkpoint, ``litscale.checkpoint_moves``).
 
         Mirrors the sharded branch of Lightning's loader, which finds "the distributed model"
         by its DTensor parameters and so refuses a pure pipeline stage (plain tensors)."""
@@ -285,20 +288,24 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
         )
 
         path = Path(self.broadcast(checkpoint_path))
+        if path.is_file():  # a replicated layout's checkpoint: each stage takes its own layers
+            return load_file_into_sharded(str(path), self.model, self.optimizers,
+                                          strict=self.lightning_module.strict_loading)
         model_state = {"state_dict": get_model_state_dict(self.model)}
         distributed_checkpoint_load(model_state, path)
         self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
         for index, optimizer in enumerate(self.optimizers):
-            # NOTE: only the per-parameter state (keyed by this stage's parameter names): DCP
-            # saves the non-tensor param_groups once, from rank 0, which lists only its stage's
-            # parameters. The groups' hyperparameters come from the config; schedulers restore
-            # the LR from their own state.
+            # NOTE: DCP saves the non-tensor param_groups once, from rank 0, which lists only its
+            # stage's parameters: each group's hyperparameters (the learning rate the scheduler
+            # had set) are read from it, its parameters are this stage's own.
             key, current = f"optimizer_{index}", get_optimizer_state_dict(self.model, optimizer)
-            loaded = {key: {"state": current["state"]}}
+            hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in current["param_groups"]]
+            loaded = {key: {"state": current["state"], "param_groups": hyperparameters}}
             distributed_checkpoint_load(loaded, path)
+            groups = [{**saved, "params": group["params"]}
+                      for saved, group in zip(loaded[key]["param_groups"], current["param_groups"], strict=True)]
             set_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True),
-                                     optim_state_dict={"state": loaded[key]["state"],
-                                                       "param_groups": current["param_groups"]})
+                                     optim_state_dict={"state": loaded[key]["state"], "param_groups": groups})
         return torch.load(path / CHECKPOINT_METADATA_FILENAME, weights_only=weights_only)
 
     def _schedule(self, batch_size: int, training: bool):
