@@ -423,9 +423,6 @@ def test_without_the_hf_extra_model_hf_is_refused_in_litscales_one_line(path, me
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["export_hf=true"], "export_hf=true needs model=llama, model=moe or model=hf (got model=gpt)"),
-    (["export_hf=true", "model=llama", "strategy=pipeline", "trainer.accelerator=cpu", "trainer.devices=2"],
-     "export_hf=true is not available with strategy=pipeline: each rank holds only its stages' "
-     "weights; export from a checkpoint loaded without a pipeline"),
 ])
 def test_export_hf_is_refused_in_one_line_where_it_cannot_work(overrides, message, tmp_path, outputs_root):
     from litscale.app.validation import ConfigError, validate
@@ -556,12 +553,14 @@ FROM_HF_CASES = [
                         "trainer.devices=2", "data.batch_size=4")),
     pytest.param("llama", QWEN3, ("strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=8"),
                  marks=pytest.mark.full),
+    # Each stage's weights gathered for the export.
+    ("llama", QWEN3, ("strategy=pipeline", "trainer.devices=2", "data.batch_size=8")),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("model", "config", "layout"), FROM_HF_CASES, ids=["qwen3_moe-ep2", "qwen3-tp2"])
+@pytest.mark.parametrize(("model", "config", "layout"), FROM_HF_CASES, ids=["qwen3_moe-ep2", "qwen3-tp2", "qwen3-pp2"])
 def test_a_transformers_directory_fine_tunes_on_a_parallel_layout_and_exports_what_it_trained(
         tmp_path, model, config, layout):
     """``model=moe|llama model.net.from_hf=<dir>``: a Qwen3-MoE (Qwen3) directory written by

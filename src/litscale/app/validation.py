@@ -283,18 +283,14 @@ HF_EXPORTABLE = {"litscale.models.llama.build_llama", "litscale.models.moe.build
 
 
 def check_export_hf(cfg: DictConfig, choices: dict[str, str]) -> None:
-    """``export_hf=true`` needs a network with a Hugging Face form, and every weight gathered
-    on rank 0 at the end (a pipeline rank holds only its stages)."""
+    """``export_hf=true`` needs a network with a Hugging Face form (every layout gathers the
+    whole network on rank 0 at the end, a pipeline's stages included)."""
     if not cfg.get("export_hf"):
         return
     net = cfg.model.get("net")
     target = net.get("_target_") if isinstance(net, DictConfig) else None
     if target not in HF_EXPORTABLE:
         raise ConfigError(f"export_hf=true needs model=llama, model=moe or model=hf (got model={choices.get('model', target)})")
-    if "pipeline_parallel_size" in cfg.strategy:
-        raise ConfigError(
-            f"export_hf=true is not available with strategy={choices.get('strategy', 'pipeline')}: "
-            "each rank holds only its stages' weights; export from a checkpoint loaded without a pipeline")
 
 
 def check_data_tokenizer(cfg: DictConfig) -> None:
