@@ -37,8 +37,8 @@ LAYOUTS = [
 ]
 
 
-def train(outputs, name: str, overrides: tuple[str, ...], ranks: int, *more: str) -> dict:
-    process = train_on_pool(*RUN, *overrides, f"name={name}", *more, outputs=outputs, devices=ranks,
+def train(outputs, name: str, overrides: tuple[str, ...], ranks: int, *more: str, base: tuple[str, ...] = RUN) -> dict:
+    process = train_on_pool(*base, *overrides, f"name={name}", *more, outputs=outputs, devices=ranks,
                             timeout=300)
     assert process.returncode == 0, explain(process)
     return summaries(outputs / name)[-1]
@@ -191,3 +191,44 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_uninterrupted_run_or_is
         return
     resumed = train(outputs, name, overrides, ranks, *more)
     assert_same_run(resumed, one_process, steps=range(STEPS // 2, STEPS))
+
+
+# --- expert and context parallel: their own models ----------------------------------------------
+
+# A mixture of experts (the balance loss off: it weighs each rank's own micro batch; the
+# selection-bias update on, so its bias moves with the checkpoint) and a Llama, each with its
+# one-process layout and its parallel one on 2 ranks.
+FAMILIES = {
+    "moe": (("model=moe", "model.net.aux_loss_coef=0"),
+            {"single": (("strategy=single", "data.batch_size=16"), 1),
+             "ep2": (("strategy=fsdp", "strategy.expert_parallel_size=2", "trainer.devices=2",
+                      "data.batch_size=8"), 2)}),
+    "llama": (("model=llama",),
+              {"single": (("strategy=single", "data.batch_size=16"), 1),
+               "cp2": (("strategy=fsdp", "strategy.context_parallel_size=2", "trainer.devices=2",
+                        "data.batch_size=16"), 2)}),
+}
+# RUN without GPT's preset and the byte corpus: the synthetic tokens of data=synthetic.
+FAMILY_RUN = (*(o for o in RUN if not o.startswith(("model.net.preset", "data.max_bytes"))), "data=synthetic")
+FAMILY_CELLS = [pytest.param(family, source, target, id=f"{family}-{source}-to-{target}", marks=marks)
+                for family, source, target, marks in (
+                    ("moe", "ep2", "single", ()), ("moe", "single", "ep2", pytest.mark.full),
+                    ("llama", "single", "cp2", ()), ("llama", "cp2", "single", pytest.mark.full))]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("family", "source", "target"), FAMILY_CELLS)
+def test_expert_and_context_parallel_checkpoints_move_with_the_uninterrupted_run(outputs, family, source, target):
+    model, layouts = FAMILIES[family]
+    single, _ = layouts["single"]
+    reference_name = f"{family}_uninterrupted"
+    if not (outputs / reference_name).exists():
+        train(outputs, reference_name, (*model, *single), 1, f"trainer.max_steps={STEPS}", base=FAMILY_RUN)
+    reference = summaries(outputs / reference_name)[-1]
+    overrides, ranks = layouts[source]
+    part = train(outputs, f"{family}_half_{source}_{target}", (*model, *overrides), ranks,
+                 f"trainer.max_steps={STEPS // 2}", base=FAMILY_RUN)
+    overrides, ranks = layouts[target]
+    resumed = train(outputs, f"{family}_{source}_to_{target}", (*model, *overrides), ranks,
+                    f"trainer.max_steps={STEPS}", f"ckpt_path={part['checkpoint']}", base=FAMILY_RUN)
+    assert_same_run(resumed, reference, steps=range(STEPS // 2, STEPS))
