@@ -62,7 +62,7 @@ def resume_position(trainer: Any) -> tuple[int, int]:
     fit_loop = getattr(trainer, "fit_loop", None) if trainer is not None else None
     if fit_loop is None or not fit_loop.restarting:
         return 0, 0
-    return trainer.current_epoch, int(fit_loop.epoch_loop.batch_progress.current.ready)
+    return trainer.current_epoch, batches_drawn(trainer)
 
 
 def batches_drawn(trainer: Any) -> int:
