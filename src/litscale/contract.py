@@ -106,9 +106,9 @@ class StrategyContract:
     # The planner costs and ranks this strategy: its step is a synchronous one whose memory and
     # communication follow from its sharding and mesh (not local SGD's or federated rounds).
     plannable: ClassVar[bool] = True
-    # The checkpoints it saves and resumes: "file" and torch.distributed.checkpoint directories
-    # move into each other (``litscale.checkpoint_moves``); "deepspeed" ones only to DeepSpeed.
-    checkpoint_kind: ClassVar[str] = "file"
+    # Its checkpoints (a torch.save file or a torch.distributed.checkpoint directory) resume under
+    # any other such strategy (``litscale.checkpoint_moves``); False: its own format only.
+    shares_checkpoint_formats: ClassVar[bool] = True
     # Each rank holds only some of the layers (pipeline stages): a whole-model export gathers them.
     splits_layers_over_ranks: ClassVar[bool] = False
 

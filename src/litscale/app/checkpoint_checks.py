@@ -3,12 +3,14 @@ before any rank starts. Part of ``litscale.app.validation``."""
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.checkpoints import network_shapes
+from litscale.checkpoints import DEEPSPEED_LATEST, network_shapes
+from litscale.contract import contract_value
 from litscale.errors import ConfigError
 
 
@@ -62,13 +64,10 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     """A checkpoint resumes on a layout that can read it: files and sharded directories move
     between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed
     checkpoint moves only to DeepSpeed on as many ranks (its partitions are per rank)."""
-    from litscale.checkpoints import DEEPSPEED_LATEST
-    from litscale.contract import contract_value
-
     if not ckpt_path:
         return
     saved_by_deepspeed = os.path.isfile(os.path.join(ckpt_path, DEEPSPEED_LATEST))
-    to_deepspeed = contract_value(strategy, "checkpoint_kind") == "deepspeed"
+    to_deepspeed = not contract_value(strategy, "shares_checkpoint_formats")
     shown = repr(ckpt_path) if cfg.ckpt_path == ckpt_path else f"{cfg.ckpt_path} ({ckpt_path})"
     ours = f"strategy={choices.get('strategy', type(strategy).__name__)}"
     if saved_by_deepspeed and not to_deepspeed:
@@ -89,10 +88,6 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
 
 def _deepspeed_ranks(path: str) -> int:
     """How many ranks wrote a DeepSpeed checkpoint: one optimizer partition file each."""
-    import glob
-
-    from litscale.checkpoints import DEEPSPEED_LATEST
-
     with open(os.path.join(path, DEEPSPEED_LATEST)) as file:
         tag = file.read().strip()
     return len(glob.glob(os.path.join(glob.escape(path), tag, "*optim_states.pt"))) or 1

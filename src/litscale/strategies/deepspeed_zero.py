@@ -94,7 +94,7 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
     requires = (Requirement("deepspeed", "extras"),)
     untraced = "its engine is not built on the fake process group the check traces on (it flattens the parameters into buffers on its device)"
     phase_collectives = {"backward": "gradient reduction", "optimizer": "parameter all-gather"}
-    checkpoint_kind = "deepspeed"
+    shares_checkpoint_formats = False  # its own partitioned files, which only DeepSpeed reads
 
     @checked_arguments("strategy")
     def __init__(
