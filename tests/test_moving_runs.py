@@ -31,6 +31,9 @@ LAYOUTS = [
                    "trainer.accumulate_grad_batches=2"), 2),
     pytest.param(("ddp4", ("strategy=ddp", "trainer.devices=4", "launcher.oversubscribe=true",
                            "data.batch_size=4"), 4), marks=pytest.mark.full),
+    # DeepSpeed accumulates itself: Lightning calls on_before_optimizer_step at every micro batch.
+    pytest.param(("zero2_acc2", ("strategy=deepspeed_zero", "trainer.devices=2", "data.batch_size=4",
+                                 "trainer.accumulate_grad_batches=2"), 2), marks=pytest.mark.full),
     pytest.param(("fsdp4_acc2", ("strategy=fsdp", "trainer.devices=4", "launcher.oversubscribe=true",
                                  "data.batch_size=2", "trainer.accumulate_grad_batches=2"), 4),
                  marks=pytest.mark.full),

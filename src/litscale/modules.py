@@ -92,13 +92,21 @@ class TaskModule(LightningModule):
             if is_logging_step(self._trainer):
                 self.log("train/loss", loss, prog_bar=True)
             return
-        if self._window_losses:
+        if self._window_losses and not self._strategy_accumulates_on():
             # The logged loss is the global batch's: the mean of the accumulation window's micro
             # batches, then of every rank's (equal micro batches; a context or tensor parallel
             # peer holds a share or a copy of the same samples' loss). One process with the same
             # global batch logs the same value, whatever the layout.
             window, self._window_losses = torch.stack(self._window_losses).mean(), []
             self.log("train/loss", window, prog_bar=True, sync_dist=True)
+
+    def _strategy_accumulates_on(self) -> bool:
+        """A strategy that accumulates gradients itself (DeepSpeed) has Lightning call
+        ``on_before_optimizer_step`` at every micro batch: True while its window goes on.
+        NOTE: Lightning's fit loop knows, through a private method (``_should_accumulate``)."""
+        trainer = self._trainer
+        return (trainer is not None and trainer.strategy.handles_gradient_accumulation
+                and trainer.fit_loop._should_accumulate())
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
