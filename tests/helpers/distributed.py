@@ -304,6 +304,8 @@ def _fresh_interpreter_state(rank: int) -> None:
     import torch
     from lightning_utilities.core.rank_zero import rank_zero_only
 
+    from litscale.health import flight_recorder
+
     torch.manual_seed(TASK_SEED)
     random.seed(TASK_SEED)
     numpy.random.seed(TASK_SEED)
@@ -315,6 +317,7 @@ def _fresh_interpreter_state(rank: int) -> None:
     _restore_functional()
     rank_zero_only.rank = rank  # as the strategies set it; a new interpreter read it from RANK
     warnings.onceregistry.clear()  # "once" warnings show again, as in a new interpreter
+    flight_recorder.start_new_run()  # a dump holds this task's collectives alone
 
 
 # ``torch.nn.functional`` as the worker imported it (set in ``_serve``).

@@ -30,9 +30,26 @@ STACK_KEY = "litscale_stack"  # the main thread's frames when dumped, innermost 
 REASON_KEY = "litscale_reason"
 
 
+# The buffer is one per process and outlives its process groups: a process that trains twice
+# (an in-process restart, a test worker serving many runs) would dump the earlier run's
+# collectives under the same group names and sequence numbers. Dumps keep entries after this.
+_first_record_id = 0
+
+
 def enable(entries: int = DEFAULT_ENTRIES) -> None:
-    """Record the last ``entries`` collectives of every process group created from now on."""
+    """Record the last ``entries`` collectives of every process group created from now on,
+    and dump only those."""
     os.environ.setdefault(BUFFER_SIZE_ENV, str(entries))
+    start_new_run()
+
+
+def start_new_run() -> None:
+    """Leave out of later dumps every collective recorded so far in this process."""
+    global _first_record_id
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    entries = pickle.loads(_dump_fr_trace(includeStackTraces=False)).get("entries") or []
+    _first_record_id = max((entry["record_id"] + 1 for entry in entries), default=_first_record_id)
 
 
 def dump_path(run_dir: str, rank: int) -> str:
@@ -48,7 +65,9 @@ def dump(run_dir: str, rank: int, reason: str) -> str | None:
     from torch._C._distributed_c10d import _dump_fr_trace
 
     record = pickle.loads(_dump_fr_trace())
-    if not record.get("entries"):
+    record["entries"] = [entry for entry in record.get("entries") or []
+                         if entry["record_id"] >= _first_record_id]
+    if not record["entries"]:
         return None
     record[STACK_KEY] = main_thread_frames()
     record[REASON_KEY] = reason
