@@ -4,7 +4,8 @@ and trains right.
 A seeded generator (``helpers.combinations``) draws combinations from the cross product of
 strategy (with EP/CP/TP/PP sizes) x precision x determinism x model family (a BatchNorm
 network, a mixture of experts and a Hugging Face model among them) x compression x optimizer x
-devices x accumulation x Hydra launcher x sweeper. Each is checked in this process as ``train.py``
+devices x accumulation x Hydra launcher x sweeper x checkpoints (none, or saved on the training
+thread or in the background, which a trained combination must leave complete). Each is checked in this process as ``train.py``
 checks a job before launching it (``litscale.app.preflight.validate_job``): refused with a
 one-line ``ConfigError`` that names a key of the combination, or accepted. A sample of the
 accepted ones then trains 2 steps on the rank pool and matches one process with the same
@@ -23,6 +24,7 @@ from helpers.combinations import Combination, combination_seed, cross_product_si
 from helpers.configs import as_job, compose_full
 from helpers.inprocess import train_on_pool
 
+from litscale.checkpoints import is_complete_checkpoint
 from litscale.errors import ConfigError
 
 # fp32 parity with a single-process run (PyTorch's defaults), bf16's looser bar (DESIGN.md).
@@ -136,7 +138,10 @@ def check_trains(count: int, seed: int, tmp_path, *, max_devices: int) -> None:
         outputs = tmp_path / f"run{index}"
         print(f"combination {index} (seed {seed}): {' '.join(combination.job_overrides())}", flush=True)
         try:
-            loss = train(combination.job_overrides(), combination.devices, outputs)["train/loss"]
+            summary = train(combination.job_overrides(), combination.devices, outputs)
+            loss, saved = summary["train/loss"], summary.get("checkpoint")
+            if combination.checkpoint != "none" and not (saved and is_complete_checkpoint(saved)):
+                problems.append(f"{combination}\n    no complete checkpoint: {saved}")
             reference = reference_of(combination, tmp_path)
             if reference is not None:
                 overrides, tolerance = reference

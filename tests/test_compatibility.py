@@ -39,7 +39,8 @@ def _refusal(overrides: list[str], tmp_path) -> str | None:
 @pytest.mark.slow
 @pytest.mark.parametrize("row", sorted(ROWS))
 @pytest.mark.parametrize(("option", "override"), [(Option.COMPRESSION, "compression=fp16"),
-                                                  (Option.LAYOUT_INVARIANT, "determinism=layout_invariant")])
+                                                  (Option.LAYOUT_INVARIANT, "determinism=layout_invariant"),
+                                                  (Option.ASYNC_SAVE, "checkpoint.async_save=true")])
 def test_validation_refuses_exactly_the_options_the_page_says_no_to(row, option, override, tmp_path):
     strategy = dict(strategy_rows())[row]
     first, *options = ROWS[row]

@@ -36,6 +36,11 @@ DELIBERATE: dict[tuple[str, str], str] = {
     ("callbacks/default", "model_checkpoint.save_on_train_epoch_end"):
         "saved after each validation, when val/loss is fresh: runs count steps, not epochs",
     ("callbacks/default", "progress_bar.refresh_rate"): TODO,
+    ("callbacks/checkpoints", "model_checkpoint.filename"): "named by step, as callbacks/default names them",
+    ("callbacks/checkpoints", "model_checkpoint.auto_insert_metric_name"): "as callbacks/default",
+    ("callbacks/checkpoints", "model_checkpoint.every_n_train_steps"):
+        "a save every step: the option exists to save often (a combination's 2 steps, a timing of saves)",
+    ("callbacks/checkpoints", "model_checkpoint.save_last"): "last.ckpt is what ckpt_path=last and auto resume from",
     # clusters: published hardware differs from the generic defaults
     ("cluster/h100_8x", "achieved_fraction"): "H100 LLM runs reach 40-55% MFU (the file's sources)",
     ("cluster/h100_8x", "overlap"): "NCCL on its own SMs hides most gradient traffic behind backward",

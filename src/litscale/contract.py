@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from litscale.atomic_checkpoint import publish
 from litscale.layout import MeshSizes
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Option(StrEnum):
     CONTEXT_PARALLEL = "strategy.context_parallel_size"
     TENSOR_PARALLEL = "strategy.tensor_parallel_size"
     PIPELINE_PARALLEL = "strategy.pipeline_parallel_size"
+    ASYNC_SAVE = "checkpoint.async_save=true"
 
 
 # An option a strategy takes through a keyword of its constructor: the keyword.
@@ -70,7 +72,11 @@ ALTERNATIVES = {
     Option.CONTEXT_PARALLEL: "strategy=fsdp or tensor_parallel",
     Option.TENSOR_PARALLEL: "strategy=tensor_parallel or pipeline",
     Option.PIPELINE_PARALLEL: "strategy=pipeline",
+    Option.ASYNC_SAVE: "checkpoint.async_save=false, or any strategy but deepspeed_zero",
 }
+# Why a strategy that is not a StrategyContract cannot save in the background: the background
+# save is the contract's own ``save_checkpoint``.
+NO_CONTRACT_SAVE = "it is not a litscale StrategyContract, whose save_checkpoint writes in the background"
 
 
 @dataclass(frozen=True)
@@ -134,11 +140,16 @@ class StrategyContract:
         app's validation, the planner's pruning); the default checks the mesh."""
         self.resolve_mesh(world_size)
 
+    # Set by the run from ``checkpoint.async_save`` (or by a user's own script): saves written
+    # in the background (``litscale.async_checkpoint``) once the strategy's first save starts.
+    async_save: bool = False
+    checkpoint_writer: Any = None
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """The strategy's own save, written beside the old checkpoint and swapped in once every
         rank has written its part: a checkpoint is complete or invisible
-        (``litscale.atomic_checkpoint``)."""
-        from litscale.atomic_checkpoint import publish, remove, staging_path
+        (``litscale.atomic_checkpoint``); with ``async_save``, written in the background."""
+        from litscale.atomic_checkpoint import remove, staging_path
         from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES, param_names_by_group
 
         path = str(self.broadcast(str(filepath)))  # the one path rank 0 chose
@@ -146,14 +157,59 @@ class StrategyContract:
         names = param_names_by_group(self.lightning_module, self.optimizers) if self.optimizers else None
         if names is not None:  # what lets the checkpoint move to a layout of the other kind
             checkpoint[OPTIMIZER_PARAM_NAMES] = names
+        if self.async_save and self.checkpoint_writer is None:
+            from litscale.async_checkpoint import CheckpointWriter
+
+            self.checkpoint_writer = CheckpointWriter()
+        if self.checkpoint_writer is not None:
+            self.checkpoint_writer.wait()  # the save before this one, published
         if self.is_global_zero:
             remove(staging)  # what a save cut short left
         self.barrier("litscale checkpoint staged")
+        if self.checkpoint_writer is not None:
+            self._save_in_background(checkpoint, staging, path, storage_options)
+            return
         super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier("litscale checkpoint written")
         if self.is_global_zero:
             publish(staging, path)
         self.barrier("litscale checkpoint published")
+
+    def _save_in_background(self, checkpoint: dict[str, Any], staging: str, path: str, storage_options: Any) -> None:
+        from litscale import async_checkpoint
+
+        writer = self.checkpoint_writer
+        if self.saves_shards:
+            complete = async_checkpoint.start_directory_save(checkpoint, staging, writer=writer,
+                                                             is_global_zero=self.is_global_zero)
+
+            def finish() -> None:
+                complete()
+                if self.is_global_zero:
+                    publish(staging, path)
+        elif self.is_global_zero:
+            copied = writer.snapshot(checkpoint)
+
+            def finish() -> None:
+                self.checkpoint_io.save_checkpoint(copied, staging, storage_options=storage_options)
+                publish(staging, path)
+        else:
+            return  # rank 0 writes the file
+        writer.submit(finish)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's removal of an old checkpoint; behind the saves in flight, so the old one
+        goes only once the new one is published."""
+        if self.checkpoint_writer is None:
+            super().remove_checkpoint(filepath)
+        else:
+            self.checkpoint_writer.submit(lambda: super(StrategyContract, self).remove_checkpoint(filepath))
+
+    def teardown(self) -> None:
+        writer, self.checkpoint_writer = self.checkpoint_writer, None
+        if writer is not None:
+            writer.close()  # the last save is written and published before the run ends
+        super().teardown()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The strategy's own load, or a checkpoint of the other kind moved onto this layout
@@ -193,6 +249,8 @@ def why_not(strategy: Any, option: Option) -> str | None:
     answers of a plain data-parallel one (it has no keyword it lacks)."""
     if isinstance(strategy, StrategyContract):
         return strategy.why_not(option)
+    if option is Option.ASYNC_SAVE:
+        return NO_CONTRACT_SAVE
     return StrategyContract.refuses.get(option) or _lacks_keyword(strategy, option)
 
 

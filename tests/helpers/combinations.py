@@ -2,7 +2,8 @@
 
 A combination is one choice per dimension (strategy with its mesh sizes, precision,
 determinism, model family, compression, optimizer (LARS and LAMB among them), devices,
-accumulation, Hydra launcher and sweeper),
+accumulation, Hydra launcher and sweeper, and checkpoints: none, or saved every step on the
+training thread or in the background),
 turned into the overrides a user would type. ``tests/test_combinations.py`` checks that each
 is either refused in one line before any rank starts, or accepted and trains right.
 """
@@ -49,6 +50,8 @@ DEVICES = (1, 2, 4)
 ACCUMULATIONS = (1, 2)
 LAUNCHERS = ("basic", "ray", "slurm_local")
 SWEEPERS = ("basic", "optuna")
+# none: no checkpoint (callbacks=none); sync / async: last.ckpt and the step's saved every step.
+CHECKPOINTS = ("none", "sync", "async")
 # What every combination shares: a CPU run of 2 steps with a micro batch that 4 microbatches split.
 BASE = ["trainer.accelerator=cpu", "trainer.max_steps=2", "launcher.oversubscribe=true",
         "data.batch_size=8", "logger=none", "callbacks=none"]
@@ -67,13 +70,16 @@ class Combination:
     accumulation: int
     launcher: str
     sweeper: str
+    checkpoint: str = "none"
 
     def job_overrides(self) -> list[str]:
         """What the job sees: everything but the Hydra launcher and sweeper."""
+        saves = [] if self.checkpoint == "none" else [
+            "callbacks=checkpoints", f"checkpoint.async_save={str(self.checkpoint == 'async').lower()}"]
         return [*BASE, *STRATEGIES[self.strategy], f"precision={self.precision}",
                 f"determinism={self.determinism}", *MODELS[self.model], f"compression={self.compression}",
                 f"optimizer={self.optimizer}",
-                f"trainer.devices={self.devices}", f"trainer.accumulate_grad_batches={self.accumulation}"]
+                f"trainer.devices={self.devices}", f"trainer.accumulate_grad_batches={self.accumulation}", *saves]
 
     def overrides(self) -> list[str]:
         """The command line: the job's overrides and the engines that launch and sweep it."""
@@ -92,14 +98,14 @@ class Combination:
 
 
 DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRESSIONS, OPTIMIZERS, DEVICES,
-              ACCUMULATIONS, LAUNCHERS, SWEEPERS)
+              ACCUMULATIONS, LAUNCHERS, SWEEPERS, CHECKPOINTS)
 
 
 # How often each value is drawn, by dimension (None: evenly). Most options refuse only a few
 # partners, so the usual value of the dimensions that refuse most (compression, fp16, the
 # determinism mode) is drawn more often: a sample with as many accepted combinations to train
 # as refused ones to read.
-WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), (4, 2, 1, 1), None, None, (3, 1, 1), (3, 1))
+WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), (4, 2, 1, 1), None, None, (3, 1, 1), (3, 1), None)
 
 
 def cross_product_size() -> int:

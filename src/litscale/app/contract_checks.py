@@ -29,6 +29,8 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.COMPRESSION] = f"compression={choices.get('compression', cfg.compression._target_)}"
     if "_target_" in (cfg.get("determinism") or {}):
         chosen[Option.LAYOUT_INVARIANT] = f"determinism={choices.get('determinism', 'layout_invariant')}"
+    if (cfg.get("checkpoint") or {}).get("async_save"):
+        chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
     return chosen
 
 

@@ -48,6 +48,13 @@ class LauncherSchema:
 
 
 @dataclass
+class CheckpointSchema:
+    """``checkpoint.*``: how the strategy writes checkpoints."""
+
+    async_save: bool  # written in the background (litscale.async_checkpoint); the step pays for a copy
+
+
+@dataclass
 class PreflightSchema:
     """``preflight.*``: checks before any rank starts."""
 

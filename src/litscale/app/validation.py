@@ -26,6 +26,7 @@ from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.devices import check_devices
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.app.schemas import (
+    CheckpointSchema,
     LauncherSchema,
     OptimizerSchema,
     PlanSchema,
@@ -80,6 +81,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("launcher", cfg.launcher, LauncherSchema)
     if cfg.get("preflight") is not None:
         check_schema("preflight", cfg.preflight, PreflightSchema)
+    if cfg.get("checkpoint") is not None:
+        check_schema("checkpoint", cfg.checkpoint, CheckpointSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     check_data_tokenizer(cfg)

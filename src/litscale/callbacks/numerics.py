@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from litscale.async_checkpoint import wait_for_checkpoints
 from litscale.constraints import PositiveInt
 
 
@@ -54,6 +55,7 @@ class NonFiniteLossGuard(Callback):
             return
         path = os.path.join(self.dirpath, f"nonfinite-step{trainer.global_step}.ckpt")
         trainer.save_checkpoint(path, weights_only=False)  # the full state, to inspect
+        wait_for_checkpoints(trainer.strategy)
         raise NonFiniteLossError(
             f"train/loss was NaN/inf for {streak} consecutive steps up to step "
             f"{trainer.global_step}; stopped every rank and saved {path}; resume from the last "

@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from litscale.async_checkpoint import wait_for_checkpoints
 from litscale.constraints import PositiveInt
 
 
@@ -117,6 +118,7 @@ class PreemptionCheckpoint(Callback):
         self.saved_path, self._saved_at_step = os.path.join(self.dirpath, "last.ckpt"), trainer.global_step
         # Every rank: sharded strategies save together. The full state (optimizer, loops), to resume.
         trainer.save_checkpoint(self.saved_path, weights_only=False)
+        wait_for_checkpoints(trainer.strategy)  # on disk before the line says so, and the job ends
         rank_zero_info(f"litscale: stopping at step {trainer.global_step} on a termination signal; "
                        f"saved {self.saved_path} (resume with ckpt_path=auto)")
 
