@@ -93,6 +93,7 @@ FOUR_HEADS = setups(wider(TINY_WITH_BIASES, n_head=4))  # TP up to 4
 # Global batch 16 in 2 accumulated micro batches: every per-rank micro batch splits in 2.
 PIPELINED = setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumulation=2)
 LOCAL = setups(steps=8)  # two periods of 4
+MUON = setups(optimizers=("muon",))
 # NOTE: FedProx's AdamW without biases. The key projection's bias has an exactly zero data
 # gradient (softmax ignores a constant added to every key), so AdamW moves it by fp32 noise
 # (see OPTIMIZERS), and the proximal term mu * (w - w_sync) feeds that drift back into the
@@ -142,6 +143,10 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "fsdp_no_reshard": Case(P(fsdp, reshard_after_forward=False), PLAIN),
         "fsdp_activation_checkpointing": Case(P(fsdp, activation_checkpointing=True), PLAIN),
         "hsdp_2x2": Case(P(fsdp, replicate_size=2), PLAIN, world_sizes=(4,)),
+        # Muon: the whole matrix's update orthogonalised, from gradients all-reduced (DDP) or
+        # shards gathered (FSDP).
+        "ddp_muon": Case(P(ddp), MUON),
+        "fsdp_muon": Case(P(fsdp), MUON),
     },
     "zero": {
         **{f"zero{stage}": Case(P(zero, stage), PLAIN, gradients=False,
@@ -159,6 +164,8 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "tp_sequence_parallel": Case(P(tensor_parallel, sequence_parallel=True), FOUR_HEADS),
         "tp_loss_parallel": Case(P(tensor_parallel, sequence_parallel=True, loss_parallel=True), FOUR_HEADS),
         "dp2_tp2": Case(P(tensor_parallel, tensor_parallel_size=2), FOUR_HEADS, world_sizes=(4,)),
+        "tp_muon": Case(P(tensor_parallel, sequence_parallel=False), setups(wider(TINY_WITH_BIASES, n_head=4),
+                                                                            optimizers=("muon",))),
     },
     "pipeline": {
         # As many micro-batches as stages (V shapes and interleaving hold 2 per rank): DualPipeV
@@ -209,6 +216,8 @@ FAMILIES: dict[str, dict[str, Case]] = {
                                      world_sizes=(2,)),
         "moe_fsdp_ep4": Case(P(fsdp, expert_parallel_size=4), MOE, world_sizes=(4,)),
         "moe_tp": Case(P(tensor_parallel, **TP_FULL), MOE, world_sizes=(2,)),
+        # Muon per expert: each expert's matrix of the stacked weights orthogonalised on its own.
+        "moe_fsdp_ep2_muon": Case(P(fsdp, expert_parallel_size=2), moe_setups(("muon",))),
         "moe_dp2_tp2_ep2": Case(P(tensor_parallel, tensor_parallel_size=2, expert_parallel_size=2, **TP_FULL),
                                 MOE, world_sizes=(4,)),
     },

@@ -51,6 +51,7 @@ class Option(StrEnum):
     TENSOR_PARALLEL = "strategy.tensor_parallel_size"
     PIPELINE_PARALLEL = "strategy.pipeline_parallel_size"
     ASYNC_SAVE = "checkpoint.async_save=true"
+    MATRIX_OPTIMIZER = "optimizer=muon"
 
 
 # An option a strategy takes through a keyword of its constructor: the keyword.
@@ -73,6 +74,7 @@ ALTERNATIVES = {
     Option.TENSOR_PARALLEL: "strategy=tensor_parallel or pipeline",
     Option.PIPELINE_PARALLEL: "strategy=pipeline",
     Option.ASYNC_SAVE: "checkpoint.async_save=false, or any strategy but deepspeed_zero",
+    Option.MATRIX_OPTIMIZER: "optimizer=adamw, or any strategy but deepspeed_zero",
 }
 # Why a strategy that is not a StrategyContract cannot save in the background: the background
 # save is the contract's own ``save_checkpoint``.

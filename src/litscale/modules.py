@@ -139,8 +139,16 @@ class TaskModule(LightningModule):
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def param_groups(self) -> list[dict]:
+        """The optimizer's param groups: by weight decay, and by role where it asks for them."""
+        from litscale.muon import parameter_roles, wants_parameter_roles
+
+        if wants_parameter_roles(self.optimizer_factory):
+            return parameter_roles(self.net, self.weight_decay)
+        return weight_decay_groups(self.net, self.weight_decay)
+
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(weight_decay_groups(self.net, self.weight_decay))
+        optimizer = self.optimizer_factory(self.param_groups())
         if self.scheduler_factory is None:
             return optimizer
         total_steps = int(self.trainer.estimated_stepping_batches)

@@ -76,7 +76,7 @@ def sharding_of(strategy: object) -> Sharding:
 
 
 def estimate_bytes(*, num_params: float, world_size: int, zero_stage: int, param_bytes: int,
-                   optimizer_bytes_per_param: int) -> dict[str, float]:
+                   optimizer_bytes_per_param: float) -> dict[str, float]:
     """The ZeRO paper's per-rank bytes for ``num_params`` sharded over ``world_size`` ranks:
     stage 0 (DDP) replicates everything; stage 1 shards optimizer state, 2 also gradients, 3
     (and FSDP) also parameters."""
@@ -90,7 +90,7 @@ def estimate_bytes(*, num_params: float, world_size: int, zero_stage: int, param
 
 
 def state_bytes_per_rank(*, num_params: int, mesh: MeshSizes, sharding: Sharding, param_bytes: int,
-                         optimizer_bytes_per_param: int, at_peak: bool = False, tensor_whole_params: int = 0,
+                         optimizer_bytes_per_param: float, at_peak: bool = False, tensor_whole_params: int = 0,
                          expert_params: int = 0) -> dict[str, float]:
     """Parameter, gradient and optimizer bytes one rank of ``mesh`` holds of a model of
     ``num_params``: its ``1 / (tensor x pipeline)`` share, sharded over the data-shard ranks by

@@ -1,7 +1,7 @@
 """Combinations of litscale's options, drawn from their cross product by a seeded generator.
 
 A combination is one choice per dimension (strategy with its mesh sizes, precision,
-determinism, model family, compression, optimizer (LARS and LAMB among them), devices,
+determinism, model family, compression, optimizer (LARS, LAMB and Muon among them), devices,
 accumulation, Hydra launcher and sweeper, and checkpoints: none, or saved every step on the
 training thread or in the background),
 turned into the overrides a user would type. ``tests/test_combinations.py`` checks that each
@@ -45,7 +45,7 @@ MODELS = {
     "resnet": ["model=resnet", "data=digits"],  # BatchNorm: running statistics in buffers
 }
 COMPRESSIONS = ("none", "fp16", "powersgd", "topk")
-OPTIMIZERS = ("adamw", "sgd", "lars", "lamb")
+OPTIMIZERS = ("adamw", "sgd", "lars", "lamb", "muon")
 DEVICES = (1, 2, 4)
 ACCUMULATIONS = (1, 2)
 LAUNCHERS = ("basic", "ray", "slurm_local")
@@ -105,7 +105,7 @@ DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRES
 # partners, so the usual value of the dimensions that refuse most (compression, fp16, the
 # determinism mode) is drawn more often: a sample with as many accepted combinations to train
 # as refused ones to read.
-WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), (4, 2, 1, 1), None, None, (3, 1, 1), (3, 1), None)
+WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), (4, 2, 1, 1, 1), None, None, (3, 1, 1), (3, 1), None)
 
 
 def cross_product_size() -> int:

@@ -27,6 +27,7 @@ from lightning.pytorch import Callback
 
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.modules import CausalLMModule
+from litscale.muon import Muon
 
 # PyTorch's fp32 defaults for assert_close: what a sharded step may differ from one process by.
 TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
@@ -46,6 +47,9 @@ OPTIMIZERS = {
     # steps (at lr 1e-2 a 4-stage pipeline differed by 1.04e-5). AdamW is invariant to the
     # gradient's scale, so it cannot catch a sum-instead-of-mean bug anyway: SGD does that.
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, betas=(0.9, 0.95), eps=1e-6),
+    # Muon on the hidden matrices (orthogonalised whole, gathered from their shards), its
+    # AdamW on the rest with AdamW's eps above.
+    "muon": functools.partial(Muon, lr=1e-3, betas=(0.9, 0.95), eps=1e-6),
 }
 
 

@@ -11,8 +11,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from litscale.app.safety import locate_target
 from litscale.contract import Option, missing_requirement, refusal_line, why_not
 from litscale.errors import ConfigError
+from litscale.muon import wants_parameter_roles
 
 
 def strategy_name(cfg: DictConfig, choices: dict[str, str]) -> str:
@@ -29,6 +31,8 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.COMPRESSION] = f"compression={choices.get('compression', cfg.compression._target_)}"
     if "_target_" in (cfg.get("determinism") or {}):
         chosen[Option.LAYOUT_INVARIANT] = f"determinism={choices.get('determinism', 'layout_invariant')}"
+    if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
+        chosen[Option.MATRIX_OPTIMIZER] = f"optimizer={choices.get('optimizer', cfg.optimizer._target_)}"
     if (cfg.get("checkpoint") or {}).get("async_save"):
         chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
     return chosen

@@ -31,10 +31,13 @@ __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 METRICS = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes")
 
 
-def optimizer_state_bytes_per_param(optimizer: Optimizer) -> int:
-    """K without a master copy: fp32 bytes of state per parameter for common optimizers."""
+def optimizer_state_bytes_per_param(optimizer: Optimizer) -> float:
+    """K without a master copy: fp32 bytes of state per parameter for common optimizers (the
+    mean over its parameters for one that says, as Muon does)."""
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     optimizer = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's wrapper
+    if hasattr(optimizer, "state_bytes_per_param"):
+        return optimizer.state_bytes_per_param()
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or "adam" in type(optimizer).__name__.lower():
         return 8
     if isinstance(optimizer, torch.optim.SGD):

@@ -112,6 +112,7 @@ class GPT(nn.Module):
     # Model-parallel declarations (see gpt_parallel.py); strategies read them.
     tensor_parallel_plan = TENSOR_PARALLEL_PLAN
     pipeline_blocks = pipeline_blocks
+    output_layers = ("lm_head",)  # the layer an optimizer of matrices (Muon) leaves to AdamW
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()

@@ -230,6 +230,7 @@ class Llama(nn.Module):
     tensor_parallel_plan = tensor_parallel_plan
     pipeline_blocks = pipeline_blocks
     context_parallel_attention = context_parallel_attention
+    output_layers = ("lm_head",)  # the layer an optimizer of matrices (Muon) leaves to AdamW
 
     # Parameters that write into the residual stream (their init is scaled by 1/sqrt(2 n_layer)).
     residual_writers: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")

@@ -28,5 +28,9 @@ class MLP(nn.Module):
         layers.append(nn.Linear(widths[-1], num_classes))
         self.layers = nn.Sequential(*layers)
 
+    def output_layers(self) -> list[str]:
+        """The classifier layer (declared: an optimizer of matrices, Muon, leaves it to AdamW)."""
+        return [f"layers.{len(self.layers) - 1}"]
+
     def forward(self, x: Tensor) -> Tensor:
         return self.layers(x)

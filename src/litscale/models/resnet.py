@@ -30,6 +30,8 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     """``[B, C, H, W]`` -> class logits; each stage after the first halves the resolution."""
 
+    output_layers = ("head",)  # the classifier, which an optimizer of matrices (Muon) leaves to AdamW
+
     def __init__(
         self,
         *,

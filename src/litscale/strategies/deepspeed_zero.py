@@ -91,7 +91,9 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
     # to take a gradient computed elsewhere, so the fixed tree's sum cannot replace its reduction.
     refuses = {Option.LAYOUT_INVARIANT: "DeepSpeed's engine reduces gradients in its own backward hooks into the "
                "partitioned buffers its optimizer steps, and takes no gradient summed outside them",
-               Option.ASYNC_SAVE: "DeepSpeed's engine writes its own partitioned checkpoint files, on the training thread"}
+               Option.ASYNC_SAVE: "DeepSpeed's engine writes its own partitioned checkpoint files, on the training thread",
+               Option.MATRIX_OPTIMIZER: "ZeRO hands the optimizer flat partitions of the parameters, and Muon "
+               "orthogonalises whole matrices"}
     requires = (Requirement("deepspeed", "extras"),)
     untraced = "its engine is not built on the fake process group the check traces on (it flattens the parameters into buffers on its device)"
     phase_collectives = {"backward": "gradient reduction", "optimizer": "parameter all-gather"}
