@@ -36,10 +36,10 @@ from typing import Literal
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
 
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
 from litscale.declarations import declared, find_expert_modules
+from litscale.parameter_steps import ParameterwiseOptimizer, check_betas
 
 # A param group's role, in the groups ``parameter_roles`` builds: Muon steps "matrix" groups.
 MATRIX, OTHER = "matrix", "other"
@@ -135,7 +135,7 @@ def _like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
 
 
-class Muon(Optimizer):
+class Muon(ParameterwiseOptimizer):
     """Muon for the ``matrix`` param groups, AdamW for the others (see the module docstring).
     Built from ``parameter_roles``' groups (``wants_parameter_roles``); a group without a role
     is taken as ``other``."""
@@ -156,10 +156,8 @@ class Muon(Optimizer):
         eps: PositiveFloat = 1.0e-8,
         weight_decay: NonNegativeFloat = 0.0,
     ) -> None:
-        if not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"optimizer.betas={list(betas)} is not valid: expected numbers in [0, 1)")
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
-                                  "ns_dtype": ns_dtype, "adjust_lr": adjust_lr, "betas": tuple(betas), "eps": eps,
+                                  "ns_dtype": ns_dtype, "adjust_lr": adjust_lr, "betas": check_betas(betas), "eps": eps,
                                   "weight_decay": weight_decay, "role": OTHER})
 
     def state_bytes_per_param(self) -> float:
@@ -170,18 +168,8 @@ class Muon(Optimizer):
         total = sum(count for count, _ in counts)
         return sum(count * size for count, size in counts) / total if total else 0.0
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            update = self._muon if group["role"] == MATRIX else self._adamw
-            for param in group["params"]:
-                if param.grad is not None:
-                    update(param, group)
-        return loss
+    def _update(self, param: torch.Tensor, group: dict) -> None:
+        (self._muon if group["role"] == MATRIX else self._adamw)(param, group)
 
     def _muon(self, param: torch.Tensor, group: dict) -> None:
         state = self.state[param]

@@ -19,9 +19,9 @@ from collections.abc import Iterable
 
 import pytorch_optimizer  # ~1 s to import; this module loads only when lars/lamb is chosen
 import torch
-from torch.optim import Optimizer
 
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat
+from litscale.parameter_steps import ParameterwiseOptimizer, check_betas
 
 
 class LARS(pytorch_optimizer.LARS):
@@ -54,7 +54,7 @@ class LARS(pytorch_optimizer.LARS):
         return not any(isinstance(p, DTensor) for p in group["params"]) and super()._can_use_foreach(group)
 
 
-class LAMB(Optimizer):
+class LAMB(ParameterwiseOptimizer):
     """LAMB, Algorithm 2 of You et al. 2019 ("Large Batch Optimization for Deep Learning").
 
     Per tensor ``x`` with gradient ``g`` at step ``t``::
@@ -78,22 +78,8 @@ class LAMB(Optimizer):
         eps: PositiveFloat = 1.0e-6,
         weight_decay: NonNegativeFloat = 0.0,
     ) -> None:
-        if not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"optimizer.betas={list(betas)} is not valid: expected numbers in [0, 1)")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
+        super().__init__(params, {"lr": lr, "betas": check_betas(betas), "eps": eps,
                                   "weight_decay": weight_decay})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._update(param, group)
-        return loss
 
     def _update(self, param: torch.Tensor, group: dict) -> None:
         if param.grad.is_sparse:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from helpers.cli import REPO, cli_env
+from helpers.cli import REPO, cli_env, explain
 from helpers.distributed import run_distributed
 from litscale.app.launch import RUN_ID_ENV, RUN_ID_TIME_FORMAT
 
@@ -64,6 +64,17 @@ def train_on_pool(
         "".join(out for _, out, _ in replies),
         "".join(err for _, _, err in replies),
     )
+
+
+def refusal_on_pool(*overrides: str, outputs: Path) -> str:
+    """The one line ``train.py <overrides>`` is refused with: exit code 2, that line alone on
+    stderr, and nothing written under ``outputs`` (no rank started)."""
+    process = train_on_pool(*overrides, outputs=outputs)
+    assert process.returncode == 2, explain(process)
+    lines = process.stderr.strip().splitlines()
+    assert len(lines) == 1, explain(process)
+    assert not outputs.exists() or not any(outputs.iterdir())
+    return lines[0]
 
 
 def _train_py_on_this_rank(
