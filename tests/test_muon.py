@@ -5,9 +5,12 @@ Its parity with one process under DDP, FSDP, tensor and expert parallel is in
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from helpers.inprocess import refusal_on_pool
+from helpers.cli import explain, summaries
+from helpers.inprocess import refusal_on_pool, train_on_pool
 from torch import nn
 
 from litscale.models.gpt import build_gpt
@@ -96,3 +99,21 @@ def test_deepspeed_refuses_muon_in_one_line_before_any_rank_starts(tmp_path):
         "error: optimizer=muon is not supported with strategy=deepspeed_zero: ZeRO hands the optimizer flat "
         "partitions of the parameters, and Muon orthogonalises whole matrices; allowed: optimizer=adamw, or any "
         "strategy but deepspeed_zero")
+
+
+@pytest.mark.slow
+def test_train_py_steps_the_matrices_with_muon_and_measures_half_of_adamws_state_for_them(tmp_path):
+    """Through the run's LR-scaling rule, which wraps the optimizer's factory: Muon once built
+    from its groups as plain AdamW there, silently."""
+    process = train_on_pool("optimizer=muon", "trainer.accelerator=cpu", "trainer.max_steps=2", "data.seq_len=32",
+                            "logger=none", "trainer.enable_progress_bar=false", outputs=tmp_path)
+    assert process.returncode == 0, explain(process)
+    printed = process.stdout + process.stderr
+    split = re.search(r"litscale: optimizer muon: 24 matrices \(([\d,]+) parameters\) orthogonalised in float32 \| "
+                      r"AdamW for 45 tensors \(([\d,]+): embeddings, output layers, biases, norms\)", printed)
+    assert split, explain(process)
+    matrices, others = (int(count.replace(",", "")) for count in split.groups())
+    summary = summaries(tmp_path)[-1]
+    # Measured from the state tensors after the first step: one buffer per matrix parameter, two moments for the rest.
+    assert summary["memory/optimizer_bytes"] == 4 * matrices + 8 * others
+    assert summary["memory/estimate_optimizer_bytes"] == summary["memory/optimizer_bytes"]

@@ -174,6 +174,10 @@ FAMILIES: dict[str, dict[str, Case]] = {
         **{f"pp{size}_{schedule}": Case(P(pipeline, schedule=schedule, microbatches=2 * size), PIPELINED,
                                   world_sizes=(size,), full_only=schedule != "1f1b")
            for schedule in SCHEDULES for size in (2, 4)},
+        # Each stage holds its matrices whole.
+        "pp2_1f1b_muon": Case(P(pipeline, schedule="1f1b", microbatches=4),
+                              setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumulation=2,
+                                     optimizers=("muon",)), world_sizes=(2,)),
         "pp2_dp2": Case(P(pipeline, pipeline_parallel_size=2, data_parallel_size=2, microbatches=4),
                         PIPELINED, world_sizes=(4,)),
         "pp2_tp2": Case(P(pipeline, pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4),
@@ -227,6 +231,8 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "diloco_4": Case(P(local_sgd, sync_every=4, outer_optimizer="nesterov", outer_lr=0.7,
                            outer_momentum=0.9), LOCAL,
                          local_sgd={"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}),
+        "local_sgd_4_muon": Case(P(local_sgd, sync_every=4), setups(steps=8, optimizers=("muon",)),
+                                 local_sgd={"sync_every": 4}),
     },
     # Every client every round, IID rows, one local step: FedAvg is DDP's SGD (momentum and
     # weight decay are linear), compared with the one process as DDP is; the gradients are each

@@ -47,9 +47,12 @@ AdjustLR = Literal["match_rms_adamw", "original"]
 
 
 def wants_parameter_roles(optimizer: object) -> bool:
-    """The optimizer (a class, or a factory of one) treats hidden matrices apart from embeddings
-    and output layers: it is built from ``parameter_roles``' groups."""
-    return bool(getattr(getattr(optimizer, "func", optimizer), "wants_parameter_roles", False))
+    """The optimizer (a class, or a factory of one: a ``functools.partial``, the LR-scaling
+    rule's wrapper) treats hidden matrices apart from embeddings and output layers: it is built
+    from ``parameter_roles``' groups."""
+    while (inner := getattr(optimizer, "original", None) or getattr(optimizer, "func", None)) is not None:
+        optimizer = inner
+    return bool(getattr(optimizer, "wants_parameter_roles", False))
 
 
 def parameter_roles(net: nn.Module, weight_decay: float) -> list[dict]:
@@ -159,6 +162,20 @@ class Muon(ParameterwiseOptimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
                                   "ns_dtype": ns_dtype, "adjust_lr": adjust_lr, "betas": check_betas(betas), "eps": eps,
                                   "weight_decay": weight_decay, "role": OTHER})
+        from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+        rank_zero_info(f"litscale: {self.describe()}")
+
+    def describe(self) -> str:
+        """The split a run starts with: what Muon steps and what AdamW does."""
+        counts = {role: [0, 0] for role in (MATRIX, OTHER)}
+        for group in self.param_groups:
+            counts[group["role"]][0] += len(group["params"])
+            counts[group["role"]][1] += sum(p.numel() for p in group["params"])
+        (matrices, matrix_numel), (others, other_numel) = counts[MATRIX], counts[OTHER]
+        return (f"optimizer muon: {matrices} matrices ({matrix_numel:,} parameters) orthogonalised in "
+                f"{self.defaults['ns_dtype']} | AdamW for {others} tensors ({other_numel:,}: embeddings, output "
+                "layers, biases, norms)")
 
     def state_bytes_per_param(self) -> float:
         """fp32 bytes of state per parameter, the mean over every group: one momentum buffer
