@@ -119,6 +119,10 @@ class StrategyContract:
     shares_checkpoint_formats: ClassVar[bool] = True
     # Each rank holds only some of the layers (pipeline stages): a whole-model export gathers them.
     splits_layers_over_ranks: ClassVar[bool] = False
+    # Set by the run from ``checkpoint.async_save`` (or by a user's own script): saves written
+    # in the background (``litscale.async_checkpoint``) from the strategy's first save on.
+    async_save: bool = False
+    checkpoint_writer: Any = None
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
@@ -141,11 +145,6 @@ class StrategyContract:
         ``micro_batch`` samples per data-parallel rank. Called before any process exists (the
         app's validation, the planner's pruning); the default checks the mesh."""
         self.resolve_mesh(world_size)
-
-    # Set by the run from ``checkpoint.async_save`` (or by a user's own script): saves written
-    # in the background (``litscale.async_checkpoint``) once the strategy's first save starts.
-    async_save: bool = False
-    checkpoint_writer: Any = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """The strategy's own save, written beside the old checkpoint and swapped in once every
