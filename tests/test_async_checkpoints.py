@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.inprocess import refusal_on_pool
 from helpers.moving_runs import RUN, SINGLE, STEPS, assert_same_run, train, train_one_process
 
 from litscale.checkpoints import is_complete_checkpoint
@@ -63,11 +62,3 @@ def test_saves_in_the_background_keep_each_steps_state_and_resume_as_the_uninter
     resumed = train(outputs, f"resumed_async_{name}", SINGLE[1], 1, f"trainer.max_steps={STEPS}",
                     f"ckpt_path={middle}", base=SAVING)
     assert_same_run(resumed, one_process, steps=range(STEPS // 2, STEPS))
-
-
-def test_deepspeed_refuses_async_saves_in_one_line_before_any_rank_starts(tmp_path):
-    assert refusal_on_pool("strategy=deepspeed_zero", "trainer.accelerator=cpu", "trainer.devices=2",
-                           "checkpoint.async_save=true", outputs=tmp_path) == (
-        "error: checkpoint.async_save=true is not supported with strategy=deepspeed_zero: DeepSpeed's engine writes "
-        "its own partitioned checkpoint files, on the training thread; allowed: checkpoint.async_save=false, or any "
-        "strategy but deepspeed_zero")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from helpers.configs import compose_job
+from helpers.inprocess import refusal_on_pool
 
 from litscale.app.compatibility import render, strategy_nodes
 from litscale.app.compatibility import strategy_rows as _strategy_rows
@@ -93,3 +94,17 @@ def test_deepspeed_refuses_16_bit_training_of_batch_norm_statistics(precision, r
                            "precision=fp32 with this model, or strategy=ddp or fsdp in 16 bits")
     else:
         assert refusal is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("option", "line"), [
+    ("checkpoint.async_save=true", "error: checkpoint.async_save=true is not supported with strategy=deepspeed_zero: "
+     "DeepSpeed's engine writes its own partitioned checkpoint files, on the training thread; allowed: "
+     "checkpoint.async_save=false, or any strategy but deepspeed_zero"),
+    ("optimizer=muon", "error: optimizer=muon is not supported with strategy=deepspeed_zero: ZeRO hands the "
+     "optimizer flat partitions of the parameters, and Muon orthogonalises whole matrices; allowed: "
+     "optimizer=adamw, or any strategy but deepspeed_zero"),
+], ids=["async_save", "muon"])
+def test_train_py_refuses_what_deepspeed_cannot_take_in_one_line_before_any_rank_starts(option, line, tmp_path):
+    assert refusal_on_pool("strategy=deepspeed_zero", "trainer.accelerator=cpu", "trainer.devices=2", option,
+                           outputs=tmp_path) == line
