@@ -109,3 +109,6 @@ def test_train_py_steps_the_matrices_with_muon_and_measures_half_of_adamws_state
     # Measured from the state tensors after the first step: one buffer per matrix parameter, two moments for the rest.
     assert summary["memory/optimizer_bytes"] == 4 * matrices + 8 * others
     assert summary["memory/estimate_optimizer_bytes"] == summary["memory/optimizer_bytes"]
+    # The planner's prediction for the run counts the same state.
+    measured = sum(summary[f"memory/{kind}_bytes"] for kind in ("params", "grads", "optimizer"))
+    assert summary["plan/predicted_states_bytes"] == pytest.approx(measured, rel=1e-9)

@@ -72,6 +72,14 @@ def parameter_roles(net: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def state_bytes_per_param(groups: list[dict]) -> float:
+    """fp32 bytes of state per parameter over ``groups`` (``parameter_roles``' or an optimizer's):
+    one momentum buffer for a matrix (4), AdamW's two moments for the rest (8)."""
+    counts = [(sum(p.numel() for p in group["params"]), 4 if group.get("role") == MATRIX else 8) for group in groups]
+    total = sum(count for count, _ in counts)
+    return sum(count * size for count, size in counts) / total if total else 0.0
+
+
 def output_layers(net: nn.Module) -> list[nn.Module]:
     """The layers that produce the model's output: declared (``output_layers``, names), else a
     transformers model's output embeddings, else none."""
@@ -178,12 +186,8 @@ class Muon(ParameterwiseOptimizer):
                 "layers, biases, norms)")
 
     def state_bytes_per_param(self) -> float:
-        """fp32 bytes of state per parameter, the mean over every group: one momentum buffer
-        for a matrix (4), AdamW's two moments for the rest (8)."""
-        counts = [(sum(p.numel() for p in group["params"]), 4 if group["role"] == MATRIX else 8)
-                  for group in self.param_groups]
-        total = sum(count for count, _ in counts)
-        return sum(count * size for count, size in counts) / total if total else 0.0
+        """fp32 bytes of state per parameter, the mean over every group (``state_bytes_per_param``)."""
+        return state_bytes_per_param(self.param_groups)
 
     def _update(self, param: torch.Tensor, group: dict) -> None:
         (self._muon if group["role"] == MATRIX else self._adamw)(param, group)

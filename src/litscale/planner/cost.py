@@ -27,9 +27,7 @@ from litscale.planner.moe_cost import (
 from litscale.planner.plan import Plan
 from litscale.sharding import Sharding, state_bytes_per_rank
 
-# Optimizer state per parameter (AdamW: two fp32 moments) and the fp32 master copy kept when
-# parameters are held in 16 bits.
-ADAM_STATE_BYTES = 8
+# Bytes per element by dtype name. (Optimizer state per parameter: ModelFacts'.)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 @dataclass(frozen=True)
 class Collective:
@@ -83,7 +81,7 @@ def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str
     master = 4 if param_bytes < 4 and not sharding.fp32_master_copy else 0  # 16-bit parameters' fp32 copy
     moe = facts.moe
     states = state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=sharding,
-                                  param_bytes=param_bytes, optimizer_bytes_per_param=ADAM_STATE_BYTES + master,
+                                  param_bytes=param_bytes, optimizer_bytes_per_param=facts.optimizer_state_bytes_per_param + master,
                                   at_peak=True, tensor_whole_params=moe.layer_params if moe else 0,
                                   expert_params=moe.expert_params if moe else 0)
     memory = {"params": states["memory/estimate_params_bytes"], "grads": states["memory/estimate_grads_bytes"],

@@ -95,6 +95,9 @@ class ModelFacts:
     # sequence (``context_parallel_attention``); 0 where it cannot.
     kv_width: int = 0
     moe: MoEFacts | None = None  # a mixture of experts' (None for a dense model)
+    # fp32 bytes of optimizer state per parameter (no master copy): Adam's two moments unless the
+    # configured optimizer says otherwise (Muon: one buffer for the hidden matrices).
+    optimizer_state_bytes_per_param: float = 8.0
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
     # The network read (on the meta device): what the strategies check a plan against.
     net: nn.Module | None = field(default=None, repr=False, compare=False)

@@ -280,9 +280,14 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     """The composed model's facts, read off a meta-device copy; a mixture of experts' load
     imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
     of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
+    from litscale.app.safety import locate_target
     from litscale.app.validation import meta_net
+    from litscale.muon import parameter_roles, state_bytes_per_param, wants_parameter_roles
 
     facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
+        facts = dataclasses.replace(facts, optimizer_state_bytes_per_param=state_bytes_per_param(
+            parameter_roles(facts.net, 0.0)))
     plan = cfg.get("plan") or {}
     if facts.moe is None:
         return facts
