@@ -26,7 +26,6 @@ error in the background is raised there or at the next save.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -35,25 +34,23 @@ import torch
 
 
 class CheckpointWriter:
-    """One background thread that runs a rank's saves and removals in order."""
+    """One background thread that runs a rank's saves and removals in order (submitted and
+    waited for by the training thread alone)."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="litscale-checkpoint")
         self._pending: list[Future] = []
-        self._lock = threading.Lock()
         self._group: Any = None
         self._stager: Any = None
 
     def submit(self, work: Callable[[], None]) -> Future:
-        with self._lock:
-            future = self._executor.submit(work)
-            self._pending.append(future)
+        future = self._executor.submit(work)
+        self._pending.append(future)
         return future
 
     def wait(self) -> None:
         """Block until every submitted save and removal is done; raise the first error."""
-        with self._lock:
-            pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
         for future in pending:
             future.result()
 

@@ -63,8 +63,9 @@ def parameter_roles(net: nn.Module, weight_decay: float) -> list[dict]:
     apart |= {id(p) for m in output_layers(net) for p in m.parameters()}
     experts = {id(p) for m in find_expert_modules(net) for p in m.parameters() if p.dim() == 3}
     params = list({id(p): p for p in net.parameters() if p.requires_grad}.values())
-    matrices = [p for p in params if id(p) not in apart and (p.dim() == 2 or id(p) in experts)]
-    others = [p for p in params if all(p is not m for m in matrices)]
+    is_matrix = {id(p) for p in params if id(p) not in apart and (p.dim() == 2 or id(p) in experts)}
+    matrices = [p for p in params if id(p) in is_matrix]
+    others = [p for p in params if id(p) not in is_matrix]
     return [
         {"params": matrices, "weight_decay": weight_decay, "role": MATRIX},
         {"params": [p for p in others if p.dim() >= 2], "weight_decay": weight_decay, "role": OTHER},
