@@ -2,12 +2,13 @@
 #   make train   create .venv, install litscale, train GPT-nano on the default config
 #   make test    install the dev extras and run the test suite (all but the `full` set)
 #   make test-full  the `full` set: parity at 4 and 8 ranks (long on 2 cores; CI runs it too)
+#   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (not in CI: run it before a release)
 #   make durations  the slowest tests and the seconds per file of the last make test / test-full
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test test-full durations install install-dev lint clean
+.PHONY: train test test-full test-soak durations install install-dev lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +37,13 @@ train: install
 TIMES := outputs/tests
 
 test: install-dev
-	$(BIN)/python -m pytest -m "not full" --junitxml=$(TIMES)/make-test.xml $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not full and not soak" --junitxml=$(TIMES)/make-test.xml $(PYTEST_ARGS)
 
 test-full: install-dev
-	$(BIN)/python -m pytest -m full --junitxml=$(TIMES)/make-test-full.xml $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "full and not soak" --junitxml=$(TIMES)/make-test-full.xml $(PYTEST_ARGS)
+
+test-soak: install-dev
+	$(BIN)/python -m pytest -m soak --junitxml=$(TIMES)/make-test-soak.xml $(PYTEST_ARGS)
 
 durations:
 	$(BIN)/python tests/durations.py $(wildcard $(TIMES)/*.xml) $(ARGS)

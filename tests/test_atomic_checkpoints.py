@@ -90,10 +90,10 @@ def kill_during_saves(tmp_path, kind: str, points: int) -> dict[str, int]:
 @pytest.mark.parametrize(("kind", "points"), [
     # A file is written by Lightning whole from memory, a directory shard by shard: the directory
     # is the save a kill can tear. About 7 s a point (a fresh interpreter imports torch and
-    # Lightning): make test kills 4 times, make test-full 20 times and the file 4 times.
+    # Lightning): make test kills 4 times, make test-full the file 4 times, make test-soak 20 times.
     ("directory", 4),
     pytest.param("file", 4, marks=pytest.mark.full),
-    pytest.param("directory", 20, marks=pytest.mark.full)])
+    pytest.param("directory", 20, marks=pytest.mark.soak)])
 def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, kind, points):
     outcomes = kill_during_saves(tmp_path, kind, points)
     print(f"{kind}, {points} kills: {outcomes}")

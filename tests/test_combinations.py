@@ -162,7 +162,7 @@ def test_a_sample_of_accepted_combinations_trains_and_matches_one_process(tmp_pa
     check_trains(8, combination_seed(38), tmp_path, max_devices=2)
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_a_large_sample_of_accepted_combinations_trains_and_matches_one_process(tmp_path):

@@ -238,7 +238,7 @@ SHORT_RUN = (
 )
 
 
-@pytest.mark.full  # two runs of 300 steps
+@pytest.mark.soak  # two runs of 300 steps
 @pytest.mark.timeout(900)
 def test_topk_one_percent_with_error_feedback_ends_within_5_percent_of_dense(tmp_path):
     """The compression study's setting and its seed 0 (experiments/compression: 300 steps,

@@ -80,7 +80,7 @@ def test_ddp_strategy_attaches_comm_hook_on_cpu_in_plain_lightning_script(tmp_pa
     assert hooks == ["fp16_compress_hook", "fp16_compress_hook"]
 
 
-@pytest.mark.full  # a small soak of repeated runs (experiments/lifecycle has the long one)
+@pytest.mark.soak  # a small soak of repeated runs (experiments/lifecycle has the long one)
 @pytest.mark.timeout(400)
 def test_repeated_two_process_runs_never_abort_at_exit():
     """The fast version of experiments/lifecycle/soak.py (2 runs instead of 20)."""

@@ -311,7 +311,7 @@ def resumed_study(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(1200)
 def test_killed_study_resumes_to_six_trials_and_prints_the_best(resumed_study):
     study, sweep_dir, killed_output, output = resumed_study
@@ -328,7 +328,7 @@ def test_killed_study_resumes_to_six_trials_and_prints_the_best(resumed_study):
 
 
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(1200)
 def test_pruned_trials_stop_every_rank_at_the_same_step(resumed_study):
     study, sweep_dir, killed_output, output = resumed_study

@@ -151,7 +151,7 @@ def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
     assert all(t > 0 for p in found.values() for t in [*p.forward_backward_s.values(), p.optimizer_step_s])
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # make test-soak: keeps make test and CI within their time
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_compression_hook_and_deepspeed_are_timed_as_they_run_in_a_child_process():
@@ -522,7 +522,7 @@ def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monk
     assert cluster.devices_per_node == figures["cores"]
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # make test-soak: keeps make test and CI within their time
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_plan_verify_runs_the_top_plans_here_and_writes_the_measured_fastest(tmp_path):

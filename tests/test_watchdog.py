@@ -327,7 +327,7 @@ def test_a_hang_under_torchrun_is_named_by_rank_zero(tmp_path):
     assert_named_after_the_limit(match, QUICK_LIMIT_S)
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_with_the_default_limits_a_hang_is_named_a_minute_after_it_began(tmp_path):
@@ -340,7 +340,7 @@ def test_with_the_default_limits_a_hang_is_named_a_minute_after_it_began(tmp_pat
     assert_named_after_the_limit(hang, 60)
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_hang_in_a_job_of_the_slurm_launchers_local_twin_is_named(tmp_path):
