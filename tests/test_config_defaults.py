@@ -60,6 +60,8 @@ DELIBERATE: dict[tuple[str, str], str] = {
     ("lr_scaling/none", "base_batch_size"):
         "the batch the printed line names as optimizer.lr's: 16, the default data.batch_size",
     ("lr_scaling/sqrt", "rule"): "the option is the rule it names (the rest is linear's)",
+    ("lr_scaling/mup", "base_width"):
+        "the option is µP, which needs a base width: 128, model=gpt's and llama's default preset width",
     # model and optimizers
     ("model/gpt", "weight_decay"): TODO,
     ("model/gpt", "net.dropout"):

@@ -94,6 +94,8 @@ FOUR_HEADS = setups(wider(TINY_WITH_BIASES, n_head=4))  # TP up to 4
 PIPELINED = setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumulation=2)
 LOCAL = setups(steps=8)  # two periods of 4
 MUON = setups(optimizers=("muon",))
+# µP at twice its base width (32 against 16): every multiplier of litscale.mup is not 1.
+MUP = setups(optimizers=("adamw", "muon"), base_width=16)
 # NOTE: FedProx's AdamW without biases. The key projection's bias has an exactly zero data
 # gradient (softmax ignores a constant added to every key), so AdamW moves it by fp32 noise
 # (see OPTIMIZERS), and the proximal term mu * (w - w_sync) feeds that drift back into the
@@ -147,10 +149,14 @@ FAMILIES: dict[str, dict[str, Case]] = {
         # shards gathered (FSDP).
         "ddp_muon": Case(P(ddp), MUON),
         "fsdp_muon": Case(P(fsdp), MUON),
+        "ddp_mup": Case(P(ddp), MUP),
+        "fsdp_mup": Case(P(fsdp), MUP),
     },
     "zero": {
         **{f"zero{stage}": Case(P(zero, stage), PLAIN, gradients=False,
                                 weights_on_every_rank=stage < 3) for stage in (1, 2, 3)},
+        # µP's per-group LRs through ZeRO's flattened groups.
+        "zero2_mup": Case(P(zero, 2), setups(optimizers=("adamw",), base_width=16), gradients=False, world_sizes=(2,)),
     },
     "zero_offload": {
         "zero2_offload_optimizer": Case(P(zero, 2, offload_optimizer=True), PLAIN, world_sizes=(2,),
@@ -166,6 +172,8 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "dp2_tp2": Case(P(tensor_parallel, tensor_parallel_size=2), FOUR_HEADS, world_sizes=(4,)),
         "tp_muon": Case(P(tensor_parallel, sequence_parallel=False), setups(wider(TINY_WITH_BIASES, n_head=4),
                                                                             optimizers=("muon",))),
+        "tp_mup": Case(P(tensor_parallel, **TP_FULL), setups(wider(TINY_WITH_BIASES, n_head=4), optimizers=("adamw",),
+                                                            base_width=16)),
     },
     "pipeline": {
         # As many micro-batches as stages (V shapes and interleaving hold 2 per rank): DualPipeV
@@ -178,6 +186,9 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "pp2_1f1b_muon": Case(P(pipeline, schedule="1f1b", microbatches=4),
                               setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumulation=2,
                                      optimizers=("muon",)), world_sizes=(2,)),
+        "pp2_1f1b_mup": Case(P(pipeline, schedule="1f1b", microbatches=4),
+                             setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumulation=2,
+                                    optimizers=("adamw",), base_width=16), world_sizes=(2,)),
         "pp2_dp2": Case(P(pipeline, pipeline_parallel_size=2, data_parallel_size=2, microbatches=4),
                         PIPELINED, world_sizes=(4,)),
         "pp2_tp2": Case(P(pipeline, pipeline_parallel_size=2, tensor_parallel_size=2, microbatches=4),
@@ -222,6 +233,7 @@ FAMILIES: dict[str, dict[str, Case]] = {
         "moe_tp": Case(P(tensor_parallel, **TP_FULL), MOE, world_sizes=(2,)),
         # Muon per expert: each expert's matrix of the stacked weights orthogonalised on its own.
         "moe_fsdp_ep2_muon": Case(P(fsdp, expert_parallel_size=2), moe_setups(("muon",))),
+        "moe_fsdp_ep2_mup": Case(P(fsdp, expert_parallel_size=2), moe_setups(("adamw",), base_width=16)),
         "moe_dp2_tp2_ep2": Case(P(tensor_parallel, tensor_parallel_size=2, expert_parallel_size=2, **TP_FULL),
                                 MOE, world_sizes=(4,)),
     },

@@ -52,6 +52,7 @@ class Option(StrEnum):
     PIPELINE_PARALLEL = "strategy.pipeline_parallel_size"
     ASYNC_SAVE = "checkpoint.async_save=true"
     MATRIX_OPTIMIZER = "optimizer=muon"
+    WIDTH_SCALING = "lr_scaling=mup"
 
 
 # An option a strategy takes through a keyword of its constructor: the keyword.
@@ -75,6 +76,7 @@ ALTERNATIVES = {
     Option.PIPELINE_PARALLEL: "strategy=pipeline",
     Option.ASYNC_SAVE: "checkpoint.async_save=false, or any strategy but deepspeed_zero",
     Option.MATRIX_OPTIMIZER: "optimizer=adamw, or any strategy but deepspeed_zero",
+    Option.WIDTH_SCALING: "lr_scaling=none, linear or sqrt",
 }
 # Why a strategy that is not a StrategyContract cannot save in the background: the background
 # save is the contract's own ``save_checkpoint``.

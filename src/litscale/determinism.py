@@ -122,6 +122,11 @@ class LayoutInvariance:
         torch.set_num_threads(self.threads)
         return self
 
+    @property
+    def replica(self) -> nn.Module | None:
+        """The unsharded copy the run computes with (``attach``)."""
+        return self._replica
+
     def use_device(self, device: torch.device | str) -> None:
         """Where the run computes; on CUDA, torch's deterministic algorithms. Call it before the
         first CUDA op (the app does, as it builds the run): cuBLAS reads its workspace setting

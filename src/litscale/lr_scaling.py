@@ -37,6 +37,7 @@ from litscale.callbacks.throughput import data_parallel_size
 from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
 from litscale.layout import RunLayout
 from litscale.loggers import is_logging_step
+from litscale.mup import WidthScaling
 from litscale.schedulers import check_warmup_keys, constant, warmup_multiplier
 
 Rule = Literal["none", "linear", "sqrt"]
@@ -70,13 +71,21 @@ def scaled_lr(base_lr: float, *, global_batch: int, base_batch_size: int, rule: 
 
 
 class ScaledOptimizerFactory:
-    """An optimizer factory that calls ``original`` with ``lr`` replaced by the scaled LR."""
+    """An optimizer factory that calls ``original`` with ``lr`` replaced by the scaled LR; with
+    ``width`` (µP), its param groups split by the width's LR multipliers."""
 
-    def __init__(self, original: Callable[..., Optimizer], lr: float) -> None:
-        self.original, self.lr = original, lr
+    def __init__(self, original: Callable[..., Optimizer], lr: float, width: WidthScaling | None = None) -> None:
+        self.original, self.lr, self.width = original, lr, width
 
     def __call__(self, params: Iterable, **kwargs: Any) -> Optimizer:
+        if self.width is not None:
+            params = self.width.param_groups(list(params), self.lr, optimizer_keywords(self.original))
         return self.original(params, **{**kwargs, "lr": self.lr})
+
+
+def optimizer_keywords(factory: Callable[..., Optimizer]) -> dict:
+    """The keywords a ``functools.partial`` factory was given ({} for another callable)."""
+    return dict(factory.keywords) if isinstance(factory, functools.partial) else {}
 
 
 def base_lr_of(factory: Callable[..., Optimizer]) -> float:
@@ -107,6 +116,10 @@ class LRScaling(Callback):
         micro_batch_size: Per-device batch; by default the datamodule's ``batch_size``.
         layout: The run's layout (``litscale.layout``): its micro batch, data-parallel size and
             accumulation make the global batch. Without it they are read from the trainer.
+        base_width: µP (``litscale.mup``, ``lr_scaling=mup``): the width the LR was tuned at.
+            The network is µP-parametrised against itself at that width (init, logits, attention
+            scores) and the optimizer's groups get their width's LR multipliers, on top of the
+            batch rule. None: no width scaling.
     """
 
     @checked_arguments("lr_scaling")
@@ -119,9 +132,11 @@ class LRScaling(Callback):
         warmup_fraction: Fraction | None = None,
         micro_batch_size: PositiveInt | None = None,
         layout: RunLayout | None = None,
+        base_width: PositiveInt | None = None,
     ) -> None:
         check_warmup_keys("lr_scaling", warmup_steps, warmup_fraction)
         self.rule, self.base_batch_size = rule, int(base_batch_size)
+        self.base_width = base_width
         self.warmup_steps, self.warmup_fraction = warmup_steps, warmup_fraction
         self.micro_batch_size, self.layout = micro_batch_size, layout
         self.global_batch: int | None = None
@@ -152,16 +167,29 @@ class LRScaling(Callback):
             accumulation = trainer.accumulate_grad_batches
         self.global_batch = global_batch(micro, dp, accumulation)
         factory = getattr(pl_module, "optimizer_factory", None)
-        if factory is None and self.rule == "none" and not self.owns_warmup:
+        if factory is None and self.rule == "none" and not self.owns_warmup and self.base_width is None:
             return  # nothing to change; a module of another shape is left alone
         self.base_lr = base_lr_of(factory)
         self.lr = scaled_lr(self.base_lr, global_batch=self.global_batch,
                             base_batch_size=self.base_batch_size, rule=self.rule)
         original = factory.original if isinstance(factory, ScaledOptimizerFactory) else factory
-        pl_module.optimizer_factory = ScaledOptimizerFactory(original, self.lr)
+        width = self._scale_width(pl_module, original)
+        pl_module.optimizer_factory = ScaledOptimizerFactory(original, self.lr, width)
         if self.owns_warmup:
             self._take_over_warmup(pl_module)
         self._print(micro, dp, accumulation)
+        if width is not None:
+            self._print_width(width, original)
+
+    def _scale_width(self, pl_module: LightningModule, factory: Callable[..., Optimizer]) -> WidthScaling | None:
+        """µP's network side, before any strategy shards or wraps the network: the forward's
+        multipliers and the init (also on the layout-invariant replica the run computes with)."""
+        if self.base_width is None:
+            return None
+        width = WidthScaling(pl_module.net, self.base_width)
+        replica = getattr(getattr(pl_module, "determinism", None), "replica", None)
+        width.apply(networks=[replica] if replica is not None else [])
+        return width
 
     def _take_over_warmup(self, pl_module: LightningModule) -> None:
         scheduler = getattr(pl_module, "scheduler_factory", None) or constant
@@ -185,6 +213,12 @@ class LRScaling(Callback):
             flush=True,
         )
 
+    @rank_zero_only
+    def _print_width(self, width: WidthScaling, factory: Callable[..., Optimizer]) -> None:
+        from litscale.muon import wants_parameter_roles
+
+        print(width.describe(optimizer_keywords(factory), muon=wants_parameter_roles(factory)), flush=True)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.global_batch is None:
             return
@@ -202,7 +236,8 @@ class LRScaling(Callback):
         keeps its position."""
         for config in trainer.lr_scheduler_configs:
             scheduler = config.scheduler
-            ratio = self.lr / scheduler.base_lrs[0]
+            # A µP group's LR is the rule's times its width multiplier.
+            ratio = self.lr * scheduler.optimizer.param_groups[0].get("lr_multiplier", 1.0) / scheduler.base_lrs[0]
             if ratio == 1.0:
                 continue
             scheduler.base_lrs = [lr * ratio for lr in scheduler.base_lrs]
@@ -219,5 +254,6 @@ class LRScaling(Callback):
         # The LR this optimizer step is about to use (not per micro batch), on the steps the
         # loggers write; a Python float, so no device sync.
         if is_logging_step(trainer):
-            pl_module.log("lr_scaling/lr", float(optimizer.param_groups[0]["lr"]),
+            group = optimizer.param_groups[0]
+            pl_module.log("lr_scaling/lr", float(group["lr"]) / group.get("lr_multiplier", 1.0),
                           on_step=True, on_epoch=False, rank_zero_only=True)

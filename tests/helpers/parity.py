@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
+from litscale.lr_scaling import LRScaling, ScaledOptimizerFactory, base_lr_of
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.modules import CausalLMModule
 from litscale.muon import Muon
+from litscale.mup import WidthScaling
 
 # PyTorch's fp32 defaults for assert_close: what a sharded step may differ from one process by.
 TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
@@ -70,6 +72,7 @@ class ParitySetup:
     accumulation: int = 1
     data_seed: int = 0
     gradient_clip_val: float | None = None
+    base_width: int | None = None  # µP against the network at this width (lr_scaling=mup)
 
 
 @dataclasses.dataclass
@@ -144,6 +147,10 @@ def loop_trace(net: torch.nn.Module, setup: ParitySetup, *, loss_context=None) -
     the module's own ``configure_optimizers`` and Lightning would; ``loss_context`` is entered
     around each loss and its backward (e.g. tensor parallel's ``loss_parallel``)."""
     module = module_for(net, setup)
+    if setup.base_width is not None:  # µP by its parts, as the LR-scaling callback applies it
+        width = WidthScaling(net, setup.base_width)
+        width.apply()
+        module.optimizer_factory = ScaledOptimizerFactory(module.optimizer_factory, base_lr_of(module.optimizer_factory), width)
     optimizer = module.configure_optimizers()
     losses, gradients = [], []
     for tokens in global_batches(setup):
@@ -283,6 +290,9 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
     from litscale.export import consolidated_state_dict
 
     module, recorder = tiny_module(setup), StepRecorder(gradients=gradients)
+    if setup.base_width is not None:  # µP as a run gets it: lr_scaling=mup's callback
+        share = setup.global_batch // (data_parallel_size or world_size) // setup.accumulation
+        callbacks = [*callbacks, LRScaling(rule="none", base_width=setup.base_width, micro_batch_size=share)]
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=setup.steps,
         accumulate_grad_batches=setup.accumulation, precision=precision,

@@ -35,6 +35,8 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.MATRIX_OPTIMIZER] = f"optimizer={choices.get('optimizer', cfg.optimizer._target_)}"
     if (cfg.get("checkpoint") or {}).get("async_save"):
         chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
+    if (cfg.get("lr_scaling") or {}).get("base_width") is not None:
+        chosen[Option.WIDTH_SCALING] = f"lr_scaling={choices.get('lr_scaling', 'mup')}"
     return chosen
 
 

@@ -35,6 +35,7 @@ from litscale.app.schemas import (
     RunSchema,
     ScalingSchema,
 )
+from litscale.app.width_checks import check_declared_widths, check_width_options
 from litscale.arguments import (
     check_value,
     describe,
@@ -85,6 +86,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("checkpoint", cfg.checkpoint, CheckpointSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
+    check_width_options(cfg, choices)
     check_data_tokenizer(cfg)
     for group in TARGET_GROUPS:
         if cfg.get(group) is not None and "_target_" in cfg[group]:
@@ -103,6 +105,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     check_determinism(cfg, choices, layout)
     check_baseline(cfg)
     check_warmup(cfg)
+    check_declared_widths(cfg, choices)
     check_export_hf(cfg, choices)
     if this_machine:  # last: it may take a while, and every cheaper check has passed
         prepare_data_before_launch(cfg)

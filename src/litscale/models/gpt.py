@@ -66,6 +66,8 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(d, d, bias=bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.mup), a plain run leaves it at 1.
+        self.score_multiplier = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -75,6 +77,8 @@ class CausalSelfAttention(nn.Module):
             proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
             for proj in (self.q_proj, self.k_proj, self.v_proj)
         )
+        if self.score_multiplier != 1.0:
+            q = q * self.score_multiplier
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
@@ -113,6 +117,7 @@ class GPT(nn.Module):
     tensor_parallel_plan = TENSOR_PARALLEL_PLAN
     pipeline_blocks = pipeline_blocks
     output_layers = ("lm_head",)  # the layer an optimizer of matrices (Muon) leaves to AdamW
+    output_multiplier = 1.0  # on the logits; µP sets it (litscale.mup)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -149,7 +154,18 @@ class GPT(nn.Module):
             x = self.ln_f(x)
         if self.lm_head is not None:
             x = self.lm_head(x)
+            if self.output_multiplier != 1.0:
+                x = x * self.output_multiplier
         return x
+
+    # µP's declarations (litscale.mup): the width, and this model at another width.
+    def mup_width(self) -> int:
+        return self.config.n_embd
+
+    def at_width(self, width: int) -> GPT:
+        config = replace(self.config, n_embd=width)
+        check_shape(config)
+        return type(self)(config)
 
     def sharding_units(self) -> list[nn.Module]:
         """The submodules a sharded strategy (FSDP) gathers and frees one at a time: the blocks.
@@ -191,6 +207,11 @@ def build_gpt(
     overrides = dict(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                      n_embd=n_embd, dropout=dropout, bias=bias, tie_embeddings=tie_embeddings)
     config = replace(PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None})
+    check_shape(config)
+    return GPT(config)
+
+
+def check_shape(config: GPTConfig) -> None:
+    """Heads tile the width."""
     if config.n_embd % config.n_head:
         raise ValueError(f"model.net.n_embd={config.n_embd} must be divisible by n_head={config.n_head}")
-    return GPT(config)

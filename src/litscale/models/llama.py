@@ -176,6 +176,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_head * head_dim, d, bias=False)
         self.q_norm = nn.RMSNorm(head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=config.norm_eps) if config.qk_norm else None
+        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.mup), a plain run leaves it at 1.
+        self.score_multiplier = 1.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -188,6 +194,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_tables(self.config, seq, x.device, positions=self.sequence.positions(seq, x.device))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.score_multiplier != 1.0:
+            q = q * self.score_multiplier
         y = self.sequence.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -231,6 +239,7 @@ class Llama(nn.Module):
     pipeline_blocks = pipeline_blocks
     context_parallel_attention = context_parallel_attention
     output_layers = ("lm_head",)  # the layer an optimizer of matrices (Muon) leaves to AdamW
+    output_multiplier = 1.0  # on the logits; µP sets it (litscale.mup)
 
     # Parameters that write into the residual stream (their init is scaled by 1/sqrt(2 n_layer)).
     residual_writers: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")
@@ -273,7 +282,22 @@ class Llama(nn.Module):
             x = self.norm(x)
         if self.lm_head is not None:
             x = self.lm_head(x)
+            if self.output_multiplier != 1.0:
+                x = x * self.output_multiplier
         return x
+
+    # µP's declarations (litscale.mup): the width, and this model at another width.
+    def mup_width(self) -> int:
+        return self.config.n_embd
+
+    def at_width(self, width: int) -> Llama:
+        config = replace(self.config, n_embd=width)
+        self.check_config(config)
+        return type(self)(config)
+
+    @staticmethod
+    def check_config(config: LlamaConfig) -> None:
+        check_shape(config)
 
     def sharding_units(self) -> list[nn.Module]:
         """The submodules a sharded strategy (FSDP) gathers and frees one at a time: the

@@ -69,6 +69,10 @@ class MoEDecoder(Llama):
     def mlp_for_layer(self, index: int) -> nn.Module | None:
         return MoELayer(self.config) if index in self.config.moe_layers else None
 
+    @staticmethod
+    def check_config(config: MoEConfig) -> None:
+        check_shape(config)
+
     def moe_layers(self) -> dict[int, MoELayer]:
         """The MoE layers this module holds, by layer index."""
         return {int(key): layer.mlp for key, layer in self.layers.items() if isinstance(layer.mlp, MoELayer)}
