@@ -271,10 +271,12 @@ def _pipeline_setup():
 
 
 def _pipeline_counts(world: int, schedule: str):
-    """Lightning's last optimizer step with the pipeline strategy, counted on this rank: each
-    of its micro batches from ``on_train_batch_start`` to ``on_train_batch_end`` (the optimizer
-    step included). NOTE: between batches, outside those hooks, Lightning broadcasts whether a
-    rank received SIGTERM (8 bytes; every strategy's run, not the strategy's own): not counted."""
+    """Lightning's next-to-last optimizer step with the pipeline strategy, counted on this rank:
+    each of its micro batches from ``on_train_batch_start`` to ``on_train_batch_end`` (the
+    optimizer step included). NOTE: not the strategy's own, and so not counted: between
+    batches, outside those hooks, Lightning broadcasts whether a rank received SIGTERM (8
+    bytes), and the last step is a logging step, whose loss the module averages over the ranks
+    (an all-reduce of 4 bytes and Lightning's barrier before it)."""
     import lightning as L
     from helpers.parity import rank_loader, tiny_module
     from lightning.pytorch import Callback
@@ -282,15 +284,15 @@ def _pipeline_counts(world: int, schedule: str):
     from litscale.strategies import PipelineParallelStrategy
 
     counter, setup = CollectiveCounter(world, PIPELINE), _pipeline_setup()
-    last_step = range((PIPELINE_STEPS - 1) * PIPELINE_ACCUMULATION, PIPELINE_STEPS * PIPELINE_ACCUMULATION)
+    counted_step = range((PIPELINE_STEPS - 2) * PIPELINE_ACCUMULATION, (PIPELINE_STEPS - 1) * PIPELINE_ACCUMULATION)
 
     class CountLastStep(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if batch_idx in last_step:
+            if batch_idx in counted_step:
                 counter.__enter__()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx in last_step:
+            if batch_idx in counted_step:
                 counter.__exit__(None, None, None)
 
     trainer = L.Trainer(
