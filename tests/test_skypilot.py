@@ -11,7 +11,9 @@ import yaml
 from helpers.configs import compose_full
 
 from hydra_plugins.litscale_plugins.jobs import job_resources
-from hydra_plugins.litscale_plugins.skypilot import SCHEMA, task, task_problems
+from hydra_plugins.litscale_plugins.skypilot import SCHEMA, launch_command, task, task_problems
+from litscale.app.preflight import check_cluster_resources
+from litscale.errors import ConfigError
 
 
 def task_for(*overrides: str) -> dict:
@@ -61,3 +63,48 @@ def test_sky_task_from_yaml_reads_the_written_task(tmp_path):
     parsed = sky.Task.from_yaml(str(path))
     assert parsed.num_nodes == 3
     assert [r.accelerators for r in parsed.resources] == [{"H100": 4}]
+
+
+def test_the_default_task_mounts_a_bucket_for_its_outputs_and_passes_the_schema():
+    document = task_for("trainer.devices=8", "trainer.num_nodes=2", "strategy=fsdp")
+    assert document["file_mounts"] == {"/litscale-outputs": {"name": "litscale-outputs", "mode": "MOUNT"}}
+    assert document["envs"] == {"LITSCALE_OUTPUTS": "/litscale-outputs"}
+    assert task_problems(document) == []
+    existing = task_for("hydra.launcher.outputs_bucket=s3://team/runs", "hydra.launcher.outputs=/runs")
+    assert existing["file_mounts"] == {"/runs": {"source": "s3://team/runs", "mode": "MOUNT"}}
+    named = task_for("hydra.launcher.outputs_store=gcs")
+    assert named["file_mounts"]["/litscale-outputs"] == {"name": "litscale-outputs", "store": "gcs", "mode": "MOUNT"}
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (["hydra.launcher.outputs_bucket=null"],
+     "hydra.launcher.down=true tears each job's cluster down with its checkpoints, summary.json and logs, which "
+     "hydra.launcher.outputs_bucket=null leaves on the nodes' disks; allowed: hydra.launcher.outputs_bucket=<a "
+     "bucket name, or an s3://, gs:// or r2:// URI>, mounted at hydra.launcher.outputs on every node, or "
+     "hydra.launcher.down=false"),
+    (["hydra.launcher.outputs_bucket=null", "hydra.launcher.down=false", "hydra.launcher.use_spot=true"],
+     "hydra.launcher.use_spot=true recovers a preempted job on new nodes, which find no checkpoint on the lost "
+     "nodes' disks (hydra.launcher.outputs_bucket=null); allowed: hydra.launcher.outputs_bucket=<a bucket name, "
+     "or an s3://, gs:// or r2:// URI>, mounted at hydra.launcher.outputs on every node, or "
+     "hydra.launcher.use_spot=false"),
+])
+def test_settings_that_would_lose_the_outputs_with_the_nodes_are_refused_in_one_line(overrides, line):
+    config = compose_full(["hydra/launcher=skypilot", "trainer.devices=2", *overrides])
+    with pytest.raises(ConfigError) as info:
+        check_cluster_resources(config)
+    assert str(info.value) == line
+    check_cluster_resources(compose_full(["hydra/launcher=skypilot", "trainer.devices=2"]))  # the default
+
+
+def test_a_spot_job_is_a_managed_job_that_resumes_from_its_newest_checkpoint():
+    params = job_resources(compose_full(["hydra/launcher=skypilot", "hydra.launcher.use_spot=true"]))
+    assert launch_command(Path("t.yaml"), "job-0", params) == ["sky", "jobs", "launch", "--yes", "--name", "job-0",
+                                                               "t.yaml"]
+    document = task_for("hydra.launcher.use_spot=true", "trainer.devices=2")
+    assert document["resources"]["use_spot"] is True and task_problems(document) == []
+    assert document["run"].splitlines()[1].endswith("hydra.run.dir=outputs/x/0 ckpt_path=auto")
+    given = task_for("hydra.launcher.use_spot=true", "ckpt_path=last")
+    assert "ckpt_path=auto" not in given["run"]
+    on_demand = job_resources(compose_full(["hydra/launcher=skypilot"]))
+    assert launch_command(Path("t.yaml"), "job-0", on_demand) == ["sky", "launch", "--yes", "--cluster", "job-0",
+                                                                  "--down", "t.yaml"]

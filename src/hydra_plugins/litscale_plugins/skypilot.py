@@ -7,6 +7,14 @@ the environment SkyPilot gives it (``SKYPILOT_NODE_RANK``, the first of
 against SkyPilot's own schema (vendored in ``schemas/``, the check ``sky.Task.from_yaml``
 makes first) and written to ``hydra.launcher.tasks_dir``; ``submit=true`` runs
 ``sky launch`` on it (SkyPilot's CLI: ``pip install litscale[skypilot]``), one job after another.
+
+Outputs (checkpoints, ``summary.json``, logs) go to a bucket mounted on every node at
+``LITSCALE_OUTPUTS`` (``file_mounts`` in MOUNT mode): they outlive the cluster (``down``), and
+every node of a sharded save writes into the same directory. Without a bucket they stay on
+the nodes' disks, so ``down=true`` and ``use_spot=true`` are refused in one line. With
+``use_spot=true`` the task is a managed job (``sky jobs launch``): SkyPilot recovers it on new
+nodes after a preemption, and its run resumes from the newest complete checkpoint in the
+bucket (``ckpt_path=auto``, unless the job names one).
 """
 
 from __future__ import annotations
@@ -33,8 +41,48 @@ SCHEMA = Path(__file__).with_name("schemas") / "skypilot_task.yaml"
 RENDEZVOUS_PORT = 29500
 
 
+# A bucket given as a URI (an existing one); any other value names a bucket SkyPilot creates.
+BUCKET_SCHEMES = ("s3://", "gs://", "r2://", "https://", "cos://", "oci://")
+
+
+def outputs_problem(params: dict[str, Any]) -> str | None:
+    """The one-line refusal of settings that would lose a job's outputs with its nodes."""
+    if params.get("outputs_bucket"):
+        return None
+    kept = ("allowed: hydra.launcher.outputs_bucket=<a bucket name, or an s3://, gs:// or r2:// URI>, "
+            "mounted at hydra.launcher.outputs on every node")
+    if params.get("down"):
+        return ("hydra.launcher.down=true tears each job's cluster down with its checkpoints, summary.json and "
+                f"logs, which hydra.launcher.outputs_bucket=null leaves on the nodes' disks; {kept}, or "
+                "hydra.launcher.down=false")
+    if params.get("use_spot"):
+        return ("hydra.launcher.use_spot=true recovers a preempted job on new nodes, which find no checkpoint "
+                f"on the lost nodes' disks (hydra.launcher.outputs_bucket=null); {kept}, or "
+                "hydra.launcher.use_spot=false")
+    return None
+
+
+def outputs_mount(params: dict[str, Any]) -> dict[str, Any]:
+    """``file_mounts``: the outputs bucket at ``outputs`` on every node ({} without a bucket)."""
+    bucket = params.get("outputs_bucket")
+    if not bucket:
+        return {}
+    storage: dict[str, Any] = ({"source": bucket} if str(bucket).startswith(BUCKET_SCHEMES)
+                               else {"name": bucket, **({"store": params["outputs_store"]}
+                                                        if params.get("outputs_store") else {})})
+    return {"file_mounts": {params["outputs"]: {**storage, "mode": "MOUNT"}}}
+
+
+def resumable(args: list[str], params: dict[str, Any]) -> list[str]:
+    """A managed (spot) job's arguments: it resumes from its newest checkpoint after a recovery."""
+    if params.get("use_spot") and not any(a.split("=", 1)[0].lstrip("+~") == "ckpt_path" for a in args):
+        return [*args, "ckpt_path=auto"]
+    return args
+
+
 def task(name: str, args: list[str], params: dict[str, Any], *, cpu: bool) -> dict[str, Any]:
-    """The SkyPilot task of one job: nodes, accelerators, workdir, setup and torchrun."""
+    """The SkyPilot task of one job: nodes, accelerators, workdir, the outputs bucket, setup and
+    torchrun."""
     processes = int(params["processes_per_node"])
     resources: dict[str, Any] = (
         {"cpus": f"{processes}+"} if cpu else {"accelerators": f"{params['gpu']}:{processes}"}
@@ -50,13 +98,14 @@ def task(name: str, args: list[str], params: dict[str, Any], *, cpu: bool) -> di
         '--master-addr="$MASTER_ADDR"',
         f"--master-port={RENDEZVOUS_PORT}",
         "train.py",
-        *map(shlex.quote, args),
+        *map(shlex.quote, resumable(args, params)),
     ]
     return {
         "name": name,
         "num_nodes": int(params["nodes"]),
         "resources": resources,
         "workdir": params["workdir"],
+        **outputs_mount(params),
         "envs": {"LITSCALE_OUTPUTS": params["outputs"]},
         "setup": params["setup"],
         "run": 'MASTER_ADDR=$(echo "$SKYPILOT_NODE_IPS" | head -n1)\n' + " ".join(torchrun) + "\n",
@@ -116,17 +165,16 @@ class SkyPilotLauncher(ClusterLauncher):
         return results
 
 
+def launch_command(path: Path, name: str, params: dict[str, Any]) -> list[str]:
+    """``sky launch`` on a cluster of its own (torn down after it with ``down``), or for a spot
+    job ``sky jobs launch``: a managed job, recovered after a preemption and torn down after."""
+    if params.get("use_spot"):
+        return ["sky", "jobs", "launch", "--yes", "--name", name, str(path)]
+    return ["sky", "launch", "--yes", "--cluster", name, *(["--down"] if params.get("down") else []), str(path)]
+
+
 def launch_task(path: Path, name: str, params: dict[str, Any]) -> BaseException | None:
-    """``sky launch`` the task on a cluster of its own (torn down after it with ``down``)."""
-    command = [
-        "sky",
-        "launch",
-        "--yes",
-        "--cluster",
-        name,
-        *(["--down"] if params.get("down") else []),
-        str(path),
-    ]
+    command = launch_command(path, name, params)
     print(f"litscale: {shlex.join(command)}", flush=True)
     try:
         code = subprocess.run(command, check=False).returncode

@@ -206,9 +206,15 @@ def check_cluster_resources(cfg) -> None:
             "count, e.g. trainer.devices=4"
         )
     try:
-        OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+        params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     except Exception as error:  # noqa: BLE001 - OmegaConf's several error types, one message
         raise ConfigError(f"hydra.launcher: {str(error).splitlines()[0]}") from None
+    if option == "skypilot":
+        from hydra_plugins.litscale_plugins.skypilot import outputs_problem
+
+        problem = outputs_problem(params)
+        if problem:
+            raise ConfigError(problem)
 
 
 def _as_job_config(cfg):
