@@ -113,6 +113,10 @@ class StrategyContract:
     phase_collectives: ClassVar[dict[str, str]] = {}
     # More ranks than cores is this strategy's normal case (a simulation of clients).
     simulates_clients: ClassVar[bool] = False
+    # Every rank trains every step, so the logged loss is averaged over the ranks (a collective
+    # at each logging step); False where some ranks sit a step out (federated's unpicked
+    # clients), which would leave the others waiting in that average.
+    ranks_step_together: ClassVar[bool] = True
     # The planner costs and ranks this strategy: its step is a synchronous one whose memory and
     # communication follow from its sharding and mesh (not local SGD's or federated rounds).
     plannable: ClassVar[bool] = True

@@ -25,8 +25,12 @@ def is_logging_step(trainer: Trainer | None, step: int | None = None) -> bool:
     if trainer is None or trainer.log_every_n_steps <= 1:
         return True
     step = trainer.global_step + 1 if step is None else step
-    return (step % trainer.log_every_n_steps == 0 or trainer.is_last_batch
-            or 0 < trainer.max_steps <= step)
+    # NOTE: every rank must decide alike: the module averages the logged loss over the ranks (a
+    # collective). The epoch's last batch is one process's only: federated clients hold
+    # different numbers of batches, so their epochs end at different steps (a rank that logged
+    # there waited in the loss's all-reduce while the others averaged parameters: a hang).
+    last_of_epoch = trainer.is_last_batch and trainer.world_size == 1
+    return step % trainer.log_every_n_steps == 0 or last_of_epoch or 0 < trainer.max_steps <= step
 
 
 def log_to_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:

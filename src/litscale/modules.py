@@ -98,7 +98,8 @@ class TaskModule(LightningModule):
             # peer holds a share or a copy of the same samples' loss). One process with the same
             # global batch logs the same value, whatever the layout.
             window, self._window_losses = torch.stack(self._window_losses).mean(), []
-            self.log("train/loss", window, prog_bar=True, sync_dist=True)
+            together = getattr(self._trainer.strategy, "ranks_step_together", True)
+            self.log("train/loss", window, prog_bar=True, sync_dist=together)
 
     def _strategy_accumulates_on(self) -> bool:
         """A strategy that accumulates gradients itself (DeepSpeed) has Lightning call

@@ -160,6 +160,7 @@ class FederatedStrategy(DDPStrategy):
     untraced = "its rounds' averaging is not traced"
     phase_collectives = {"optimizer": "parameter all-reduce (end of a round)"}
     simulates_clients = True  # more clients than cores is a simulation's normal case
+    ranks_step_together = False  # a round's unpicked clients train no step: each logs its own loss
     plannable = False  # rounds of local steps, then averaging: not the planner's synchronous step
 
     @checked_arguments("strategy")
