@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from litscale.app.launch import RankFailure
 from litscale.app.ranks import ranks_without_preemption_checkpoint, record_rank
@@ -28,8 +29,18 @@ def test_a_rank_that_saved_nothing_or_left_no_record_is_named(tmp_path, monkeypa
     with pytest.raises(RankFailure) as info:
         check_every_rank_saved(str(tmp_path), 3)
     assert str(info.value) == (
-        f"preempted, but ranks 1,2 saved no last.ckpt: the checkpoint in {tmp_path}/checkpoints "
-        "is incomplete; ckpt_path=auto resumes from the newest complete one"
+        "stopped, but ranks 1,2 saved no checkpoint at the stop; there is no complete checkpoint: a rerun "
+        "starts from step 0"
+    )
+    # The complete checkpoint of an earlier step (a Ctrl-C's abandoned save leaves it) is named.
+    earlier = tmp_path / "checkpoints" / "step000050.ckpt"
+    earlier.parent.mkdir(exist_ok=True)
+    torch.save({"global_step": 50, "state_dict": {}}, earlier)
+    with pytest.raises(RankFailure) as info:
+        check_every_rank_saved(str(tmp_path), 3)
+    assert str(info.value) == (
+        f"stopped, but ranks 1,2 saved no checkpoint at the stop; the newest complete checkpoint is {earlier} "
+        "(ckpt_path=auto resumes from it)"
     )
 
 

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.checkpoints import sharded_checkpoint
-from helpers.cli import REPO, cli_env, explain, final_weights, run_train, summaries, train_losses
+from helpers.cli import (
+    REPO,
+    cli_env,
+    explain,
+    final_weights,
+    run_in_own_group,
+    run_train,
+    summaries,
+    train_losses,
+)
 from helpers.inprocess import train_on_pool
 
 from litscale.checkpoints import is_complete_checkpoint, newest_last_checkpoint, resolve_ckpt_path
@@ -107,6 +116,44 @@ def assert_resume_reproduces_the_uninterrupted_run(tmp_path: Path, setup: tuple[
         assert actual[step] == expected[step], step
     for name, tensor in final_weights(reference).items():
         assert torch.equal(final_weights(continued)[name], tensor), name
+
+
+def run_in_a_terminals_group(*overrides: str, outputs: Path) -> subprocess.CompletedProcess:
+    """``train.py`` in a process group of its own, as a terminal runs it (a Ctrl-C reaches every
+    process of the job); nothing of it may outlive it."""
+    process, _, stray = run_in_own_group([sys.executable, "train.py", *overrides], outputs=outputs, timeout=300)
+    assert not stray, stray
+    return process
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("setup", [ONE_PROCESS, TWO_RANKS], ids=["single", "ddp"])
+def test_ctrl_c_saves_at_a_step_every_rank_agrees_on_and_exits_0(tmp_path, setup):
+    """A terminal's Ctrl-C (SIGINT to the launcher and every rank, which the launcher's agent
+    passes on once more) stops the run as a preemption does: last.ckpt at the agreed step."""
+    stopped = run_in_a_terminals_group(*setup, "name=stopped", *fault(5, "ctrl_c", rank=0), outputs=tmp_path)
+    assert stopped.returncode == 0, explain(stopped)
+    printed = stopped.stdout + stopped.stderr
+    assert ("litscale: Ctrl-C: stopping after a step every rank agrees on and saving last.ckpt; Ctrl-C again "
+            "to stop at once without saving") in printed
+    (interrupted,) = run_dirs(tmp_path, "stopped")
+    saved_step = torch.load(interrupted / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+    assert 5 <= saved_step < 10, explain(stopped)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_second_ctrl_c_stops_at_once_and_names_the_checkpoint_that_remains(tmp_path):
+    stopped = run_in_a_terminals_group(*ONE_PROCESS, "trainer.val_check_interval=2", "name=stopped",
+                                       *fault(3, "ctrl_c_twice", rank=0), "+callbacks.fault.delay_s=1.5",
+                                       outputs=tmp_path)
+    assert stopped.returncode == 1, explain(stopped)
+    (interrupted,) = run_dirs(tmp_path, "stopped")
+    newest = newest_last_checkpoint(str(interrupted))
+    assert torch.load(newest, weights_only=True)["global_step"] == 2  # the step-2 validation's checkpoint
+    assert (f"litscale: stopped at step 3 by a second Ctrl-C, without saving; the newest complete checkpoint is "
+            f"{newest} (ckpt_path=auto resumes from it)") in stopped.stdout + stopped.stderr, explain(stopped)
 
 
 # Validation every 4 steps, the ranks agreeing on a stop every 4: a signal during the validation

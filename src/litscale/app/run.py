@@ -64,9 +64,13 @@ def check_every_rank_saved(output_dir: str, world_size: int) -> None:
     ranks = range(world_size) if rank is None else range(rank, rank + 1)
     missing = ranks_without_preemption_checkpoint(output_dir, ranks)
     if missing:
+        from litscale.checkpoints import newest_last_checkpoint
+
         names = ("rank " if len(missing) == 1 else "ranks ") + ",".join(map(str, missing))
-        raise RankFailure(f"preempted, but {names} saved no last.ckpt: the checkpoint in {output_dir}/checkpoints "
-                          "is incomplete; ckpt_path=auto resumes from the newest complete one")
+        newest = newest_last_checkpoint(output_dir)
+        kept = (f"the newest complete checkpoint is {newest} (ckpt_path=auto resumes from it)" if newest
+                else "there is no complete checkpoint: a rerun starts from step 0")
+        raise RankFailure(f"stopped, but {names} saved no checkpoint at the stop; {kept}")
 
 
 def run_rank(spec: RunSpec) -> dict:

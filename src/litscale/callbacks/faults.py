@@ -55,7 +55,7 @@ class InjectFault(Callback):
         *,
         at_step: NonNegativeInt,
         kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights", "hang",
-                      "skip_collective", "wrong_shape", "slow", "freeze"] = "exception",
+                      "skip_collective", "wrong_shape", "slow", "freeze", "ctrl_c", "ctrl_c_twice"] = "exception",
         rank: NonNegativeInt | None = None,
         during: Literal["train", "validation", "export", "summary"] = "train",
         after_resume: bool = False,
@@ -163,6 +163,14 @@ class InjectFault(Callback):
             return
         if self.kind == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)  # this rank dies, as on a hardware fault
+        if self.kind.startswith("ctrl_c"):
+            # A terminal's Ctrl-C: SIGINT to every process of the job's group (run it in a group
+            # of its own); the twice kind presses it again ``delay_s`` later.
+            os.killpg(os.getpgid(0), signal.SIGINT)
+            if self.kind == "ctrl_c_twice":
+                time.sleep(self.delay_s)
+                os.killpg(os.getpgid(0), signal.SIGINT)
+            return
         # A scheduler's preemption signal reaches the whole job: under litscale's launcher (or
         # torchrun) that is the agent, which passes it on to every rank.
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ
@@ -174,7 +182,7 @@ class InjectFault(Callback):
 METRIC_SIZE = 4
 
 # The kinds that act once, at the end of step ``at_step``; the others stall a step.
-INSTANT_KINDS = ("exception", "sigterm", "sigusr1", "sigkill", "nan_weights")
+INSTANT_KINDS = ("exception", "sigterm", "sigusr1", "sigkill", "nan_weights", "ctrl_c", "ctrl_c_twice")
 
 
 def ddp_model(trainer: Trainer) -> Any:

@@ -1,7 +1,9 @@
-"""Saving a checkpoint when the job is told to stop (SIGTERM, or SIGUSR1 as SLURM sends it).
+"""Saving a checkpoint when the job is told to stop (SIGTERM, or SIGUSR1 as SLURM sends it,
+or Ctrl-C).
 
 Every rank stops after the same optimizer step, saves ``last.ckpt`` there with the others,
-and the run exits cleanly, so ``ckpt_path=auto`` resumes exactly where it stopped.
+and the run exits cleanly, so ``ckpt_path=auto`` resumes exactly where it stopped. A second
+Ctrl-C stops at once without saving (exit 1), and names the newest complete checkpoint there is.
 
 NOTE: Lightning's own handling is not used as it is: each rank's handler sets that rank's
 flag, which Lightning reads in several places (the end of a batch, of an epoch, inside
@@ -18,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from types import FrameType
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -26,7 +29,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from litscale.async_checkpoint import wait_for_checkpoints
+from litscale.checkpoints import newest_last_checkpoint
 from litscale.constraints import PositiveInt
+
+# A Ctrl-C this soon after the first is the same keypress passed on, not the user's second:
+# the terminal signals every process of the job, and torch's elastic agent then passes the
+# SIGINT it got on to the ranks too.
+SAME_CTRL_C_S = 1.0
 
 
 class PreemptionCheckpoint(Callback):
@@ -50,6 +59,9 @@ class PreemptionCheckpoint(Callback):
         self._checked_at_step = -1
         self._saved_at_step = -1
         self._trainer: Trainer | None = None
+        self._first_ctrl_c: float | None = None  # when the first Ctrl-C came (monotonic seconds)
+        self._announced = False
+        self._previous_sigint = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Here, not in on_fit_start: Lightning registers its handlers between the two. A signal
@@ -59,7 +71,14 @@ class PreemptionCheckpoint(Callback):
         self._checked_at_step = trainer.global_step
         for signum in self._stop_signals(trainer):
             signal.signal(signum, self._on_signal)  # Lightning's teardown restores the originals
+        if threading.current_thread() is threading.main_thread():
+            self._previous_sigint = signal.signal(signal.SIGINT, self._on_signal)  # restored in teardown
         disable_lightning_sigterm_broadcast(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._previous_sigint is not None:
+            signal.signal(signal.SIGINT, self._previous_sigint)
+            self._previous_sigint = None
 
     def _stop_signals(self, trainer: Trainer) -> list[signal.Signals]:
         if threading.current_thread() is not threading.main_thread():
@@ -75,6 +94,11 @@ class PreemptionCheckpoint(Callback):
         return signals
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_ctrl_c is not None and now - self._first_ctrl_c > SAME_CTRL_C_S:
+                raise KeyboardInterrupt  # the user's second Ctrl-C: stop at once, without saving
+            self._first_ctrl_c = self._first_ctrl_c or now
         first = not self.signalled
         self.signalled = True
         launcher = self._trainer.strategy.launcher if self._trainer is not None else None
@@ -83,6 +107,10 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
                            batch_idx: int) -> None:
+        if self._first_ctrl_c is not None and not self._announced:  # said here: not from a signal handler
+            self._announced = True
+            rank_zero_info("litscale: Ctrl-C: stopping after a step every rank agrees on and saving last.ckpt; "
+                           "Ctrl-C again to stop at once without saving")
         step = trainer.global_step
         if self.stopping or step == self._checked_at_step:
             return  # already stopping, or a batch that only accumulated gradients
@@ -109,6 +137,13 @@ class PreemptionCheckpoint(Callback):
             _set_lightning_stop_flag(trainer, True)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt) and self._first_ctrl_c is not None:
+            newest = newest_last_checkpoint(os.path.dirname(self.dirpath))
+            kept = (f"the newest complete checkpoint is {newest} (ckpt_path=auto resumes from it)" if newest
+                    else f"no complete checkpoint in {self.dirpath}: a rerun starts from step 0")
+            rank_zero_info(f"litscale: stopped at step {trainer.global_step} by a second Ctrl-C, without saving; "
+                           f"{kept}")
+            return
         if not isinstance(exception, SIGTERMException) or trainer.sanity_checking:
             return
         if self._saved_at_step != trainer.global_step:  # not saved at this step's validation
