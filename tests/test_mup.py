@@ -15,6 +15,7 @@ from helpers.cli import explain
 from helpers.configs import compose_job
 from helpers.inprocess import train_on_pool
 
+from litscale.app.mup_check import CoordinateCheck, main
 from litscale.app.validation import ConfigError, validate
 from litscale.lr_scaling import ScaledOptimizerFactory
 from litscale.models.gpt import GPT, GPTConfig
@@ -22,7 +23,6 @@ from litscale.models.moe import MoEConfig, MoEDecoder
 from litscale.modules import weight_decay_groups
 from litscale.muon import Muon, parameter_roles
 from litscale.mup import WidthScaling
-from litscale.mup_check import CoordinateCheck, main
 
 
 def gpt(width: int, seed: int = 0) -> GPT:

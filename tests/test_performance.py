@@ -119,11 +119,15 @@ def test_per_step_values_logged_on_the_steps_loggers_write(default_run, key, log
 
 def test_logging_steps_follow_the_trainer():
     assert is_logging_step(None, 7)  # no trainer: log as Lightning would
-    trainer = SimpleNamespace(log_every_n_steps=10, is_last_batch=False, max_steps=95)
+    trainer = SimpleNamespace(log_every_n_steps=10, is_last_batch=False, max_steps=95, world_size=1)
     logged = [step for step in range(1, 96) if is_logging_step(trainer, step)]
     assert logged == [10, 20, 30, 40, 50, 60, 70, 80, 90, 95]  # and the last step, for the summary
     trainer.is_last_batch = True
     assert is_logging_step(trainer, 4)
+    # Not with several ranks: each may end its epoch at its own step (federated clients), and
+    # the logged loss is averaged over the ranks, which must all log the same steps.
+    trainer.world_size = 2
+    assert not is_logging_step(trainer, 4)
     trainer.log_every_n_steps, trainer.is_last_batch = 1, False
     assert is_logging_step(trainer, 3)
 

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from litscale.app.mup_check import compose_config, first_batches
 from litscale.lr_scaling import ScaledOptimizerFactory
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.modules import weight_decay_groups
 from litscale.muon import Muon, parameter_roles
 from litscale.mup import WidthScaling
-from litscale.mup_check import compose_config, first_batches
 
 HERE = Path(__file__).resolve().parent
 OPTIMIZERS = {

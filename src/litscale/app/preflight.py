@@ -210,7 +210,7 @@ def check_cluster_resources(cfg) -> None:
     except Exception as error:  # noqa: BLE001 - OmegaConf's several error types, one message
         raise ConfigError(f"hydra.launcher: {str(error).splitlines()[0]}") from None
     if option == "skypilot":
-        from hydra_plugins.litscale_plugins.skypilot import outputs_problem
+        from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_problem
 
         problem = outputs_problem(params)
         if problem:

@@ -3,8 +3,8 @@ and see how large each layer's activations are. Under µP they keep their size a
 widens; under the standard parametrisation (SP) the later steps' grow with width, which is why
 an LR tuned on a narrow model diverges on a wide one.
 
-    python -m litscale.mup_check model=gpt widths=64,128,256,512
-    python -m litscale.mup_check model=llama optimizer=muon widths=64,128,256 steps=5 out=outputs/coord
+    python -m litscale.app.mup_check model=gpt widths=64,128,256,512
+    python -m litscale.app.mup_check model=llama optimizer=muon widths=64,128,256 steps=5 out=outputs/coord
 
 Other ``key=value`` arguments are the training config's overrides (``optimizer.lr=0.01``,
 ``data=...``, ``lr_scaling.base_width=64``; the base width is the narrowest by default).
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "conf"
 PARAMETRISATIONS = ("sp", "mup")
 TOOL_KEYS = ("widths", "steps", "out", "seed")
 
