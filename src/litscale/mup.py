@@ -65,9 +65,9 @@ class ParameterWidth:
 
     @property
     def init(self) -> float:
-        if self.role in ("hidden", "readout"):
-            return 1 / math.sqrt(self.fan_in_ratio) if self.role == "hidden" else 1 / self.fan_in_ratio
-        return 1.0
+        if self.role == "hidden":
+            return 1 / math.sqrt(self.fan_in_ratio)
+        return 1 / self.fan_in_ratio if self.role == "readout" else 1.0
 
     @property
     def adam_lr(self) -> float:
@@ -135,9 +135,6 @@ class WidthScaling:
 
     # --- the network -----------------------------------------------------------------------------
 
-    def score_multiplier(self, attention: nn.Module, base_attention: nn.Module) -> float:
-        return math.sqrt(base_attention.head_dim / attention.head_dim)
-
     def apply(self, networks: Iterable[nn.Module] = ()) -> bool:
         """Set the forward multipliers on the network (and on ``networks``: copies the run also
         computes with, the layout-invariant replica) and scale its init; False when this network
@@ -148,8 +145,8 @@ class WidthScaling:
             owner = declared(network, "mup_width")[0]
             owner.output_multiplier = 1 / self.output_ratio
             for name, module in owner.named_modules():
-                if name in base_attention:
-                    module.score_multiplier = self.score_multiplier(module, base_attention[name])
+                if name in base_attention:  # scores 1/head_dim, relative to the base's 1/sqrt(head_dim)
+                    module.score_multiplier = math.sqrt(base_attention[name].head_dim / module.head_dim)
         if applied and self.output_ratio != 1.0:
             return False
         with torch.no_grad():
