@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from litscale.app.mup_check import compose_config, first_batches
 from litscale.lr_scaling import ScaledOptimizerFactory
 from litscale.models.gpt import GPT, GPTConfig
-from litscale.modules import weight_decay_groups
-from litscale.muon import Muon, parameter_roles
+from litscale.modules import optimizer_groups
+from litscale.muon import Muon
 from litscale.mup import WidthScaling
 
 HERE = Path(__file__).resolve().parent
@@ -52,12 +52,12 @@ def train(width: int, base_width: int, lr: float, optimizer: str, parametrisatio
           val_batches: list, seq_len: int, seed: int) -> dict:
     torch.manual_seed(seed)
     net = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=width, vocab_size=256, block_size=seq_len))
-    groups = (parameter_roles if optimizer == "muon" else weight_decay_groups)(net, 0.0)
     factory = OPTIMIZERS[optimizer]
+    groups = optimizer_groups(net, Muon if optimizer == "muon" else torch.optim.AdamW, 0.0)
     if parametrisation == "mup":
         scaling = WidthScaling(net, base_width)
         scaling.apply()
-        built = ScaledOptimizerFactory(lambda params, lr: factory(params, lr), lr, scaling)(groups)
+        built = ScaledOptimizerFactory(factory, lr, scaling)(groups)
     else:
         built = factory(groups, lr)
     peaks = [group["lr"] for group in built.param_groups]

@@ -27,6 +27,14 @@ OptimizerFactory = Callable[[Iterable], Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 
+def optimizer_groups(net: nn.Module, optimizer: object, weight_decay: float) -> list[dict]:
+    """The param groups ``optimizer`` (a class or factory) is built from: by weight decay, and by
+    role where it asks for them (Muon)."""
+    from litscale.muon import parameter_roles, wants_parameter_roles
+
+    return (parameter_roles if wants_parameter_roles(optimizer) else weight_decay_groups)(net, weight_decay)
+
+
 def weight_decay_groups(net: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: biases and norm gains are excluded, as in GPT-2 and the LAMB paper."""
     params = [p for p in net.parameters() if p.requires_grad]
@@ -141,12 +149,8 @@ class TaskModule(LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def param_groups(self) -> list[dict]:
-        """The optimizer's param groups: by weight decay, and by role where it asks for them."""
-        from litscale.muon import parameter_roles, wants_parameter_roles
-
-        if wants_parameter_roles(self.optimizer_factory):
-            return parameter_roles(self.net, self.weight_decay)
-        return weight_decay_groups(self.net, self.weight_decay)
+        """The optimizer's param groups (``optimizer_groups``)."""
+        return optimizer_groups(self.net, self.optimizer_factory, self.weight_decay)
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.param_groups())

@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from litscale.app.safety import locate_target
+from litscale.app.width_checks import base_width_of, width_rule
 from litscale.contract import Option, missing_requirement, refusal_line, why_not
 from litscale.errors import ConfigError
 from litscale.muon import wants_parameter_roles
@@ -35,8 +36,8 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.MATRIX_OPTIMIZER] = f"optimizer={choices.get('optimizer', cfg.optimizer._target_)}"
     if (cfg.get("checkpoint") or {}).get("async_save"):
         chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
-    if (cfg.get("lr_scaling") or {}).get("base_width") is not None:
-        chosen[Option.WIDTH_SCALING] = f"lr_scaling={choices.get('lr_scaling', 'mup')}"
+    if base_width_of(cfg) is not None:
+        chosen[Option.WIDTH_SCALING] = width_rule(choices)
     return chosen
 
 

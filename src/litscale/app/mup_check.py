@@ -107,9 +107,8 @@ def first_batches(cfg: DictConfig, count: int, split: str = "train") -> list[tup
 def train_and_measure(cfg: DictConfig, width: int, base_width: int, parametrisation: str,
                       batches: list, seed: int) -> dict[str, list[float]]:
     from litscale.app.build import build, trusted_targets
-    from litscale.lr_scaling import optimizer_keywords
-    from litscale.modules import weight_decay_groups
-    from litscale.muon import parameter_roles, wants_parameter_roles
+    from litscale.lr_scaling import ScaledOptimizerFactory
+    from litscale.modules import optimizer_groups
     from litscale.mup import WidthScaling
 
     trusted = trusted_targets(cfg)
@@ -118,12 +117,11 @@ def train_and_measure(cfg: DictConfig, width: int, base_width: int, parametrisat
     torch.manual_seed(seed)
     net = build(cfg.model.net, trusted=trusted)
     factory = build(cfg.optimizer, trusted=trusted)
-    weight_decay = float(cfg.model.get("weight_decay", 0.0))
-    groups = (parameter_roles if wants_parameter_roles(factory) else weight_decay_groups)(net, weight_decay)
-    if parametrisation == "mup":
+    groups = optimizer_groups(net, factory, float(cfg.model.get("weight_decay", 0.0)))
+    if parametrisation == "mup":  # as the LR-scaling callback applies it
         width_scaling = WidthScaling(net, base_width)
         width_scaling.apply()
-        groups = width_scaling.param_groups(groups, float(cfg.optimizer.lr), optimizer_keywords(factory))
+        factory = ScaledOptimizerFactory(factory, float(cfg.optimizer.lr), width_scaling)
     optimizer = factory(groups)
     sizes: dict[str, list[float]] = {}
     with ActivationSizes(net, sizes):

@@ -13,6 +13,11 @@ def base_width_of(cfg: DictConfig) -> int | None:
     return (cfg.get("lr_scaling") or {}).get("base_width")
 
 
+def width_rule(choices: dict[str, str]) -> str:
+    """``lr_scaling=<option>`` as the user typed it."""
+    return f"lr_scaling={choices.get('lr_scaling', 'mup')}"
+
+
 def check_width_options(cfg: DictConfig, choices: dict[str, str]) -> None:
     """The options µP cannot take, named before their own checks (a missing ``from_hf``
     directory is beside the point when µP could not fine-tune it anyway)."""
@@ -20,7 +25,7 @@ def check_width_options(cfg: DictConfig, choices: dict[str, str]) -> None:
         return
     from litscale.mup import SUPPORTED_OPTIMIZERS
 
-    rule = f"lr_scaling={choices.get('lr_scaling', 'mup')}"
+    rule = width_rule(choices)
     optimizer = cfg.optimizer._target_
     if optimizer not in SUPPORTED_OPTIMIZERS:
         raise ConfigError(f"{rule} has width multipliers for optimizer=adamw and optimizer=muon (or "
@@ -46,7 +51,7 @@ def check_declared_widths(cfg: DictConfig, choices: dict[str, str]) -> None:
     from litscale.app.build import build, trusted_targets
     from litscale.mup import WidthScaling
 
-    rule = f"lr_scaling={choices.get('lr_scaling', 'mup')}"
+    rule = width_rule(choices)
     model = choices.get("model", cfg.model.get("_target_"))
     try:
         with torch.device("meta"):
