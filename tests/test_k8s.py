@@ -290,7 +290,8 @@ def test_every_plugin_module_imports_without_its_engine():
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 0 and process.stderr == "", explain(process)
     assert process.stdout.split() == ["jobs", "k8s", "k8s_manifests", "optuna_space", "optuna_study",
-                                      "optuna_sweeper", "ray_launcher", "skypilot", "slurm", "sweeper"]
+                                      "optuna_sweeper", "ray_launcher", "skypilot", "skypilot_outputs", "slurm",
+                                      "sweeper"]
     plugin_packages = [p.name for p in Path(__file__).parents[1].joinpath("src", "hydra_plugins").iterdir()
                        if p.is_dir() and not p.name.startswith("__")]
     assert plugin_packages == ["litscale_plugins"]
