@@ -19,6 +19,9 @@ os.environ.setdefault("LITSCALE_SKIP_TORCHMETRICS_BACKENDS", "1")
 # collection: pytest rewrites the asserts of every test module it imports).
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# The suite loads the machine itself (two workers, multi-rank runs): the planner would refuse to
+# keep what a test times (litscale/planner/machine.py). The tests of that refusal set it.
+os.environ.setdefault("LITSCALE_MAX_LOAD", "1000")
 import litscale  # noqa: E402, F401
 
 

@@ -85,10 +85,10 @@ def _share_cpu_threads() -> None:
     """Give each local rank its share of the cores: N ranks x all cores oversubscribes. In a
     device sweep every job gets the largest job's share (``scaling_study.THREADS_ENV``)."""
     from litscale.app.scaling_study import THREADS_ENV
+    from litscale.planner.machine import cores
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = int(os.environ.get(THREADS_ENV) or max(1, cores // local_ranks))
+    threads = int(os.environ.get(THREADS_ENV) or max(1, cores() // local_ranks))
     torch.set_num_threads(threads)
     # NOTE: Lightning's launchers set torch's threads to cores / processes again unless
     # OMP_NUM_THREADS is set: a sweep's 1-device job ran on 2 threads beside ranks on 1.

@@ -4,7 +4,6 @@ strategy fits their count, and that the precision runs on their accelerator. Par
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig
@@ -30,7 +29,9 @@ def machine_device_count(accelerator: str) -> int:
         import torch
 
         return torch.cuda.device_count()
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from litscale.planner.machine import cores
+
+    return cores()
 
 
 def count_devices(devices: Any, available: int, accelerator: str = "cpu") -> int | None:

@@ -100,7 +100,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     summary = {k: v for k, v in summary.items() if v is not None}
     if trainer.is_global_zero:
         summary.update(_log_scaling(trainer, summary, scaling or ScalingContext()))
-        summary.update(_prediction(built))
+        summary.update(_prediction(built, summary.get("perf/step_time_s")))
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
         _plot_label_histograms(summary)
@@ -180,12 +180,12 @@ def _plot_label_histograms(summary: dict) -> None:
         summary["data"]["label_histograms_plot"] = plot
 
 
-def _prediction(built: BuiltRun) -> dict:
+def _prediction(built: BuiltRun, measured_step_s: float | None) -> dict:
     """The planner's prediction for this run (``plan/*``), beside what it measured."""
     from litscale.app.plan.ranking import predicted_for_run
 
     try:
-        return predicted_for_run(built.config, built.choices, built.layout)
+        return predicted_for_run(built.config, built.choices, built.layout, measured_step_s)
     except Exception as error:  # a prediction is a comparison, never a reason for a run to fail
         return {"plan/error": f"{type(error).__name__}: {error}".splitlines()[0]}
 
@@ -222,17 +222,36 @@ def _print_end(summary: dict) -> None:
     if "health/slowest_rank" in summary:
         _say(f"slowest rank: {summary['health/slowest_rank']} at {summary['health/straggler_ratio']:.2f}x "
              "the median of its peers' forward times (median over the run)")
-    if "plan/predicted_step_s" in summary and "perf/step_time_s" in summary:
-        source = "" if summary.get("plan/compute_source") != "flops" else (
-            " (compute from FLOPs: plan=show times this model here once, and runs read that)")
-        _say(f"planner: predicted {summary['plan/predicted_step_s']:.4g} s/step on cluster "
-             f"{summary['plan/cluster']}{source}, measured {summary['perf/step_time_s']:.4g} s/step")
+    _print_prediction(summary)
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
              f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")
     exports = "".join(f", {os.path.basename(summary[k].rstrip(os.sep))}{'/' if k == 'export_hf' else ''}"
                       for k in ("export", "export_hf") if k in summary)
     _say(f"outputs: {summary['output_dir']} (summary.json, checkpoints/{exports}, logs)")
+
+
+def _print_prediction(summary: dict) -> None:
+    """The planner's step time beside the measured one; a prediction the run contradicted, or
+    one withheld because an earlier run did, says so."""
+    withheld = summary.get("plan/withheld")
+    if withheld:
+        _say(f"planner: no prediction for this model and layout: its last one, {withheld['predicted_step_s']:.4g} "
+             f"s/step, was contradicted by the {withheld['measured_step_s']:.4g} s/step measured in "
+             f"{withheld['run']}; plan=show times it again")
+        return
+    if "plan/predicted_step_s" not in summary or "perf/step_time_s" not in summary:
+        return
+    source = "" if summary.get("plan/compute_source") != "flops" else (
+        " (compute from FLOPs: plan=show times this model here once, and runs read that)")
+    line = (f"planner: predicted {summary['plan/predicted_step_s']:.4g} s/step on cluster "
+            f"{summary['plan/cluster']}{source}, measured {summary['perf/step_time_s']:.4g} s/step")
+    if summary.get("plan/dropped"):
+        line += (f": {summary['plan/off_by']:.1f}x off, so no longer used for this model and layout "
+                 "(plan=show times it again)")
+    elif "plan/off_by" in summary:
+        line += f": {summary['plan/off_by']:.1f}x off (cluster={summary['plan/cluster']}'s figures are not this run's)"
+    _say(line)
 
 
 def finish_loggers(trainer: Trainer, status: str) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 
 from litscale.constraints import Fraction, NonNegativeFloat
 from litscale.flops import probe_matmul_flops
+from litscale.planner import machine
 from litscale.planner.cluster import Cluster, Link
 
 SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
@@ -150,8 +152,10 @@ def measure_contention(ranks: int, link: Link) -> float:
 
 
 def calibrate() -> dict:
-    """Measure and write this machine's figures; return them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """Measure this machine's figures and return them; write them unless the machine was busy
+    (``machine.busy``: the figures then serve this command only, and say why in ``refused``)."""
+    load = machine.load_average()  # before our own processes add to it
+    cores = machine.cores()
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank's share
     try:
@@ -164,7 +168,11 @@ def calibrate() -> dict:
                "peak_flops": peak, "bandwidth_bytes_s": link.bandwidth_bytes_s, "latency_s": link.latency_s,
                "contention": measure_contention(min(cores, 2), link),
                "all_reduce_s_by_bytes": times,  # what latency and bandwidth were fitted to
-               "measured": time.strftime("%Y-%m-%d %H:%M")}
+               "measured": time.strftime("%Y-%m-%d %H:%M"), "load_average": round(load, 2),
+               "machine": machine.fingerprint(), "torch": torch.__version__}
+    refused = machine.busy(load)
+    if refused:
+        return {**figures, "refused": f"not written to {calibration_path()}: timed at a {refused}"}
     path = calibration_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
@@ -173,13 +181,39 @@ def calibrate() -> dict:
     return figures
 
 
+def stale(figures: dict) -> str | None:
+    """Why a calibration file does not describe this machine now (None: it does). A file written
+    by hand (no ``machine``) is taken as written."""
+    if "machine" not in figures:
+        return None
+    if figures["machine"] != machine.fingerprint():
+        return "it was measured on another machine"
+    if figures.get("torch") != torch.__version__:
+        return f"it was measured with torch {figures.get('torch')}, this is {torch.__version__}"
+    return None
+
+
+def calibrated_figures() -> dict | None:
+    """This machine's calibration file, or None where there is none or it is ``stale``."""
+    path = calibration_path()
+    if not path.exists():
+        return None
+    figures = json.loads(path.read_text())
+    return None if stale(figures) else figures
+
+
 def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegativeFloat = 0.1,
               overlap: Fraction = 0.0, overhead_per_microbatch_s: NonNegativeFloat = 0.0) -> Cluster:
     """This machine as a cluster: one rank per core, its measured matmul peak and gloo link
     (calibrated once, then read from the file). ``overlap`` 0: on CPU, gradient communication
     competes with backward for the same cores."""
     path = calibration_path()
-    figures = json.loads(path.read_text()) if path.exists() else calibrate()
+    figures = calibrated_figures()
+    if figures is None:
+        figures = calibrate()
+        if "refused" in figures:
+            print(f"litscale: this machine's calibration {figures['refused']}; used for this command only",
+                  file=sys.stderr)
     link = Link(bandwidth_bytes_s=figures["bandwidth_bytes_s"], latency_s=figures["latency_s"])
     return Cluster(name="local_cpu", nodes=1, devices_per_node=figures["cores"],
                    contention=figures.get("contention", 1.0),
@@ -187,10 +221,13 @@ def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegat
                    intra_node=link, inter_node=link, achieved_fraction=achieved_fraction,
                    allocator_overhead=allocator_overhead, overlap=overlap,
                    overhead_per_microbatch_s=overhead_per_microbatch_s, is_this_machine=True,
-                   source=f"measured on this machine ({path}, {figures['measured']})")
+                   source=f"measured on this machine ({'not written' if 'refused' in figures else path}, "
+                          f"{figures['measured']})")
 
 
 if __name__ == "__main__":
     result = calibrate()
     print(json.dumps(result, indent=1))
+    if "refused" in result:
+        sys.exit(f"litscale: calibration {result['refused']}; run it again on a quiet machine")
     print(f"written to {calibration_path()}")

@@ -28,6 +28,8 @@ class Profile:
     # Dense gradient bytes over the bytes a compression hook hands to collectives, in its
     # steady state (after any dense warm-up): litscale's own codecs, run on the profiled step.
     bytes_ratio: float = 1.0
+    # The machine's load average when it was timed (None: not recorded).
+    load_average: float | None = None
 
 
 @dataclass(frozen=True)

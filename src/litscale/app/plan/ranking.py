@@ -161,31 +161,52 @@ def configured_options(cfg: DictConfig, cls: type, layout: RunLayout) -> dict:
             and isinstance(value, (bool, int, float, str)) and (key in stated or value != defaults[key])}
 
 
-def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> dict:
+def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout,
+                      measured_step_s: float | None = None) -> dict:
     """The planner's prediction for the run as configured, for its summary beside what it
     measured; {} where ``plan.predict_run`` is off, the strategy is not modelled, or the cluster
-    is this machine and has not been calibrated. Nothing is timed here (a run pays nothing after ``fit`` for it): the
+    is this machine and has no calibration of it. Nothing is timed here (a run pays nothing after ``fit`` for it): the
     forward-backward is the one ``plan=show|auto`` timed for this model and cluster file where
-    it did (``plan/compute_source``: ``timed``), else FLOPs at the cluster's throughput."""
+    it did (``plan/compute_source``: ``timed``), else FLOPs at the cluster's throughput.
+
+    On this machine, a ``measured_step_s`` more than ``CONTRADICTION_FACTOR`` off the
+    prediction either way contradicts it (``plan/off_by``): that model and layout get no
+    prediction (``plan/withheld``) until ``plan=show|auto`` times them again (``plan/dropped``).
+    Elsewhere the cluster file is the user's: the line says how far off it was."""
     from litscale.app.build import build, trusted_targets
     from litscale.planner import profile_cache
-    from litscale.planner.calibrate import calibration_path
-    from litscale.planner.cost import predict, timed_forward_backward_s
+    from litscale.planner.calibrate import calibrated_figures
+    from litscale.planner.cost import predict, profile_key, timed_forward_backward_s
 
     plan = configured_plan(cfg, choices, layout)
     cluster_node = cfg.get("cluster")
     if not cfg.plan.get("predict_run", True) or plan is None or cluster_node is None or "_target_" not in cluster_node or (
-            cluster_node._target_.endswith(".local_cpu") and not calibration_path().exists()):
+            cluster_node._target_.endswith(".local_cpu") and calibrated_figures() is None):
         return {}
     cluster = build(cluster_node, trusted=trusted_targets(cfg))
     facts = facts_of(cfg)
-    if cluster.is_this_machine:
-        facts = dataclasses.replace(facts, profiles=profile_cache.load(profile_identity(cfg, cluster)))
+    key = profile_key(plan)
+    identity = profile_identity(cfg, cluster) if cluster.is_this_machine else None
+    if identity is not None:
+        earlier = profile_cache.contradiction(identity, key)
+        if earlier is not None:
+            return {"plan/cluster": cluster.name, "plan/withheld": earlier}
+        facts = dataclasses.replace(facts, profiles=profile_cache.load(identity))
     prediction = predict(plan, facts, cluster)
-    return {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
-            "plan/compute_source": "flops" if timed_forward_backward_s(plan, facts) is None else "timed",
-            "plan/predicted_peak_bytes": prediction.peak_bytes,
-            "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
+    result = {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
+              "plan/compute_source": "flops" if timed_forward_backward_s(plan, facts) is None else "timed",
+              "plan/predicted_peak_bytes": prediction.peak_bytes,
+              "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
+    if measured_step_s:
+        off_by = max(measured_step_s / prediction.step_s, prediction.step_s / measured_step_s)
+        if off_by > profile_cache.CONTRADICTION_FACTOR:
+            result["plan/off_by"] = off_by
+            if identity is not None:
+                result["plan/dropped"] = True
+                profile_cache.contradict(identity, key, {
+                    "predicted_step_s": prediction.step_s, "measured_step_s": measured_step_s,
+                    "compute_source": result["plan/compute_source"], "run": os.path.abspath(cfg.paths.output_dir)})
+    return result
 
 
 def check_devices_per_node(layout: RunLayout, cluster: Cluster, choices: dict[str, str]) -> None:
@@ -316,11 +337,11 @@ def measured_tokens_per_expert(path: str, moe) -> tuple[tuple[float, ...], ...]:
 
 def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
     """What a profile of ``cfg``'s network on ``cluster`` depends on: the cache's key."""
-    import torch
+    from litscale.planner.profile_cache import code_identity
 
     compression = cfg.get("compression") or {}
     return {"net": OmegaConf.to_container(cfg.model.net, resolve=True), "seq_len": int(cfg.data.seq_len),
-            "vocab_size": int(cfg.data.vocab_size), "torch": torch.__version__, "cluster": cluster.source,
+            "vocab_size": int(cfg.data.vocab_size), "cluster": cluster.source, **code_identity(),
             "compression": OmegaConf.to_container(compression, resolve=True) if "_target_" in compression else None}
 
 
@@ -328,9 +349,10 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     """On this machine, ``facts`` with the network timed as each of ``plans_`` runs it, at
     the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are.
     What an earlier plan timed for this model and cluster file is read back, not timed again;
-    what is new is timed in a child process and cached."""
+    what is new is timed in a child process and cached, unless the machine was busy then
+    (``machine.busy``: used for this plan only, and said)."""
     from litscale.app.plan.profile import profiles_in_child
-    from litscale.planner import profile_cache
+    from litscale.planner import machine, profile_cache
     from litscale.planner.cost import profile_key
 
     peak = cluster.peak_flops["float32"]
@@ -345,10 +367,16 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     profiles = profile_cache.load(identity)
     todo = profile_cache.missing(profiles, keys)
     if todo:
+        load = machine.load_average()  # before the child adds to it
         timed = profiles_in_child(identity["net"], keys=todo, seq_len=facts.seq_len, vocab_size=identity["vocab_size"],
                                   compression=identity["compression"])
+        timed = {key: dataclasses.replace(profile, load_average=round(load, 2)) for key, profile in timed.items()}
         profiles = profile_cache.merged(profiles, timed)
-        profile_cache.store(identity, profiles)
+        busy = machine.busy(load)
+        if busy:
+            _say(f"profiles {', '.join(sorted(todo))} timed at a {busy}: used for this plan, not cached")
+        else:
+            profile_cache.store(identity, profiles)
     return dataclasses.replace(facts, profiles={key: profiles[key] for key in keys})
 
 
