@@ -27,6 +27,7 @@ def cached_run(tmp_path, monkeypatch):
     from litscale.app.build import build
     from litscale.app.plan import profile as plan_profile
     from litscale.app.plan import ranking
+    from litscale.app.plan.runs import predicted_for_run
     from litscale.app.validation import validate
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
@@ -48,7 +49,7 @@ def cached_run(tmp_path, monkeypatch):
         return ranking.timed_here(cfg, build(cfg.cluster), ranking.facts_of(cfg), [plan])
 
     def predicted(measured_step_s=None):
-        return ranking.predicted_for_run(cfg, choices, layout, measured_step_s)
+        return predicted_for_run(cfg, choices, layout, measured_step_s)
 
     plan_show()
     assert timed == [{"plain": {16}}]
@@ -169,6 +170,9 @@ def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibratio
     assert calibrate.stale(moved) == "it was measured on another machine" and calibrate.calibrated_figures() is None
     older = {**figures, "torch": "2.0.0"}
     assert calibrate.stale(older).startswith("it was measured with torch 2.0.0, this is ")
+    unrecorded = {k: v for k, v in figures.items() if k != "machine"}
+    assert calibrate.stale(unrecorded) == "it was measured by an older litscale, which did not record the machine"
+    assert calibrate.stale(CALIBRATION) is None  # written by hand: taken as written
     monkeypatch.setattr(calibrate, "probe_matmul_flops", lambda dtype, seconds: 2e10)
     assert calibrate.local_cpu().peak_flops["float32"] == 2e10  # a plan measures this machine again
     assert calibrate.calibrated_figures()["machine"] == machine.fingerprint()

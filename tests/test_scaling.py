@@ -28,6 +28,11 @@ from litscale.models.gpt import build_gpt
 TINY = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=12", "trainer.val_check_interval=12",
         "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "data.seq_len=32",
         "data.max_bytes=400000", "trainer.enable_progress_bar=false", "data.batch_size=4")
+# A described cluster of CPU-like links (gloo on one machine: about 1 GB/s, 0.4 ms) whose peak is
+# far above this machine's (2 TFLOP/s per device): each job's planner error is large, and
+# plan.calibrate_from has something to refit.
+DESCRIBED_CLUSTER = ("cluster=h100_8x", "cluster.peak_flops.float32=2e12", "cluster.intra_node.bandwidth_bytes_s=1e9",
+                     "cluster.intra_node.latency_s=4e-4", "cluster.overlap=0")
 NO_WANDB_KEY = {"WANDB_API_KEY": "", "NETRC": "/nonexistent", "WANDB_SILENT": "true"}
 
 # --- arithmetic ------------------------------------------------------------------------------
@@ -104,7 +109,7 @@ def test_a_cpu_peak_that_a_run_beat_is_measured_again_and_never_below_the_run(tm
 def sweep(tmp_path_factory):
     outputs = tmp_path_factory.mktemp("sweep")
     # Listed 2,1 on purpose: train.py runs the 1-device baseline first.
-    process = run_train("-m", "trainer.devices=2,1", "strategy=ddp,fsdp", *TINY, "logger=wandb",
+    process = run_train("-m", "trainer.devices=2,1", "strategy=ddp,fsdp", *TINY, *DESCRIBED_CLUSTER, "logger=wandb",
                         "name=sweep", outputs=outputs, env=NO_WANDB_KEY, timeout=400)
     assert process.returncode == 0, explain(process)
     sweeps = list((outputs / "sweep" / "multiruns").iterdir())
@@ -163,6 +168,42 @@ def test_sweep_writes_report_and_logs_it_to_wandb(sweep):
     group = f"sweep-{sweep_dir.name}".encode()  # every W&B run of the sweep in one group
     job_runs = list(sweep_dir.glob("*/wandb/offline-run-*/run-*.wandb"))
     assert len(job_runs) == 4 and all(group in path.read_bytes() for path in job_runs + report_runs)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_report_shows_the_planners_error_and_calibrate_from_refits_it_from_the_sweep(sweep, tmp_path):
+    import re
+
+    _, outputs, sweeps = sweep
+    sweep_dir = sweeps[0]
+    runs = {(s["choices"]["strategy"], s["world_size"]): s for s in summaries(outputs)}
+    report = json.loads((sweep_dir / "scaling_report.json").read_text())
+    for row in report:
+        run = runs[(row["variant"].split("=")[1], row["devices"])]
+        assert row["planner error"] == pytest.approx(run["plan/predicted_step_s"] / run["perf/step_time_s"] - 1)
+    assert "| planner error |" in (sweep_dir / "scaling_report.md").read_text()
+
+    process = run_train("plan=show", f"plan.calibrate_from={sweep_dir}", "trainer.devices=2", *TINY,
+                        *DESCRIBED_CLUSTER, outputs=tmp_path, timeout=300)
+    assert process.returncode == 0, explain(process)
+    assert f"litscale: calibrate_from: 4 run(s) on cluster=h100_8x under {sweep_dir}\n" in process.stdout
+    found = re.search(r"calibrate_from: held-out MAPE ([\d.]+)% \(the cluster file's\) -> ([\d.]+)% \(4-fold over 4 "
+                      r"runs\); the ranking below uses them; to keep them: cluster.achieved_fraction=(\S+) "
+                      r"cluster.overhead_per_microbatch_s=(\S+)\n", process.stdout)
+    assert found, process.stdout
+    before, after = float(found[1]), float(found[2])
+    # Lowered, not removed: two constants cannot explain all of a CPU run's step (FSDP's own work
+    # on one rank, gloo under contention: tens of percent left, recorded in docs/planner.md).
+    assert after < before, (before, after)
+    (record_path,) = tmp_path.glob("**/plan/calibration.json")
+    record = json.loads(record_path.read_text())
+    assert record["fitted"]["achieved_fraction"] == pytest.approx(float(found[3]), rel=1e-3)
+    assert len(record["runs"]) == 4 and record["mape_held_out"] == pytest.approx(after / 100, abs=5e-4)
+    for run in record["runs"]:  # the runs as their own summaries predicted them, with the cluster file's constants
+        summary = json.loads((Path(run["run_dir"]) / "summary.json").read_text())
+        assert run["predicted_given_s"] == pytest.approx(summary["plan/predicted_step_s"], rel=1e-9)
+        assert run["measured_step_s"] == summary["perf/step_time_s"]
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 
 from litscale.app.scaling_study import THROUGHPUT, scaling_metrics, variant_of
 
-COLUMNS = ("variant", "devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "val/loss")
+COLUMNS = ("variant", "devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "val/loss",
+           "planner error")
 
 
 def load_summaries(root: str) -> list[dict]:
@@ -51,9 +52,15 @@ def scaling_rows(summaries: list[dict]) -> list[dict[str, Any]]:
             "samples/s": summary.get(THROUGHPUT), "tokens/s": summary.get("perf/tokens_per_sec"),
             "speedup": metrics.get("scaling/speedup"), "efficiency": metrics.get("scaling/efficiency"),
             "MFU": summary.get("perf/mfu"), "val/loss": summary.get("val/loss"),
-            "run_dir": summary["run_dir"],
+            "planner error": planner_error(summary), "run_dir": summary["run_dir"],
         })
     return sorted(rows, key=lambda row: (row["variant"], row["devices"]))
+
+
+def planner_error(summary: dict) -> float | None:
+    """The planner's predicted step over the measured one, less 1 (None: no prediction)."""
+    predicted, measured = summary.get("plan/predicted_step_s"), summary.get("perf/step_time_s")
+    return predicted / measured - 1 if predicted and measured else None
 
 
 def variant_labels(variants: list[str]) -> dict[str, str]:
@@ -70,6 +77,8 @@ def _cell(value: Any, column: str) -> str:
         return f"{value:.1%}"
     if column == "speedup":
         return f"{value:.2f}x"
+    if column == "planner error":
+        return f"{value:+.0%}"
     if isinstance(value, float):
         return f"{value:,.1f}" if column.endswith("/s") else f"{value:.4f}"
     return str(value)

@@ -73,6 +73,7 @@ class PlanSchema:
     predict_run: bool  # an ordinary run's summary: the planner's prediction from what plan=show timed
     moe_load_imbalance: AtLeastOne = 1.0  # expert parallel's busiest rank over an even split
     moe_load_from: str | None = None  # a run's summary.json, whose moe/tokens_per_expert measure it
+    calibrate_from: str | list[str] | None = None  # run dirs or sweep dirs: the cluster's constants refit from their steps
 
 
 @dataclass

@@ -182,7 +182,7 @@ def _plot_label_histograms(summary: dict) -> None:
 
 def _prediction(built: BuiltRun, measured_step_s: float | None) -> dict:
     """The planner's prediction for this run (``plan/*``), beside what it measured."""
-    from litscale.app.plan.ranking import predicted_for_run
+    from litscale.app.plan.runs import predicted_for_run
 
     try:
         return predicted_for_run(built.config, built.choices, built.layout, measured_step_s)

@@ -78,6 +78,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("scaling", cfg.scaling, ScalingSchema)
     if cfg.get("plan") is not None:
         check_schema("plan", cfg.plan, PlanSchema)
+        check_calibrate_from(cfg.plan)
     if cfg.get("launcher") is not None:
         check_schema("launcher", cfg.launcher, LauncherSchema)
     if cfg.get("preflight") is not None:
@@ -121,6 +122,21 @@ def only_planned(cfg: DictConfig) -> bool:
     """``plan=show|auto`` without ``plan.verify``: nothing runs, so the devices the config names
     (``trainer.devices=256``) need not be on this machine."""
     return planning(cfg) and not cfg.plan.get("verify")
+
+
+def check_calibrate_from(plan: DictConfig) -> None:
+    """``plan.calibrate_from`` is read by a plan, and names directories that exist."""
+    value = plan.get("calibrate_from")
+    if value is None:
+        return
+    paths = [str(p) for p in value] if isinstance(value, ListConfig) else [str(value)]
+    if plan.mode == "none":
+        raise ConfigError(f"plan.calibrate_from={value} refits the planner for plan=show|auto; with plan=none "
+                          f"nothing is planned: add plan=show, or drop plan.calibrate_from")
+    for path in paths:
+        if not os.path.isdir(path):
+            raise ConfigError(f"plan.calibrate_from={path}: no such directory; allowed: run dirs or sweep dirs "
+                              f"(a run's summary.json lies in its dir)")
 
 
 def check_schema(prefix: str, node: DictConfig, schema: type) -> None:

@@ -183,9 +183,10 @@ def calibrate() -> dict:
 
 def stale(figures: dict) -> str | None:
     """Why a calibration file does not describe this machine now (None: it does). A file written
-    by hand (no ``machine``) is taken as written."""
+    by hand (neither ``machine`` nor the all-reduce times this module records) is taken as written."""
     if "machine" not in figures:
-        return None
+        return "it was measured by an older litscale, which did not record the machine" if (
+            "all_reduce_s_by_bytes" in figures) else None
     if figures["machine"] != machine.fingerprint():
         return "it was measured on another machine"
     if figures.get("torch") != torch.__version__:

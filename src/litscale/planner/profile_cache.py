@@ -5,8 +5,8 @@ predicts its step without timing anything (no child process after ``fit``).
 
 One JSON file per identity under ``$LITSCALE_CACHE/profiles/``; inside it, one entry per
 ``profile_key`` (how one rank runs the network: plain, ``fsdp<n>``, ``tp<n>``, ...), with the
-load average it was timed at, and the keys a run's own measurement contradicted (no longer
-used until timed again).
+load average it was timed at; and the layouts whose prediction a run's own measurement
+contradicted (not predicted again, nor their profile read, until it is timed again).
 
 The identity holds everything a profile's seconds depend on beyond the model: litscale's
 version and a digest of the code a profile runs (another checkout's model timed differently),
@@ -76,19 +76,21 @@ def _read(identity: dict) -> dict:
 
 
 def load(identity: dict) -> dict[str, Profile]:
-    """The profiles cached for ``identity`` ({} when none, or the file is unreadable), less the
-    keys a run contradicted."""
+    """The profiles cached for ``identity`` ({} when none, or the file is unreadable), less those
+    a run's measurement contradicted."""
     content = _read(identity)
+    dropped = {record.get("profile_key") for record in content["contradicted"].values()
+               if record.get("compute_source") == "timed"}
     return {key: Profile(forward_backward_s={int(m): s for m, s in entry["forward_backward_s"].items()},
                          optimizer_step_s=entry["optimizer_step_s"], bytes_ratio=entry.get("bytes_ratio", 1.0),
                          load_average=entry.get("load_average"))
-            for key, entry in content["profiles"].items() if key not in content["contradicted"]}
+            for key, entry in content["profiles"].items() if key not in dropped}
 
 
-def contradiction(identity: dict, key: str) -> dict | None:
-    """The record of the run that contradicted ``key``'s prediction for ``identity`` (None: none
-    did, or the key was timed again since)."""
-    return _read(identity)["contradicted"].get(key)
+def contradiction(identity: dict, layout: str) -> dict | None:
+    """The record of the run that contradicted the prediction for ``layout`` (a plan's
+    description) of ``identity``'s model (None: none did, or its profile was timed again since)."""
+    return _read(identity)["contradicted"].get(layout)
 
 
 def missing(cached: dict[str, Profile], wanted: dict[str, set[int]]) -> dict[str, set[int]]:
@@ -108,9 +110,11 @@ def merged(cached: dict[str, Profile], timed: dict[str, Profile]) -> dict[str, P
     return result
 
 
-def store(identity: dict, profiles: dict[str, Profile]) -> Path:
-    """Write ``profiles`` for ``identity``; a key timed again is no longer contradicted."""
-    contradicted = {k: v for k, v in _read(identity)["contradicted"].items() if k not in profiles}
+def store(identity: dict, profiles: dict[str, Profile], retimed: set[str]) -> Path:
+    """Write ``profiles`` for ``identity``; a contradiction whose profile key was ``retimed``
+    (timed again just now) is cleared: the next prediction is a new one."""
+    contradicted = {layout: record for layout, record in _read(identity)["contradicted"].items()
+                    if record.get("profile_key") not in retimed}
     entries = {key: {"forward_backward_s": {str(m): s for m, s in p.forward_backward_s.items()},
                      "optimizer_step_s": p.optimizer_step_s, "bytes_ratio": p.bytes_ratio,
                      "load_average": p.load_average}
@@ -118,11 +122,12 @@ def store(identity: dict, profiles: dict[str, Profile]) -> Path:
     return _write(identity, {"identity": identity, "profiles": entries, "contradicted": contradicted})
 
 
-def contradict(identity: dict, key: str, record: dict) -> Path:
-    """Stop using ``key``'s profile (and prediction) for ``identity``: ``record`` says which run
-    measured what; ``plan=show|auto`` times the key again."""
+def contradict(identity: dict, layout: str, record: dict) -> Path:
+    """Stop predicting ``layout`` (a plan's description) for ``identity``'s model: ``record``
+    says which run measured what, and by which ``profile_key`` and ``compute_source`` it was
+    predicted; a ``timed`` profile is no longer read. ``plan=show|auto`` times it again."""
     content = _read(identity)
-    content["contradicted"][key] = record
+    content["contradicted"][layout] = record
     return _write(identity, {"identity": identity, **content})
 
 

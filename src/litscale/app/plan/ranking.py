@@ -6,15 +6,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
+from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
 from litscale.app.plan.verify import aligned
 from litscale.errors import ConfigError
 from litscale.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
-from litscale.planner.model_facts import ModelFacts, model_facts
+from litscale.planner.model_facts import ModelFacts
 from litscale.planner.search import plans, search, why_not
 from litscale.planner.strategies import Refusals
 from litscale.planner.trust import Trust, trust_for
@@ -33,7 +35,7 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     ``cfg.plan.top`` and why the others cannot run, then the run as configured (at any world
     size: no process starts); return the winner's overrides. Raise ``ConfigError`` when the
     run as configured would not fit in the cluster's device memory."""
-    cluster, facts, configured, ranked, pruned = _ranking(cfg, layout, choices)
+    cluster, facts, configured, ranked, pruned, cluster_overrides = _ranking(cfg, layout, choices)
     _say(f"plan: {facts.num_params / 1e6:.2f}M params, {facts.layers} layers, seq {facts.seq_len}, global batch "
          f"{layout.global_batch} on {cluster.name} ({cluster.nodes} x {cluster.devices_per_node} devices, "
          f"{cluster.device_memory_bytes / GiB:.0f} GiB each; {cluster.source or 'figures as configured'})")
@@ -62,27 +64,43 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
     if trust is not None:
         _say(trust.line(given_fits=not too_big))
     if trust is None or trust.picks or too_big:
-        left = _experiment(cfg, choices, winner, plan_dir, "planned", "plan=auto's pick")
+        left = _experiment(cfg, choices, winner + cluster_overrides, plan_dir, "planned", "plan=auto's pick")
     else:
         winner = []
-        left = _experiment(cfg, choices, winner, plan_dir, "planned", "the given layout (plan=auto did not pick)",
-                           keep_layout=True)
+        left = _experiment(cfg, choices, cluster_overrides, plan_dir, "planned",
+                           "the given layout (plan=auto did not pick)", keep_layout=True)
     _say(f"written: {os.path.join(plan_dir, 'experiment', 'planned.yaml')}; run it with python train.py "
          f"--config-dir {plan_dir} experiment=planned{''.join(' ' + o for o in left)}")
     return {"plan/winner": winner, "plan/predicted_step_s": best.step_s,
             **({} if trust is None else {"plan/picked": trust.picks or bool(too_big)})}
 
 
-def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]
-             ) -> tuple[Cluster, ModelFacts, Plan | None, list[Prediction], list]:
-    """(cluster, model facts, the run as configured as a plan, every plan that runs fastest
-    first, the plans that cannot run) for ``cfg``'s model and global batch on ``cfg.cluster``."""
+class Ranking(NamedTuple):
+    """What the planner found for a run: the cluster (refit where ``plan.calibrate_from``
+    asked), the model's facts, the run as configured as a plan, every plan that runs fastest
+    first, the plans that cannot run, and the overrides that keep a refit's constants."""
+
+    cluster: Cluster
+    facts: ModelFacts
+    configured: Plan | None
+    ranked: list[Prediction]
+    pruned: list
+    cluster_overrides: list[str]
+
+
+def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> Ranking:
+    """The planner's ``Ranking`` for ``cfg``'s model and global batch on ``cfg.cluster``."""
     from litscale.app.build import build, trusted_targets
 
     cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
     check_devices_per_node(layout, cluster, choices)
     if layout.world_size > cluster.world_size:  # a what-if: the configured world, of this cluster's devices
         cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
+    refit_overrides: list[str] = []
+    if cfg.plan.get("calibrate_from") is not None:
+        from litscale.app.plan.refit import refit
+
+        cluster, refit_overrides = refit(cfg, choices, cluster)
     dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
     facts = facts_of(cfg)
     refusals = Refusals(facts.net, facts.seq_len)  # each layout asked once, for the timing and the ranking
@@ -91,7 +109,7 @@ def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]
     configured = configured_plan(cfg, choices, layout)
     facts = timed_here(cfg, cluster, facts, runnable + ([configured] if configured else []))
     ranked, pruned = search(cluster, facts, layout.global_batch, refusals=refusals, **dtypes)
-    return cluster, facts, configured, ranked, pruned
+    return Ranking(cluster, facts, configured, ranked, pruned, refit_overrides)
 
 
 def pick_layout(cfg: DictConfig, choices: dict[str, str]) -> tuple[list[str], str]:
@@ -105,7 +123,7 @@ def pick_layout(cfg: DictConfig, choices: dict[str, str]) -> tuple[list[str], st
     from litscale.planner.cost import predict
 
     layout = validate(cfg, choices=choices, this_machine=False)
-    cluster, facts, configured, ranked, _ = _ranking(cfg, layout, choices)
+    cluster, facts, configured, ranked, _, _ = _ranking(cfg, layout, choices)
     if not ranked:
         return [], f"plan=auto: no plan fits on cluster={choices.get('cluster', cluster.name)}: this job keeps its given layout"
     fits = configured is None or predict(configured, facts, cluster).peak_bytes <= cluster.device_memory_bytes
@@ -125,88 +143,6 @@ def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
         return None
     net = cfg.model.get("net") or {"_target_": cfg.model.get("_target_")}
     return trust_for(OmegaConf.to_container(net, resolve=True))
-
-
-def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
-    """The run as configured, as the planner's ``Plan``; None where its strategy is not one the
-    planner costs (not a registered litscale strategy, or not ``plannable``)."""
-    from litscale.contract import contract_value
-    from litscale.planner.strategies import registered, takes
-    from litscale.strategies.pipeline import default_virtual_stages
-
-    name = choices.get("strategy", "")
-    cls = registered().get(name)
-    if cls is None or not contract_value(cls, "plannable"):
-        return None
-    microbatches, schedule = int(cfg.strategy.get("microbatches", 1)), str(cfg.strategy.get("schedule", "1f1b"))
-    return Plan(name, layout.mesh, layout.micro_batch, layout.accumulation,
-                bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
-                cfg.precision.param_dtype, microbatches, schedule,
-                int(cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)),
-                choices.get("compression", "none") if takes(cls, "compression") else "none",
-                options=configured_options(cfg, cls, layout))
-
-
-def configured_options(cfg: DictConfig, cls: type, layout: RunLayout) -> dict:
-    """The configured strategy's options as the planner's plans state them: the keys its
-    ``candidate_meshes`` sets (so the run reads as the ranked plans do) and every other plain
-    value that differs from its constructor's default (what may change how a rank holds its share)."""
-    import inspect
-
-    stated = {key for options, _ in cls.candidate_meshes(world_size=layout.world_size, nodes=layout.num_nodes,
-                                                           devices_per_node=layout.processes_per_node,
-                                                           context_sizes=[1]) for key in options}
-    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
-    return {key: value for key, value in cfg.strategy.items() if key in defaults
-            and isinstance(value, (bool, int, float, str)) and (key in stated or value != defaults[key])}
-
-
-def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout,
-                      measured_step_s: float | None = None) -> dict:
-    """The planner's prediction for the run as configured, for its summary beside what it
-    measured; {} where ``plan.predict_run`` is off, the strategy is not modelled, or the cluster
-    is this machine and has no calibration of it. Nothing is timed here (a run pays nothing after ``fit`` for it): the
-    forward-backward is the one ``plan=show|auto`` timed for this model and cluster file where
-    it did (``plan/compute_source``: ``timed``), else FLOPs at the cluster's throughput.
-
-    On this machine, a ``measured_step_s`` more than ``CONTRADICTION_FACTOR`` off the
-    prediction either way contradicts it (``plan/off_by``): that model and layout get no
-    prediction (``plan/withheld``) until ``plan=show|auto`` times them again (``plan/dropped``).
-    Elsewhere the cluster file is the user's: the line says how far off it was."""
-    from litscale.app.build import build, trusted_targets
-    from litscale.planner import profile_cache
-    from litscale.planner.calibrate import calibrated_figures
-    from litscale.planner.cost import predict, profile_key, timed_forward_backward_s
-
-    plan = configured_plan(cfg, choices, layout)
-    cluster_node = cfg.get("cluster")
-    if not cfg.plan.get("predict_run", True) or plan is None or cluster_node is None or "_target_" not in cluster_node or (
-            cluster_node._target_.endswith(".local_cpu") and calibrated_figures() is None):
-        return {}
-    cluster = build(cluster_node, trusted=trusted_targets(cfg))
-    facts = facts_of(cfg)
-    key = profile_key(plan)
-    identity = profile_identity(cfg, cluster) if cluster.is_this_machine else None
-    if identity is not None:
-        earlier = profile_cache.contradiction(identity, key)
-        if earlier is not None:
-            return {"plan/cluster": cluster.name, "plan/withheld": earlier}
-        facts = dataclasses.replace(facts, profiles=profile_cache.load(identity))
-    prediction = predict(plan, facts, cluster)
-    result = {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
-              "plan/compute_source": "flops" if timed_forward_backward_s(plan, facts) is None else "timed",
-              "plan/predicted_peak_bytes": prediction.peak_bytes,
-              "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
-    if measured_step_s:
-        off_by = max(measured_step_s / prediction.step_s, prediction.step_s / measured_step_s)
-        if off_by > profile_cache.CONTRADICTION_FACTOR:
-            result["plan/off_by"] = off_by
-            if identity is not None:
-                result["plan/dropped"] = True
-                profile_cache.contradict(identity, key, {
-                    "predicted_step_s": prediction.step_s, "measured_step_s": measured_step_s,
-                    "compute_source": result["plan/compute_source"], "run": os.path.abspath(cfg.paths.output_dir)})
-    return result
 
 
 def check_devices_per_node(layout: RunLayout, cluster: Cluster, choices: dict[str, str]) -> None:
@@ -297,54 +233,6 @@ def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayo
          f"as configured: {check_collectives(cfg, strategy, layout)}")
 
 
-def facts_of(cfg: DictConfig) -> ModelFacts:
-    """The composed model's facts, read off a meta-device copy; a mixture of experts' load
-    imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
-    of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
-    from litscale.app.safety import locate_target
-    from litscale.app.validation import meta_net
-    from litscale.muon import parameter_roles, state_bytes_per_param, wants_parameter_roles
-
-    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
-    if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
-        facts = dataclasses.replace(facts, optimizer_state_bytes_per_param=state_bytes_per_param(
-            parameter_roles(facts.net, 0.0)))
-    plan = cfg.get("plan") or {}
-    if facts.moe is None:
-        return facts
-    moe = dataclasses.replace(facts.moe, load_imbalance=float(plan.get("moe_load_imbalance", 1.0)))
-    if plan.get("moe_load_from"):
-        moe = dataclasses.replace(moe, tokens_per_expert=measured_tokens_per_expert(str(plan.moe_load_from), moe))
-    return dataclasses.replace(facts, moe=moe)
-
-
-def measured_tokens_per_expert(path: str, moe) -> tuple[tuple[float, ...], ...]:
-    """A run's ``moe/tokens_per_expert`` (per MoE layer) from its ``summary.json``, checked
-    against the model planned; ``ConfigError`` in one line where it cannot be read or does not fit."""
-    import json
-
-    key = "plan.moe_load_from"
-    try:
-        with open(path) as file:
-            rows = json.load(file).get("moe/tokens_per_expert")
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{key}={path} cannot be read ({error}); allowed: a run's summary.json") from error
-    if not rows or any(len(row) != moe.n_experts for row in rows):
-        raise ConfigError(f"{key}={path} has no moe/tokens_per_expert of {moe.n_experts} experts per layer; "
-                          f"allowed: the summary.json of a run of this mixture of experts")
-    return tuple(tuple(float(count) for count in row) for row in rows)
-
-
-def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
-    """What a profile of ``cfg``'s network on ``cluster`` depends on: the cache's key."""
-    from litscale.planner.profile_cache import code_identity
-
-    compression = cfg.get("compression") or {}
-    return {"net": OmegaConf.to_container(cfg.model.net, resolve=True), "seq_len": int(cfg.data.seq_len),
-            "vocab_size": int(cfg.data.vocab_size), "cluster": cluster.source, **code_identity(),
-            "compression": OmegaConf.to_container(compression, resolve=True) if "_target_" in compression else None}
-
-
 def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: list[Plan]) -> ModelFacts:
     """On this machine, ``facts`` with the network timed as each of ``plans_`` runs it, at
     the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are.
@@ -376,7 +264,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
         if busy:
             _say(f"profiles {', '.join(sorted(todo))} timed at a {busy}: used for this plan, not cached")
         else:
-            profile_cache.store(identity, profiles)
+            profile_cache.store(identity, profiles, retimed=set(todo))
     return dataclasses.replace(facts, profiles={key: profiles[key] for key in keys})
 
 

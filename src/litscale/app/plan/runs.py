@@ -1,0 +1,145 @@
+"""The planner's view of one run as configured: its plan, its model's facts, and the
+prediction its summary prints beside what it measured."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+from litscale.errors import ConfigError
+from litscale.layout import RunLayout
+from litscale.planner.cluster import Cluster
+from litscale.planner.cost import Plan
+from litscale.planner.model_facts import ModelFacts, model_facts
+
+
+def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
+    """The run as configured, as the planner's ``Plan``; None where its strategy is not one the
+    planner costs (not a registered litscale strategy, or not ``plannable``)."""
+    from litscale.contract import contract_value
+    from litscale.planner.strategies import registered, takes
+    from litscale.strategies.pipeline import default_virtual_stages
+
+    name = choices.get("strategy", "")
+    cls = registered().get(name)
+    if cls is None or not contract_value(cls, "plannable"):
+        return None
+    microbatches, schedule = int(cfg.strategy.get("microbatches", 1)), str(cfg.strategy.get("schedule", "1f1b"))
+    return Plan(name, layout.mesh, layout.micro_batch, layout.accumulation,
+                bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
+                cfg.precision.param_dtype, microbatches, schedule,
+                int(cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)),
+                choices.get("compression", "none") if takes(cls, "compression") else "none",
+                options=configured_options(cfg, cls, layout))
+
+
+def configured_options(cfg: DictConfig, cls: type, layout: RunLayout) -> dict:
+    """The configured strategy's options as the planner's plans state them: the keys its
+    ``candidate_meshes`` sets (so the run reads as the ranked plans do) and every other plain
+    value that differs from its constructor's default (what may change how a rank holds its share)."""
+    import inspect
+
+    stated = {key for options, _ in cls.candidate_meshes(world_size=layout.world_size, nodes=layout.num_nodes,
+                                                           devices_per_node=layout.processes_per_node,
+                                                           context_sizes=[1]) for key in options}
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
+    return {key: value for key, value in cfg.strategy.items() if key in defaults
+            and isinstance(value, (bool, int, float, str)) and (key in stated or value != defaults[key])}
+
+
+def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout,
+                      measured_step_s: float | None = None) -> dict:
+    """The planner's prediction for the run as configured, for its summary beside what it
+    measured; {} where ``plan.predict_run`` is off, the strategy is not modelled, or the cluster
+    is this machine and has no calibration of it. Nothing is timed here (a run pays nothing after ``fit`` for it): the
+    forward-backward is the one ``plan=show|auto`` timed for this model and cluster file where
+    it did (``plan/compute_source``: ``timed``), else FLOPs at the cluster's throughput.
+
+    On this machine, a ``measured_step_s`` more than ``CONTRADICTION_FACTOR`` off the
+    prediction either way contradicts it (``plan/off_by``): that model and layout get no
+    prediction (``plan/withheld``) until ``plan=show|auto`` times them again (``plan/dropped``).
+    Elsewhere the cluster file is the user's: the line says how far off it was."""
+    from litscale.app.build import build, trusted_targets
+    from litscale.planner import profile_cache
+    from litscale.planner.calibrate import calibrated_figures
+    from litscale.planner.cost import predict, profile_key, timed_forward_backward_s
+
+    plan = configured_plan(cfg, choices, layout)
+    cluster_node = cfg.get("cluster")
+    if not cfg.plan.get("predict_run", True) or plan is None or cluster_node is None or "_target_" not in cluster_node or (
+            cluster_node._target_.endswith(".local_cpu") and calibrated_figures() is None):
+        return {}
+    cluster = build(cluster_node, trusted=trusted_targets(cfg))
+    facts = facts_of(cfg)
+    identity = profile_identity(cfg, cluster) if cluster.is_this_machine else None
+    if identity is not None:
+        earlier = profile_cache.contradiction(identity, plan.describe())
+        if earlier is not None:
+            return {"plan/cluster": cluster.name, "plan/withheld": earlier}
+        facts = dataclasses.replace(facts, profiles=profile_cache.load(identity))
+    prediction = predict(plan, facts, cluster)
+    result = {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
+              "plan/compute_source": "flops" if timed_forward_backward_s(plan, facts) is None else "timed",
+              "plan/predicted_peak_bytes": prediction.peak_bytes,
+              "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
+    if measured_step_s:
+        off_by = max(measured_step_s / prediction.step_s, prediction.step_s / measured_step_s)
+        if off_by > profile_cache.CONTRADICTION_FACTOR:
+            result["plan/off_by"] = off_by
+            if identity is not None:
+                result["plan/dropped"] = True
+                profile_cache.contradict(identity, plan.describe(), {
+                    "predicted_step_s": prediction.step_s, "measured_step_s": measured_step_s,
+                    "profile_key": profile_key(plan), "compute_source": result["plan/compute_source"],
+                    "run": os.path.abspath(cfg.paths.output_dir)})
+    return result
+
+
+def facts_of(cfg: DictConfig) -> ModelFacts:
+    """The composed model's facts, read off a meta-device copy; a mixture of experts' load
+    imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
+    of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
+    from litscale.app.safety import locate_target
+    from litscale.app.validation import meta_net
+    from litscale.muon import parameter_roles, state_bytes_per_param, wants_parameter_roles
+
+    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
+        facts = dataclasses.replace(facts, optimizer_state_bytes_per_param=state_bytes_per_param(
+            parameter_roles(facts.net, 0.0)))
+    plan = cfg.get("plan") or {}
+    if facts.moe is None:
+        return facts
+    moe = dataclasses.replace(facts.moe, load_imbalance=float(plan.get("moe_load_imbalance", 1.0)))
+    if plan.get("moe_load_from"):
+        moe = dataclasses.replace(moe, tokens_per_expert=measured_tokens_per_expert(str(plan.moe_load_from), moe))
+    return dataclasses.replace(facts, moe=moe)
+
+
+def measured_tokens_per_expert(path: str, moe) -> tuple[tuple[float, ...], ...]:
+    """A run's ``moe/tokens_per_expert`` (per MoE layer) from its ``summary.json``, checked
+    against the model planned; ``ConfigError`` in one line where it cannot be read or does not fit."""
+    import json
+
+    key = "plan.moe_load_from"
+    try:
+        with open(path) as file:
+            rows = json.load(file).get("moe/tokens_per_expert")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{key}={path} cannot be read ({error}); allowed: a run's summary.json") from error
+    if not rows or any(len(row) != moe.n_experts for row in rows):
+        raise ConfigError(f"{key}={path} has no moe/tokens_per_expert of {moe.n_experts} experts per layer; "
+                          f"allowed: the summary.json of a run of this mixture of experts")
+    return tuple(tuple(float(count) for count in row) for row in rows)
+
+
+def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
+    """What a profile of ``cfg``'s network on ``cluster`` depends on: the cache's key."""
+    from litscale.planner.profile_cache import code_identity
+
+    compression = cfg.get("compression") or {}
+    return {"net": OmegaConf.to_container(cfg.model.net, resolve=True), "seq_len": int(cfg.data.seq_len),
+            "vocab_size": int(cfg.data.vocab_size), "cluster": cluster.source, **code_identity(),
+            "compression": OmegaConf.to_container(compression, resolve=True) if "_target_" in compression else None}
