@@ -3,12 +3,13 @@
 #   make test    install the dev extras and run the test suite (all but the `full` set)
 #   make test-full  the `full` set: parity at 4 and 8 ranks (long on 2 cores; CI runs it too)
 #   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (not in CI: run it before a release)
+#   make image      the Docker image cluster jobs run (make image-cuda: its CUDA variant)
 #   make durations  the slowest tests and the seconds per file of the last make test / test-full
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test test-full test-soak durations install install-dev lint clean
+.PHONY: train test test-full test-soak durations install install-dev lint clean image image-cuda
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,17 @@ test-soak: install-dev
 
 durations:
 	$(BIN)/python tests/durations.py $(wildcard $(TIMES)/*.xml) $(ARGS)
+
+# The image the Kubernetes manifests run by default (docker/Dockerfile; hydra/launcher=k8s names
+# litscale:<version>-cpu for trainer.accelerator=cpu, else -cuda).
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+TORCH_WHEELS := https://download.pytorch.org/whl
+
+image:
+	docker build -f docker/Dockerfile --build-arg TORCH_INDEX=$(TORCH_WHEELS)/cpu -t litscale:$(VERSION)-cpu .
+
+image-cuda:
+	docker build -f docker/Dockerfile --build-arg TORCH_INDEX=$(TORCH_WHEELS)/cu128 -t litscale:$(VERSION)-cuda .
 
 lint: install-dev
 	$(BIN)/ruff check src tests train.py

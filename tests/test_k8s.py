@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.cli import explain, run_train
+from helpers.cli import REPO, explain, run_train
 from helpers.configs import compose_full
 
 from hydra_plugins.litscale_plugins.k8s import (
@@ -79,6 +79,50 @@ def test_pytorchjob_has_a_master_and_workers_and_cpu_jobs_ask_for_no_gpu(tmp_pat
         "--master-addr=$(MASTER_ADDR)",
         "--master-port=$(MASTER_PORT)",
     ]
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """``docker/Dockerfile`` as (instruction, arguments), continuation lines joined."""
+    text = (REPO / "docker" / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_the_manifests_run_the_image_the_dockerfile_builds_where_it_puts_train_py(tmp_path):
+    """``make image`` / ``make image-cuda`` build docker/Dockerfile under the tags a job's
+    manifest names by default (by its accelerator), into the working dir the manifest runs
+    train.py from, with what train.py reads there; the image's outputs are the volume's mount."""
+    import tomllib
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    builds = {}
+    for target in ("image", "image-cuda"):
+        command = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        assert command.startswith("docker build -f docker/Dockerfile "), command
+        builds[target] = command.split(" -t ", 1)[1].split()[0]
+    assert builds == {"image": f"litscale:{version}-cpu", "image-cuda": f"litscale:{version}-cuda"}
+
+    cpu = manifest_for(tmp_path, "hydra.launcher.api=pytorchjob", "trainer.accelerator=cpu")
+    (container,) = cpu["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    gpu = manifest_for(tmp_path, "trainer.devices=8")
+    assert (container["image"], gpu["spec"]["trainer"]["image"]) == (builds["image"], builds["image-cuda"])
+    assert manifest_for(tmp_path, "hydra.launcher.image=registry/litscale:1")["spec"]["trainer"]["image"] == (
+        "registry/litscale:1")  # the user's own, as given
+
+    instructions = dockerfile_instructions()
+    workdir = [args for kind, args in instructions if kind == "WORKDIR"]
+    assert workdir == [container["workingDir"]] and gpu["spec"]["trainer"]["command"][1] == f"{workdir[0]}/train.py"
+    copied = {args.split()[0] for kind, args in instructions if kind == "COPY"}
+    assert copied == {"pyproject.toml", "src", "conf", "train.py"}
+    ignored = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if not line.startswith("#")]
+    assert not [path for path in ("pyproject.toml", "constraints.txt", "README.md", "src", "conf", "train.py")
+                if path in ignored]
+    mount = container["volumeMounts"][0]["mountPath"]
+    assert ("ENV", f"LITSCALE_OUTPUTS={mount}") in instructions
+    # The one torch pin the image installs from torch's index: constraints.txt's, less its +cpu label.
+    pins = [line for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("torch==")]
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [pin.split("+")[0] for pin in pins] == [d for d in dependencies if d.startswith("torch==")]
 
 
 def test_schema_refuses_unknown_fields_and_wrong_types(tmp_path):

@@ -31,6 +31,7 @@ from hydra_plugins.litscale_plugins.jobs import (
 )
 from hydra_plugins.litscale_plugins.k8s_manifests import (
     api_of,
+    default_image,
     manifest_problems,
     pytorchjob,
     trainjob,
@@ -96,8 +97,10 @@ class KubernetesLauncher(ClusterLauncher):
         """Job ``number``'s manifest, its resolved launcher settings, and its run dir on the
         shared outputs volume."""
         params = job_resources(job_config)
-        if str(job_config.trainer.get("accelerator")) == "cpu":
+        cpu = str(job_config.trainer.get("accelerator")) == "cpu"
+        if cpu:
             params["gpus_per_node"] = None
+        params["image"] = params.get("image") or default_image("cpu" if cpu else "cuda")
         run_dir = f"{params['outputs_mount']}/{job_config.name}/multiruns/{sweep_dir.name}/{number}"
         build = {"trainjob": trainjob, "pytorchjob": pytorchjob}[params["api"]]
         name = job_name(params["name_prefix"], sweep_dir, number, launch)

@@ -26,6 +26,14 @@ PYTORCHJOB = ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob")
 OUTPUTS_VOLUME = "litscale-outputs"
 
 
+def default_image(variant: str) -> str:
+    """The image ``make image`` (``cpu``) or ``make image-cuda`` (``cuda``) builds from
+    ``docker/Dockerfile``: this litscale's version, tagged with the variant."""
+    from importlib.metadata import version
+
+    return f"litscale:{version('litscale')}-{variant}"
+
+
 def api_of(kind: str) -> tuple[str, str, str, str]:
     """(group, version, plural, kind) of ``trainjob`` or ``pytorchjob``."""
     return {"trainjob": TRAINJOB, "pytorchjob": PYTORCHJOB}[kind]
