@@ -137,3 +137,27 @@ def test_resolve_accepts_sharded_checkpoint_directories(tmp_path):
         resolve_ckpt_path("last", search_dir=str(tmp_path))
     sharded_checkpoint(sharded, step=4)  # DCP shards, .metadata, then meta.pt: complete
     assert resolve_ckpt_path("last", search_dir=str(tmp_path)) == str(sharded)
+
+
+@pytest.mark.slow  # composes jobs: over a second
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
+def test_here_resumes_only_from_the_runs_own_dir_never_another_job_of_its_name(tmp_path, monkeypatch):
+    """A sweep's jobs share a name; a cluster job restarted in its run dir (Kubernetes, a
+    SkyPilot managed job) resumes its own checkpoint with ``ckpt_path=here``, and its first
+    start is fresh even where another job of the sweep has saved."""
+    from helpers.configs import compose_job
+
+    from litscale.app.validation import validate
+
+    monkeypatch.setenv("LITSCALE_OUTPUTS", str(tmp_path))
+    sweep = tmp_path / "default" / "multiruns" / "2026-11-28_10-00-00"
+    sharded_checkpoint(sweep / "0" / "checkpoints" / "last.ckpt", step=4)  # job 0 saved
+    resumed = {}
+    for word in ("here", "auto"):
+        cfg, choices = compose_job([f"ckpt_path={word}"], sweep / "1")
+        resumed[word] = validate(cfg, choices=choices, this_machine=False).ckpt_path
+    assert resumed == {"here": None, "auto": str(sweep / "0" / "checkpoints" / "last.ckpt")}
+    own = sweep / "1" / "checkpoints" / "last.ckpt"
+    sharded_checkpoint(own, step=2)  # job 1, restarted after its own save
+    cfg, choices = compose_job(["ckpt_path=here"], sweep / "1")
+    assert validate(cfg, choices=choices, this_machine=False).ckpt_path == str(own)

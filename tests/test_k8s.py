@@ -55,6 +55,7 @@ def test_trainjob_sized_from_the_trainer_validates_against_the_vendored_schema(t
         "trainer.num_nodes=4",
         "strategy=fsdp",
         "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3",
+        "ckpt_path=here",  # a restarted job resumes from its own run dir
     ]
     assert manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
 
@@ -156,6 +157,7 @@ class StubApiServer(BaseHTTPRequestHandler):
     answers with the object, its job complete."""
 
     created: list[dict] = []
+    failing: set[str] = set()  # job names whose pods failed past the operator's restarts
     # job name -> how many GETs answer 404 before the job shows (None: it never does, a
     # negative count: it shows once, then is gone)
     missing: dict[str, int | None] = {}
@@ -177,6 +179,8 @@ class StubApiServer(BaseHTTPRequestHandler):
                 self.missing[name] = None
                 return self._answer(200, {**body, "status": {"conditions": []}})
         done = "Complete" if body["kind"] == "TrainJob" else "Succeeded"
+        if name in self.failing:
+            done = "Failed"
         self._answer(
             200,
             {
@@ -210,7 +214,7 @@ class StubApiServer(BaseHTTPRequestHandler):
 @pytest.fixture
 def stub_cluster(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubApiServer)
-    StubApiServer.created, StubApiServer.missing = [], {}
+    StubApiServer.created, StubApiServer.missing, StubApiServer.failing = [], {}, set()
     threading.Thread(target=server.serve_forever, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
@@ -278,6 +282,39 @@ def test_a_pytorchjob_is_created_and_waited_for(stub_cluster, tmp_path):
     assert created == [
         {"path": "/apis/kubeflow.org/v1/namespaces/default/pytorchjobs", "body": manifest}
     ]
+
+
+def test_a_failed_trainjob_runs_again_in_its_run_dir_resuming_until_its_restarts_are_spent(stub_cluster, tmp_path,
+                                                                                            capsys):
+    pytest.importorskip("kubernetes")
+    kubeconfig, created = stub_cluster
+    first = manifest_for(tmp_path, "trainer.devices=2", "hydra.launcher.max_restarts=2")
+    name = first["metadata"]["name"]
+    assert first["spec"]["trainer"]["command"][-2:] == [
+        "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3", "ckpt_path=here"]
+    StubApiServer.failing = {name}
+    params = {"kubeconfig": str(kubeconfig), "namespace": "default", "poll_s": 0.01, "max_restarts": 2}
+    assert submit_and_wait([first], params) == [None]  # its second run completed
+    again = created[1]["body"]
+    assert [c["body"]["metadata"]["name"] for c in created] == [name, f"{name}-r1"]
+    assert again["spec"] == first["spec"]  # the same run dir, resuming from its checkpoints
+    assert (f"litscale: TrainJob {name} failed; creating it again as {name}-r1 (restart 1 of "
+            "hydra.launcher.max_restarts=2): it resumes from the newest complete checkpoint of its run dir "
+            "(ckpt_path=here)") in capsys.readouterr().out
+
+    created.clear()
+    StubApiServer.failing = {name, f"{name}-r1", f"{name}-r2"}
+    (outcome,) = submit_and_wait([first], params)
+    assert [c["body"]["metadata"]["name"] for c in created] == [name, f"{name}-r1", f"{name}-r2"]
+    assert str(outcome) == f"TrainJob {name}-r2 failed: all nodes finished"
+
+
+def test_a_pytorchjob_is_restarted_by_its_operator_and_a_named_checkpoint_is_kept(tmp_path):
+    manifest = manifest_for(tmp_path, "hydra.launcher.api=pytorchjob", "ckpt_path=last")
+    assert manifest_problems(manifest) == [] and manifest["spec"]["runPolicy"] == {"backoffLimit": 3}
+    (container,) = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
+    assert container["command"][-2:] == ["ckpt_path=last", "hydra.run.dir=/outputs/default/multiruns/"
+                                         "2026-11-25_18-31-00/3"]  # the user's choice, not ckpt_path=here
 
 
 def test_waiting_survives_a_job_not_yet_visible_and_names_a_deleted_one(stub_cluster, tmp_path, capsys):

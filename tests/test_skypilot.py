@@ -102,9 +102,9 @@ def test_a_spot_job_is_a_managed_job_that_resumes_from_its_newest_checkpoint():
                                                                "t.yaml"]
     document = task_for("hydra.launcher.use_spot=true", "trainer.devices=2")
     assert document["resources"]["use_spot"] is True and task_problems(document) == []
-    assert document["run"].splitlines()[1].endswith("hydra.run.dir=outputs/x/0 ckpt_path=auto")
+    assert document["run"].splitlines()[1].endswith("hydra.run.dir=outputs/x/0 ckpt_path=here")
     given = task_for("hydra.launcher.use_spot=true", "ckpt_path=last")
-    assert "ckpt_path=auto" not in given["run"]
+    assert "ckpt_path=here" not in given["run"]
     on_demand = job_resources(compose_full(["hydra/launcher=skypilot"]))
     assert launch_command(Path("t.yaml"), "job-0", on_demand) == ["sky", "launch", "--yes", "--cluster", "job-0",
                                                                   "--down", "t.yaml"]

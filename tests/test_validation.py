@@ -319,7 +319,7 @@ CASES = {
     "negative-lr": Case(["optimizer.lr=-1"], "optimizer.lr=-1 is not valid: expected a number > 0"),
     "missing-ckpt": Case(
         ["ckpt_path=/nonexistent.ckpt"],
-        "ckpt_path='/nonexistent.ckpt' is not a file; give a checkpoint path, last, auto or null",
+        "ckpt_path='/nonexistent.ckpt' is not a file; give a checkpoint path, last, auto, here or null",
     ),
     "unknown-preset": Case(
         ["model.net.preset=huge"],

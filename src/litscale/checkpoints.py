@@ -5,7 +5,7 @@ directory of shards with Lightning's ``meta.pt`` (FSDP, tensor/pipeline parallel
 DeepSpeed checkpoint directory (its ``latest`` tag file and per-rank partitions).
 
 ``ckpt_path=auto``/``last`` resume from the newest *complete* checkpoint in the ``checkpoints/``
-dirs of the runs named ``name``. litscale's strategies publish every save atomically
+dirs of the runs named ``name``; ``here`` from the run's own ``checkpoints/`` only. litscale's strategies publish every save atomically
 (``litscale.atomic_checkpoint``), so a save cut short is never visible; the completeness checks
 here are for checkpoints written otherwise (a strategy of the user's own, an older run, a copy):
 a truncated file, or a directory half rewritten in place, is skipped for the one before it.
@@ -23,7 +23,9 @@ import zipfile
 from litscale.atomic_checkpoint import ASIDE_SUFFIX
 from litscale.errors import ConfigError
 
-RESUME_WORDS = ("last", "auto")
+# ``here``: ``auto`` within the run's own dir: what a cluster job restarted in the same run dir
+# resumes from (Kubernetes, SkyPilot's managed jobs), never another job of the same name.
+RESUME_WORDS = ("last", "auto", "here")
 
 SHARDED_CHECKPOINT_MARKERS = ("meta.pt", ".metadata", "latest")
 LIGHTNING_META = "meta.pt"  # Lightning's ModelParallelStrategy writes it after the DCP shards
@@ -130,7 +132,8 @@ def newest_last_checkpoint(search_dir: str) -> str | None:
 
 def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
     """``null`` -> None; a path -> itself (it must exist); ``last`` -> the newest complete
-    checkpoint of this run name (one must exist); ``auto`` -> the same, or None to start fresh."""
+    checkpoint under ``search_dir`` (one must exist); ``auto`` and ``here`` -> the same, or None to start
+    fresh (the caller gives ``here`` the run's own dir, the others the run name's)."""
     if ckpt_path is None:
         return None
     if ckpt_path in RESUME_WORDS:
@@ -145,16 +148,16 @@ def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
     if os.path.isdir(path) and not is_checkpoint(path):
         raise ConfigError(
             f"ckpt_path={ckpt_path!r} is a directory but not a sharded checkpoint (it has none of "
-            f"{', '.join(SHARDED_CHECKPOINT_MARKERS)}); give a checkpoint path, last, auto or null"
+            f"{', '.join(SHARDED_CHECKPOINT_MARKERS)}); give a checkpoint path, last, auto, here or null"
         )
     if not is_checkpoint(path):
         raise ConfigError(
-            f"ckpt_path={ckpt_path!r} is not a file; give a checkpoint path, last, auto or null"
+            f"ckpt_path={ckpt_path!r} is not a file; give a checkpoint path, last, auto, here or null"
         )
     if os.path.isfile(path) and not is_readable_checkpoint(path):
         raise ConfigError(
             f"ckpt_path={ckpt_path!r} is not a readable checkpoint (truncated, corrupt, or not a "
-            "Lightning checkpoint); give a checkpoint path, last, auto or null"
+            "Lightning checkpoint); give a checkpoint path, last, auto, here or null"
         )
     return path
 

@@ -43,6 +43,15 @@ def sweep_run_dir(job_config: DictConfig) -> str:
     return os.path.abspath(os.path.join(str(sweep.dir), str(sweep.subdir)))
 
 
+def resuming_in_run_dir(args: list[str]) -> list[str]:
+    """A cluster job's arguments when the engine may run it again in the same run dir (a pod
+    restarted, a managed job recovered): it resumes from the newest complete checkpoint of that
+    dir (``ckpt_path=here``; never another job's of the same name), unless it names one."""
+    if any(a.split("=", 1)[0].lstrip("+~") == "ckpt_path" for a in args):
+        return args
+    return [*args, "ckpt_path=here"]
+
+
 def described(error: BaseException) -> str:
     """``<Type>: <first line>`` of an error, as litscale's one-line reports name it."""
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"

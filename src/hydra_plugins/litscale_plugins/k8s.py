@@ -27,6 +27,7 @@ from hydra_plugins.litscale_plugins.jobs import (
     ClusterLauncher,
     job_resources,
     job_return,
+    resuming_in_run_dir,
     write_checked,
 )
 from hydra_plugins.litscale_plugins.k8s_manifests import (
@@ -40,6 +41,8 @@ from hydra_plugins.litscale_plugins.k8s_manifests import (
 # The condition that ends a job, per kind: (success, failure).
 TERMINAL = {"TrainJob": ("Complete", "Failed"), "PyTorchJob": ("Succeeded", "Failed")}
 NOT_FOUND = 404
+# The annotation a job created again carries: the name of its first run.
+FIRST_NAME = "litscale.dev/first-name"
 
 
 def job_name(prefix: str, sweep_dir: Path, number: int, launch: str = "") -> str:
@@ -104,7 +107,12 @@ class KubernetesLauncher(ClusterLauncher):
         run_dir = f"{params['outputs_mount']}/{job_config.name}/multiruns/{sweep_dir.name}/{number}"
         build = {"trainjob": trainjob, "pytorchjob": pytorchjob}[params["api"]]
         name = job_name(params["name_prefix"], sweep_dir, number, launch)
-        return build(name, [*overrides, f"hydra.run.dir={run_dir}"], params), params, run_dir
+        args = resuming_in_run_dir([*overrides, f"hydra.run.dir={run_dir}"])
+        return build(name, args, params), params, run_dir
+
+
+class JobFailed(RuntimeError):
+    """A job whose operator reported it failed (not one deleted, nor one still running)."""
 
 
 def submit_and_wait(manifests: list[dict], params: dict[str, Any]) -> list[BaseException | None]:
@@ -118,32 +126,40 @@ def submit_and_wait(manifests: list[dict], params: dict[str, Any]) -> list[BaseE
         )
     )
     for manifest in manifests:
-        group, version, plural, kind = api_of(manifest["kind"].lower())
-        api.create_namespaced_custom_object(
-            group, version, params["namespace"], plural, body=manifest
-        )
-        print(
-            f"litscale: created {kind} {params['namespace']}/{manifest['metadata']['name']}",
-            flush=True,
-        )
+        _create(api, manifest, params)
     if not params.get("wait", True):
         return [None] * len(manifests)
     return wait_for(api, manifests, params)
 
 
+def _create(api: Any, manifest: dict, params: dict[str, Any]) -> None:
+    group, version, plural, kind = api_of(manifest["kind"].lower())
+    api.create_namespaced_custom_object(group, version, params["namespace"], plural, body=manifest)
+    print(f"litscale: created {kind} {params['namespace']}/{manifest['metadata']['name']}", flush=True)
+
+
 def wait_for(api: Any, manifests: list[dict], params: dict[str, Any]) -> list[BaseException | None]:
     """Each job's outcome: None when it succeeded, an error when it failed, was deleted, or
-    was still running at ``wait_timeout_min`` (null: no limit)."""
+    was still running at ``wait_timeout_min`` (null: no limit). A failed TrainJob is created
+    again, up to ``max_restarts`` times (a PyTorchJob's pods are restarted by its operator)."""
     timeout_min = params.get("wait_timeout_min")
     deadline = None if timeout_min is None else time.monotonic() + 60 * float(timeout_min)
+    manifests, restarts = list(manifests), [0] * len(manifests)
     results: dict[int, BaseException | None] = {}
     seen: dict[int, str] = {}
     while len(results) < len(manifests):
         for index, manifest in enumerate(manifests):
-            if index not in results:
-                outcome = _poll(api, manifest, params["namespace"], seen, index)
-                if outcome is not None:
-                    results[index] = outcome if isinstance(outcome, BaseException) else None
+            if index in results:
+                continue
+            outcome = _poll(api, manifest, params["namespace"], seen, index)
+            if isinstance(outcome, JobFailed) and manifest["kind"] == "TrainJob" and (
+                    restarts[index] < int(params.get("max_restarts") or 0)):
+                restarts[index] += 1
+                manifests[index] = _again(manifest, restarts[index], int(params["max_restarts"]))
+                seen.pop(index, None)
+                _create(api, manifests[index], params)
+            elif outcome is not None:
+                results[index] = outcome if isinstance(outcome, BaseException) else None
         if len(results) == len(manifests):
             break
         if deadline is not None and time.monotonic() >= deadline:
@@ -153,6 +169,22 @@ def wait_for(api: Any, manifests: list[dict], params: dict[str, Any]) -> list[Ba
             break
         time.sleep(float(params.get("poll_s", 10)))
     return [results[i] for i in range(len(manifests))]
+
+
+def _again(manifest: dict, restart: int, limit: int) -> dict:
+    """``manifest`` under the name of its ``restart``-th run (``<name>-r<k>``; the same args, so
+    the same run dir, from whose newest complete checkpoint it resumes)."""
+    import copy
+
+    first = manifest["metadata"].get("annotations", {}).get(FIRST_NAME) or manifest["metadata"]["name"]
+    suffix = f"-r{restart}"
+    again = copy.deepcopy(manifest)
+    again["metadata"]["name"] = first[: 63 - len(suffix)].rstrip("-") + suffix
+    again["metadata"].setdefault("annotations", {})[FIRST_NAME] = first
+    print(f"litscale: {manifest['kind']} {manifest['metadata']['name']} failed; creating it again as "
+          f"{again['metadata']['name']} (restart {restart} of hydra.launcher.max_restarts={limit}): it resumes "
+          "from the newest complete checkpoint of its run dir (ckpt_path=here)", flush=True)
+    return again
 
 
 def _timed_out(manifest: dict, timeout_min: Any) -> BaseException:
@@ -202,7 +234,7 @@ def _poll(api: Any, manifest: dict, namespace: str, seen: dict[int, str], index:
     success, failure = TERMINAL[kind]
     types = {c["type"] for c in conditions}
     if failure in types:
-        return RuntimeError(
+        return JobFailed(
             f"{kind} {name} failed: {latest.get('message') or latest.get('reason')}"
         )
     return True if success in types else None

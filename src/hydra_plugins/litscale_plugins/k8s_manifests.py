@@ -166,6 +166,9 @@ def pytorchjob(name: str, args: list[str], params: dict[str, Any]) -> dict[str, 
         "spec": {
             "nprocPerNode": str(params["processes_per_node"]),
             "pytorchReplicaSpecs": replicas,
+            # The operator restarts a failed pod in place this many times; the job's
+            # ckpt_path=here resumes it from its run dir on the volume.
+            "runPolicy": {"backoffLimit": int(params.get("max_restarts") or 0)},
         },
     }
 

@@ -14,7 +14,7 @@ every node of a sharded save writes into the same directory. Without a bucket th
 the nodes' disks, so ``down=true`` and ``use_spot=true`` are refused in one line. With
 ``use_spot=true`` the task is a managed job (``sky jobs launch``): SkyPilot recovers it on new
 nodes after a preemption, and its run resumes from the newest complete checkpoint in the
-bucket (``ckpt_path=auto``, unless the job names one).
+bucket (``ckpt_path=here``, unless the job names one).
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from hydra_plugins.litscale_plugins.jobs import (
     ClusterLauncher,
     job_resources,
     job_return,
+    resuming_in_run_dir,
     write_checked,
 )
 from hydra_plugins.litscale_plugins.k8s import job_name
-from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_mount, resumable
+from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_mount
 
 SCHEMA = Path(__file__).with_name("schemas") / "skypilot_task.yaml"
 RENDEZVOUS_PORT = 29500
@@ -60,7 +61,7 @@ def task(name: str, args: list[str], params: dict[str, Any], *, cpu: bool) -> di
         '--master-addr="$MASTER_ADDR"',
         f"--master-port={RENDEZVOUS_PORT}",
         "train.py",
-        *map(shlex.quote, resumable(args, params)),
+        *map(shlex.quote, resuming_in_run_dir(args) if params.get("use_spot") else args),
     ]
     return {
         "name": name,

@@ -36,10 +36,3 @@ def outputs_mount(params: dict[str, Any]) -> dict[str, Any]:
                                else {"name": bucket, **({"store": params["outputs_store"]}
                                                         if params.get("outputs_store") else {})})
     return {"file_mounts": {params["outputs"]: {**storage, "mode": "MOUNT"}}}
-
-
-def resumable(args: list[str], params: dict[str, Any]) -> list[str]:
-    """A managed (spot) job's arguments: it resumes from its newest checkpoint after a recovery."""
-    if params.get("use_spot") and not any(a.split("=", 1)[0].lstrip("+~") == "ckpt_path" for a in args):
-        return [*args, "ckpt_path=auto"]
-    return args

@@ -255,7 +255,8 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(error).splitlines()[0]) from None
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=os.path.join(cfg.paths.root_dir, cfg.name))
+    search_dir = cfg.paths.output_dir if cfg.ckpt_path == "here" else os.path.join(cfg.paths.root_dir, cfg.name)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=search_dir)
     check_checkpoint_network(cfg, ckpt_path, net, choices or {})
     check_checkpoint_moves(cfg, ckpt_path, strategy, world_size, choices or {})
     return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
