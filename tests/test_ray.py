@@ -54,6 +54,16 @@ JOBS = {
         "callbacks:\n  fault:\n    _target_: litscale.callbacks.faults.InjectFault\n"
         "    kind: sigkill\n    rank: 1\n    at_step: 1\n"
     ),
+    # The same kill at the last step, after a save at step 1, in a job Ray may restart once:
+    # the second attempt resumes from that save in the same run dir and finishes.
+    "ray_recovered": (
+        "defaults:\n  - override /strategy: ddp\n"
+        "hydra:\n  launcher:\n    max_failures: 1\n"
+        "callbacks:\n  fault:\n    _target_: litscale.callbacks.faults.InjectFault\n"
+        f"    kind: sigkill\n    rank: 1\n    at_step: {STEPS}\n"
+        "  every_step:\n    _target_: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        "    dirpath: ${paths.output_dir}/checkpoints\n    every_n_train_steps: 1\n    save_last: true\n"
+    ),
 }
 # NOTE: each train.py starts a local cluster for its sweep (hydra.launcher.address null), a few
 # seconds; a cluster shared by the module (`ray start --head`) was refused to the runs joining
@@ -81,7 +91,7 @@ def sweeps(tmp_path_factory):
         (conf / "experiment" / f"{name}.yaml").write_text(f"# @package _global_\n{text}")
     searchpath = f"hydra.searchpath=[file://{conf}]"
     runs = {}
-    for launcher, jobs in (("ray", "ray_ddp,ray_fsdp,ray_killed"), ("basic", "ray_ddp,ray_fsdp")):
+    for launcher, jobs in (("ray", "ray_ddp,ray_fsdp,ray_killed,ray_recovered"), ("basic", "ray_ddp,ray_fsdp")):
         outputs = tmp_path_factory.mktemp(launcher)
         extra = RAY if launcher == "ray" else ()
         process = run_train(
@@ -101,8 +111,8 @@ def test_ray_jobs_train_as_litscales_own_launcher(sweeps):
     assert basic_process.returncode == 0, explain(basic_process)
     ray_runs = {Path(s["output_dir"]).name: s for s in summaries(ray_outputs)}
     basic_runs = {Path(s["output_dir"]).name: s for s in summaries(basic_outputs)}
-    # Job 0: ddp, job 1: fsdp; job 2 (killed) left no summary.
-    assert sorted(ray_runs) == sorted(basic_runs) == ["0", "1"], explain(ray_process)
+    # Job 0: ddp, job 1: fsdp; job 2 (killed) left no summary; job 3 (recovered): below.
+    assert sorted(ray_runs) == ["0", "1", "3"] and sorted(basic_runs) == ["0", "1"], explain(ray_process)
     for job in ("0", "1"):
         ray_run, basic_run = ray_runs[job], basic_runs[job]
         assert ray_run["world_size"] == basic_run["world_size"] == 2
@@ -132,7 +142,28 @@ def test_ray_jobs_train_as_litscales_own_launcher(sweeps):
     # Each line litscale prints reaches the driver once: Ray Train's own print, which also logs
     # every line through the root logger, is off in the jobs.
     printed = ray_process.stdout + ray_process.stderr
-    assert printed.count("litscale: outputs: ") == 2 and "][root][INFO] - litscale: " not in printed, explain(ray_process)
+    assert printed.count("litscale: outputs: ") == 3 and "][root][INFO] - litscale: " not in printed, explain(ray_process)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(2400)
+def test_a_ray_job_restarted_after_a_killed_worker_resumes_its_own_save_and_trains_as_uninterrupted(sweeps):
+    """``max_failures: 1``: rank 1 killed at the last step; Ray starts the job's workers again,
+    and the second attempt resumes from its step-1 save (``ckpt_path=here``: its own run dir,
+    not job 0's, which has the same name) and ends with job 0's losses."""
+    (ray_outputs, ray_process), (basic_outputs, _) = sweeps["ray"], sweeps["basic"]
+    runs = {Path(s["output_dir"]).name: s for s in summaries(ray_outputs)}
+    recovered, reference = runs["3"], {Path(s["output_dir"]).name: s for s in summaries(basic_outputs)}["0"]
+    assert recovered["steps"] == STEPS and recovered["world_size"] == 2, recovered
+    assert "litscale: job 3 on Ray: experiment=ray_recovered" in ray_process.stdout, explain(ray_process)
+    checkpoints = Path(recovered["output_dir"]) / "checkpoints"
+    assert (checkpoints / "last.ckpt").exists(), sorted(checkpoints.iterdir())
+    losses, expected = train_losses(recovered["output_dir"]), train_losses(reference["output_dir"])
+    assert STEPS - 1 in losses, losses  # the step after the resume (the first attempt's rows may be rewritten)
+    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)]),
+                               torch.tensor([expected[s] for s in sorted(losses)]), rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(recovered["val/loss"], reference["val/loss"], rtol=1.3e-6, atol=1e-5)
 
 
 @pytest.mark.slow

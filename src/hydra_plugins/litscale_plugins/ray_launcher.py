@@ -10,7 +10,9 @@ each) and run at once where the cluster has room; each job's run dir is the one 
 launcher would use. Every worker runs the job's own task function (``train.py``'s) through
 Hydra's ``run_job``, so a rank that fails reports itself as under torchrun; a worker that dies
 without a word (killed) is named by the driver in one ``error: rank N failed: ...`` line. The
-sweep goes on. ``ray`` is imported only inside the functions that use it.
+sweep goes on. With ``max_failures: N``, Ray Train starts a failed job's workers again up to N
+times, each attempt resuming from the newest complete checkpoint of the job's run dir
+(``ckpt_path=here``, unless the job names one). ``ray`` is imported only inside the functions that use it.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class RayLauncher(ClusterLauncher):
 
         params = job_resources(job_config)
         number = int(job_config.hydra.job.num)
+        max_failures = int(params.get("max_failures") or 0)
+        if max_failures and job_config.get("ckpt_path") is None:
+            with open_dict(job_config):  # a restarted attempt resumes this job's own last save
+                job_config.ckpt_path = "here"
         gpu = use_gpu(params, str(job_config.trainer.get("accelerator")))
         payload = (
             self.hydra_context, self.task_function, job_config, Singleton.get_state(), os.getcwd()
@@ -93,7 +99,7 @@ class RayLauncher(ClusterLauncher):
             run_config=RunConfig(
                 name=f"job{number}",
                 storage_path=str(Path(job_config.hydra.sweep.dir) / ".ray"),
-                failure_config=FailureConfig(max_failures=0),
+                failure_config=FailureConfig(max_failures=max_failures),
             ),
         )
         print(f"litscale: job {number} on Ray: {' '.join(overrides)}", flush=True)
