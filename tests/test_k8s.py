@@ -89,6 +89,7 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
 
 
+@pytest.mark.slow  # runs make -n
 def test_the_manifests_run_the_image_the_dockerfile_builds_where_it_puts_train_py(tmp_path):
     """``make image`` / ``make image-cuda`` build docker/Dockerfile under the tags a job's
     manifest names by default (by its accelerator), into the working dir the manifest runs

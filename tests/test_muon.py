@@ -5,6 +5,7 @@ process under DDP, FSDP, tensor and expert parallel, local SGD and a pipeline is
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -97,8 +98,12 @@ def test_tied_embeddings_and_stacked_experts_take_their_roles():
 def test_train_py_steps_the_matrices_with_muon_and_measures_half_of_adamws_state_for_them(tmp_path):
     """Through the run's LR-scaling rule, which wraps the optimizer's factory: Muon once built
     from its groups as plain AdamW there, silently."""
+    calibration = {"cores": 2, "memory_bytes": 8 * 2**30, "peak_flops": {"float32": 1e11, "bfloat16": 2e11},
+                   "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "measured": "test"}  # made up: the run predicts
+    (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(calibration))
     process = train_on_pool("optimizer=muon", "trainer.accelerator=cpu", "trainer.max_steps=2", "data.seq_len=32",
-                            "logger=none", "trainer.enable_progress_bar=false", outputs=tmp_path)
+                            "logger=none", "trainer.enable_progress_bar=false", outputs=tmp_path,
+                            env={"LITSCALE_CACHE": str(tmp_path)})
     assert process.returncode == 0, explain(process)
     printed = process.stdout + process.stderr
     split = re.search(r"litscale: optimizer muon: 24 matrices \(([\d,]+) parameters\) orthogonalised in float32 \| "
