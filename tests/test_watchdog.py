@@ -4,7 +4,11 @@ hangs, skips a collective or is slow (``InjectFault``), against what the user is
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -376,6 +380,43 @@ def test_a_frozen_rank_zero_is_named_by_the_standby_on_rank_one(tmp_path):
     assert (stacks / "rank1.txt").read_text().startswith("rank 1 (")
     assert "in backward" in (stacks / "rank1.txt").read_text()  # rank 1 waits in the all-reduce
     assert not summaries(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_frozen_rank_zero_that_hosts_the_store_is_named_as_under_srun_and_ray(tmp_path):
+    """Two ranks started as srun and Ray start them (each process given its rank and the
+    address, no torchelastic agent): rank 0's own process hosts the job's store and freezes with
+    it. The standby's reads block; its second thread names rank 0 within the same limit as under
+    litscale's launcher, resumes it so that the store answers, and stops the job with every
+    rank's stacks."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env.update(LITSCALE_OUTPUTS=str(tmp_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", PYTHONUNBUFFERED="1")
+    command = [sys.executable, str(REPO / "train.py"), *RUN, "+callbacks.fault._target_=litscale.callbacks.faults."
+               "InjectFault", "+callbacks.fault.rank=0", "+callbacks.fault.kind=freeze", "+callbacks.fault.at_step=6",
+               *QUICK, f"hydra.run.dir={tmp_path / 'run'}"]
+    ranks = [subprocess.Popen(command, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+             for r in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=200) for rank in ranks]
+    finally:
+        for rank in ranks:  # whatever is left of a failed test: never a stray
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(rank.pid, signal.SIGKILL)
+    assert [rank.returncode for rank in ranks] != [0, 0], outputs
+    errors = [line for _, err in outputs for line in err.splitlines() if line.startswith("error: hang")]
+    assert len(errors) == 1, outputs
+    match = re.fullmatch(r"error: hang at step 6: rank 0 not responding \(no heartbeat\) for (\d+) s; rank 1 waiting "
+                         r"in backward \(gradient all-reduce\); stacks in (.*)/hang-6", errors[0])
+    assert match, errors
+    assert 8 <= int(match.group(1)) < 30
+    stacks = Path(match.group(2)) / "hang-6"
+    assert sorted(p.name for p in stacks.iterdir()) == ["rank0.txt", "rank1.txt"]
+    assert "in backward" in (stacks / "rank1.txt").read_text()
 
 
 @pytest.mark.slow

@@ -92,7 +92,8 @@ class HangWatchdog(Callback):
         self.heartbeat = Heartbeat(stores[0], rank, interval_s=self.interval_s).start()
         if watching:
             self.watchdog = Watchdog(stores[1], trainer.world_size, limits=self.limits, stacks_root=self.dirpath,
-                                     poll_s=self.interval_s, standby=rank != 0).start()
+                                     poll_s=self.interval_s, standby=rank != 0,
+                                     own=self.heartbeat if rank != 0 else None).start()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # the watch goes on through the run's work after fit, which comes next (``end_watch``)

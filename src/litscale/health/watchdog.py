@@ -11,6 +11,13 @@ only once rank 0's heartbeat and the primary's own liveness beat (``WATCHDOG_KEY
 been silent for ``silent_s``: one mechanism under every launcher, torchrun and srun included,
 where a watchdog in litscale's launcher process would cover its own launches only. Whichever
 watchdog stops the job, the ranks' stacks, the line and the stop are the same.
+
+NOTE: under srun and Ray no torchelastic agent hosts the store: rank 0's own process does, and
+freezes with it. A read of a frozen store neither answers nor times out (TCPStore's client
+waits on), so the standby's reads block; a second thread of the standby then sees that no read
+has come back for ``silent_s`` and names rank 0 frozen. On rank 0's host it resumes rank 0
+(SIGCONT), which brings the store back, and stops the job as usual; elsewhere it prints the line
+and ends its own rank, whose launcher ends the job.
 """
 
 from __future__ import annotations
@@ -32,12 +39,14 @@ from litscale.health.doctor import UnsafeDumpError, diagnose, load_dumps
 from litscale.health.heartbeat import (
     DIAGNOSED_KEY,
     STOP_KEY,
+    Heartbeat,
     beat_key,
     dumped_key,
     record_elastic_error,
     report_dead_thread,
+    wait_for_key,
 )
-from litscale.health.stacks import dump_stacks_of
+from litscale.health.stacks import dump_own_stacks, dump_stacks_of
 from litscale.health.store import read_json_keys
 
 # How long the ranks have to write their stacks once told to stop.
@@ -51,6 +60,14 @@ LAUNCHER_REPORTS_ENV = "LITSCALE_LAUNCHER_REPORTS_HANGS"
 WATCHDOG_KEY = "watchdog"
 CLOSED = b"closed"
 PRIMARY_RANK = 0
+STANDBY_RANK = 1
+# How long the standby waits, at its start, for rank 0's first beat.
+STANDBY_FIRST_READ_S = 60.0
+
+
+def store_on_rank_zero() -> bool:
+    """Whether rank 0's own process hosts the job's store (srun, Ray), not a torchelastic agent."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
 class Watchdog:
@@ -60,19 +77,29 @@ class Watchdog:
 
     def __init__(self, store: Store, world_size: int, *, limits: Callable[[float | None], Limits],
                  stacks_root: str, poll_s: float = 1.0, standby: bool = False,
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit, own: Heartbeat | None = None) -> None:
         self.store, self.world_size, self.limits = store, world_size, limits
         self.stacks_root, self.poll_s, self.exit, self.standby = stacks_root, poll_s, exit, standby
+        self.own = own  # this rank's heartbeat: its place, read without the store
         self.median_step_s: float | None = None  # set by the training loop of this rank
         self.states: dict[int, RankState] = {}
         self.done: set[int] = set()  # ranks whose watch has ended on purpose
         self._polls = 0
         self._primary: tuple[bytes | None, float] = (None, time.monotonic())  # its beat, seen since
         self.failure: str | None = None  # why the thread stopped early (then no hang is caught)
-        self._closed = threading.Event()
+        self._closed, self._ended = threading.Event(), threading.Event()
+        self._answered = time.monotonic()  # when the store last answered a whole poll
+        self._stopping = False  # a watchdog thread is stopping the job
         self._thread = threading.Thread(target=self._run, name="litscale-watchdog", daemon=True)
+        self._store_watch = threading.Thread(target=self._watch_store, name="litscale-store-watch", daemon=True)
 
     def start(self) -> Watchdog:
+        if self.standby and store_on_rank_zero():
+            # Rank 0's beat (its pid and host) while its store answers: it may freeze before
+            # the first poll, and then no read comes back.
+            if wait_for_key(self.store, beat_key(PRIMARY_RANK), timeout_s=STANDBY_FIRST_READ_S):
+                self.check(time.monotonic())
+            self._store_watch.start()
         self._thread.start()
         return self
 
@@ -126,22 +153,68 @@ class Watchdog:
         return hang if frozen else None
 
     def _run(self) -> None:
-        while not self._closed.wait(self.poll_s):
-            try:
-                hang = self._poll(time.monotonic())
-            except StopIteration:
+        try:
+            while not self._closed.wait(self.poll_s):
+                try:
+                    hang = self._poll(time.monotonic())
+                    self._answered = time.monotonic()
+                except StopIteration:
+                    return
+                except Exception as error:
+                    self.failure = report_dead_thread("hang watchdog", error, self._closed,
+                                                      "this run is no longer watched for hangs")
+                    return
+                if hang is not None:
+                    self._stop_job(hang)
+                    return
+        finally:
+            self._ended.set()
+
+    def _watch_store(self) -> None:
+        """The standby's second thread where rank 0 hosts the store (see the module's note)."""
+        while not self._ended.wait(self.poll_s):
+            now = time.monotonic()
+            silent_s = self.limits(self.median_step_s).silent_s
+            rank0 = self.states.get(PRIMARY_RANK)
+            if rank0 is None or now - self._answered <= silent_s or self._closed.is_set() or self._stopping:
+                continue
+            states = dict(self.states)  # as the blocked poll left them, this rank's own place now
+            if self.own is not None:
+                states[self.own.rank] = RankState(self.own.beat, at_place_since=now, silent_since=now)
+            hang = Hang(step=min(s.beat.step for r, s in states.items() if r != PRIMARY_RANK or len(states) == 1),
+                        rank=PRIMARY_RANK,
+                        doing=rank0.beat.doing(), for_s=now - rank0.silent_since, silent=True,
+                        waiting={rank: s.beat.doing() for rank, s in states.items() if rank != PRIMARY_RANK})
+            if rank0.beat.host != socket.gethostname():
+                self._stop_without_store(hang)
                 return
-            except Exception as error:
-                self.failure = report_dead_thread("hang watchdog", error, self._closed,
-                                                  "this run is no longer watched for hangs")
-                return
-            if hang is not None:
-                self._stop_job(hang)
-                return
+            self._resume(rank0.beat)  # its store answers again: the stop goes as ever
+            self.store = self._fresh_store()
+            self._stop_job(hang)
+            return
+
+    @staticmethod
+    def _fresh_store() -> Store:
+        """A new client of the job's store (the standby's own may still wait in a read)."""
+        from litscale.health.store import health_store
+
+        return health_store()
+
+    def _stop_without_store(self, hang: Hang) -> None:
+        """Rank 0 frozen on another host, with the store: this rank's stacks and the line, then
+        this rank ends, and its launcher ends the job."""
+        stacks_dir = os.path.join(self.stacks_root, f"hang-{hang.step}")
+        line = hang.line(stacks_dir)
+        record_elastic_error(f"{HANG_ERROR}: {line}", time.time())
+        dump_own_stacks(os.path.join(stacks_dir, f"rank{STANDBY_RANK}.txt"), f"rank {STANDBY_RANK}; {line}")
+        print(f"error: {line} (rank 0's process, which hosts the job's store, froze on another host)",
+              file=sys.stderr, flush=True)
+        self.exit(1)
 
     def _stop_job(self, hang: Hang) -> None:
         """Tell every rank to write its stacks and stop; write rank 0's and those of a rank on
         this host that no longer answers; print the line; end this process."""
+        self._stopping = True
         stacks_dir = os.path.join(self.stacks_root, f"hang-{hang.step}")
         line = hang.line(stacks_dir)
         # First, so that the launcher reports this line even if it stops this rank early.
