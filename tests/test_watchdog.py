@@ -382,6 +382,7 @@ def test_a_frozen_rank_zero_is_named_by_the_standby_on_rank_one(tmp_path):
     assert not summaries(tmp_path)
 
 
+@pytest.mark.full  # make test-full: keeps make test within its time (about a minute)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_frozen_rank_zero_that_hosts_the_store_is_named_as_under_srun_and_ray(tmp_path):
