@@ -99,6 +99,7 @@ class Watchdog:
             # the first poll, and then no read comes back.
             if wait_for_key(self.store, beat_key(PRIMARY_RANK), timeout_s=STANDBY_FIRST_READ_S):
                 self.check(time.monotonic())
+                self._answered = time.monotonic()
             self._store_watch.start()
         self._thread.start()
         return self
