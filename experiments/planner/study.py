@@ -14,6 +14,8 @@ excluded) and ``plan/predicted_step_s``, the planner's prediction for the run as
 with ``cluster=local_cpu`` (calibrated first if this machine has no calibration). Over the
 configurations of one model and global batch at 2 ranks (a "group": what ``plan=auto`` chooses
 among), the planner's pick is the one it predicts fastest; regret = measured(pick) / measured(best).
+A run starts only at a load average no higher than the core count (``litscale.planner.machine``;
+``LITSCALE_MAX_LOAD`` raises it), and records the load it started at (``load_average_each``).
 
 Writes ``results.json``, ``predicted_vs_measured.png`` and the results section of ``README.md``.
 """
@@ -243,7 +245,13 @@ def time_profiles(names: list[str]) -> None:
 
 
 def measure(name: str, outputs: Path) -> dict:
+    from litscale.planner import machine
+
     overrides = overrides_of(name)
+    load = machine.load_average()  # before this run adds to it
+    busy = machine.busy(load)
+    if busy:  # a step timed beside other work measures that work too
+        raise SystemExit(f"{name}: not recorded: {busy} before its run; record the study on a quiet machine")
     print(f"$ python train.py {' '.join(overrides)}", flush=True)
     env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "LITSCALE_THREADS_PER_RANK": "1"}
     started = time.perf_counter()
@@ -268,6 +276,7 @@ def measure(name: str, outputs: Path) -> dict:
         "predicted_step_s": summary["plan/predicted_step_s"],
         "compute_source": summary.get("plan/compute_source"),
         "threads_per_rank": summary.get("threads_per_rank"),
+        "load_average": round(load, 2),  # the last minute's, as the run started
         "wall_s": time.perf_counter() - started,
     }
 
@@ -280,6 +289,7 @@ def combined(runs: list[dict]) -> dict:
         "predicted_step_s": statistics.median(r["predicted_step_s"] for r in runs),
         "measured_each": [r["measured_step_s"] for r in runs],
         "predicted_each": [r["predicted_step_s"] for r in runs],
+        "load_average_each": [r["load_average"] for r in runs],
         "wall_s": sum(r["wall_s"] for r in runs),
     }
 
