@@ -142,6 +142,8 @@ def test_ray_jobs_train_as_litscales_own_launcher(sweeps):
     # Each line litscale prints reaches the driver once: Ray Train's own print, which also logs
     # every line through the root logger, is off in the jobs.
     printed = ray_process.stdout + ray_process.stderr
+    # A job waiting for CPUs the others hold waits quietly, not through Ray's start timeouts.
+    assert "WorkerGroupStartupTimeoutError" not in printed, explain(ray_process)
     assert printed.count("litscale: outputs: ") == 3 and "][root][INFO] - litscale: " not in printed, explain(ray_process)
 
 
@@ -295,3 +297,16 @@ def test_the_driver_names_a_silent_workers_death_and_points_to_the_ranks_own_lin
     exited = WorkerGroupFailed({1: SystemExit(1), 0: SystemExit(1)})
     reported(exited, 2)
     assert capsys.readouterr().err == "error: job 2: rank(s) 0, 1 exited with 1; their lines above say why\n"
+
+
+def test_a_job_that_cannot_start_at_once_says_what_it_waits_for_and_one_that_never_can_is_refused():
+    from hydra_plugins.litscale_plugins.ray_launcher import resources_line
+
+    cluster = ({"CPU": 4.0, "GPU": 0.0}, {"CPU": 1.0})
+    assert resources_line(0, 1, {"CPU": 1.0}, cluster) is None  # starts now
+    assert resources_line(2, 2, {"CPU": 2.0}, cluster) == (
+        "litscale: job 2 waits for Ray: its 2 workers need 2 CPUs (1 of 4 free now)")
+    assert resources_line(3, 8, {"CPU": 8.0}, cluster) == (
+        "error: job 3 needs 8 CPUs for its 8 Ray workers, the cluster has 4; allowed: fewer trainer.devices x "
+        "trainer.num_nodes, a smaller hydra.launcher.cpus_per_worker, or a larger cluster")
+    assert resources_line(4, 2, {"CPU": 2.0, "GPU": 2.0}, cluster).startswith("error: job 4 needs 2 GPUs")

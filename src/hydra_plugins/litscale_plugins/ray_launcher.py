@@ -44,6 +44,11 @@ FORWARDED_ENV_PREFIX = "LITSCALE_"
 # handler on the root logger printed every line a second time. Ray passes this variable from
 # the driver to its workers.
 RAY_PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
+# NOTE: a job whose workers wait for CPUs other jobs hold hit Ray Train's worker-group start
+# timeout (60 s) and printed a traceback at every retry; the job waits quietly instead, and the
+# launcher says in one line what it waits for (``resources_line``). Passed to the workers as above.
+RAY_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+WAIT_FOR_RESOURCES_S = 7 * 24 * 3600
 # NOTE: an Optuna sweep with n_jobs > 1 launches from several threads; two ``ray.init`` at
 # once would start two clusters, or fail in the second.
 _CONNECTING = threading.Lock()
@@ -56,6 +61,7 @@ class RayLauncher(ClusterLauncher):
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
         os.environ.setdefault(RAY_PRINT_PATCH_ENV, "0")
+        os.environ.setdefault(RAY_START_TIMEOUT_ENV, str(WAIT_FOR_RESOURCES_S))
         connect(self.params)
         # Pinned here: ${now:...} in the sweep dir would name another dir in each worker.
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
@@ -104,6 +110,13 @@ class RayLauncher(ClusterLauncher):
         )
         print(f"litscale: job {number} on Ray: {' '.join(overrides)}", flush=True)
         run_dir = sweep_run_dir(job_config)
+        workers = int(params["nodes"]) * int(params["processes_per_node"])
+        needed = {"CPU": workers * float(params["cpus_per_worker"]), **({"GPU": float(workers)} if gpu else {})}
+        line = resources_line(number, workers, needed, cluster_resources())
+        if line is not None:
+            print(line, file=sys.stderr if line.startswith("error:") else sys.stdout, flush=True)
+            if line.startswith("error:"):
+                return job_return(job_config, overrides, run_dir, error=RuntimeError(line[len("error: "):]))
         try:
             trainer.fit()
         except Exception as error:  # noqa: BLE001 - Ray's several failure types
@@ -128,6 +141,30 @@ def connect(params: dict[str, Any]) -> None:
                 num_gpus=params.get("num_gpus"),
                 include_dashboard=False,
             )
+
+
+def cluster_resources() -> tuple[dict[str, float], dict[str, float]]:
+    """The cluster's resources, all of them and those free now."""
+    import ray
+
+    return ray.cluster_resources(), ray.available_resources()
+
+
+def resources_line(number: int, workers: int, needed: dict[str, float],
+                   resources: tuple[dict[str, float], dict[str, float]]) -> str | None:
+    """One line where job ``number`` cannot start at once: an ``error:`` where the cluster has
+    fewer of a resource than its ``workers`` need in all, else what it waits for; None: it starts."""
+    total, free = resources
+    for name, amount in needed.items():
+        if total.get(name, 0) < amount:
+            return (f"error: job {number} needs {amount:g} {name}s for its {workers} Ray workers, the cluster has "
+                    f"{total.get(name, 0):g}; allowed: fewer trainer.devices x trainer.num_nodes, a smaller "
+                    "hydra.launcher.cpus_per_worker, or a larger cluster")
+    short = [f"{amount:g} {name}s ({free.get(name, 0):g} of {total[name]:g} free now)"
+             for name, amount in needed.items() if free.get(name, 0) < amount]
+    if short:
+        return f"litscale: job {number} waits for Ray: its {workers} workers need {', '.join(short)}"
+    return None
 
 
 def use_gpu(params: dict[str, Any], accelerator: str) -> bool:
