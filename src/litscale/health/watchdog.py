@@ -165,7 +165,7 @@ class Watchdog:
                     self.failure = report_dead_thread("hang watchdog", error, self._closed,
                                                       "this run is no longer watched for hangs")
                     return
-                if hang is not None:
+                if hang is not None and not self._stopping:  # (the store watch may be stopping it)
                     self._stop_job(hang)
                     return
         finally:
