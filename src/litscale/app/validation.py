@@ -124,12 +124,17 @@ def only_planned(cfg: DictConfig) -> bool:
     return planning(cfg) and not cfg.plan.get("verify")
 
 
+def calibrate_from_paths(value) -> list[str]:
+    """``plan.calibrate_from`` (one directory or a list) as a list."""
+    return [str(p) for p in value] if isinstance(value, (list, tuple, ListConfig)) else [str(value)]
+
+
 def check_calibrate_from(plan: DictConfig) -> None:
     """``plan.calibrate_from`` is read by a plan, and names directories that exist."""
     value = plan.get("calibrate_from")
     if value is None:
         return
-    paths = [str(p) for p in value] if isinstance(value, ListConfig) else [str(value)]
+    paths = calibrate_from_paths(value)
     if plan.mode == "none":
         raise ConfigError(f"plan.calibrate_from={value} refits the planner for plan=show|auto; with plan=none "
                           f"nothing is planned: add plan=show, or drop plan.calibrate_from")

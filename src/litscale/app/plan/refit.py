@@ -25,9 +25,10 @@ import os
 import statistics
 from collections import Counter
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
+from litscale.app.validation import calibrate_from_paths
 from litscale.errors import ConfigError
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, predict
@@ -54,7 +55,7 @@ def refit(cfg: DictConfig, choices: dict[str, str], cluster: Cluster) -> tuple[C
     """``cluster`` with its constants refit from the runs under ``plan.calibrate_from`` and the
     overrides that keep them, where that lowers the error on held-out runs; else ``cluster``
     as it is and no overrides. Prints what it found, and writes it to ``<run dir>/plan/calibration.json``."""
-    paths = _paths(cfg.plan.calibrate_from)
+    paths = calibrate_from_paths(cfg.plan.calibrate_from)
     samples, skipped = gather(paths, choices.get("cluster", cluster.name), cluster)
     shown = ", ".join(f"{count} x {reason}" for reason, count in skipped.most_common(3))
     if len(samples) < MIN_RUNS:
@@ -198,11 +199,6 @@ def _write_record(cfg: DictConfig, samples: list[Sample], cluster: Cluster, give
         json.dump(record, handle, indent=1)
     os.replace(path + ".tmp", path)
     _say(f"each run's measured and predicted steps: {path}")
-
-
-def _paths(value) -> list[str]:
-    """``plan.calibrate_from`` as a list (validation checked each is a directory)."""
-    return [str(p) for p in value] if isinstance(value, (list, tuple, ListConfig)) else [str(value)]
 
 
 def _shown(paths: list[str]) -> str:
