@@ -99,7 +99,7 @@ def test_the_manifests_run_the_image_the_dockerfile_builds_where_it_puts_train_p
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     builds = {}
     for target in ("image", "image-cuda"):
-        command = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        command = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
         assert command.startswith("docker build -f docker/Dockerfile "), command
         builds[target] = command.split(" -t ", 1)[1].split()[0]
     assert builds == {"image": f"litscale:{version}-cpu", "image-cuda": f"litscale:{version}-cuda"}
