@@ -33,11 +33,22 @@ class Sharding:
     gathered once per step and held whole until backward ends (FSDP2's
     ``reshard_after_forward=False``, which the pipeline strategy uses): at its peak such a rank
     holds what ZeRO-2 does, and it gathers once per step instead of twice per micro-batch.
-    ``fp32_master_copy``: an fp32 copy of the parameters beside the optimizer state."""
+    ``fp32_master_copy``: an fp32 copy of the parameters beside the optimizer state.
+    ``reduce_buffers`` buffers of ``reduce_bucket_elements`` each (at most the rank's share of
+    the parameters), kept for the gradients' reduction (DeepSpeed's contiguous buckets, two with
+    ``overlap_comm``), of ``reduce_buffer_bytes`` per element (0: the gradients' dtype)."""
 
     zero_stage: int
     whole_parameters_in_step: bool = False
     fp32_master_copy: bool = False
+    reduce_buffers: int = 0
+    reduce_bucket_elements: int = 0
+    reduce_buffer_bytes: int = 0
+
+    def reduce_buffer_bytes_per_rank(self, local_params: float, grad_bytes: int) -> float:
+        """Bytes of the reduction buffers of a rank holding ``local_params`` parameters."""
+        return self.reduce_buffers * min(self.reduce_bucket_elements, local_params) * (
+            self.reduce_buffer_bytes or grad_bytes)
 
     def __post_init__(self) -> None:
         if self.zero_stage not in (0, 1, 2, 3):

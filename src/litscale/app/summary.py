@@ -100,7 +100,10 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     summary = {k: v for k, v in summary.items() if v is not None}
     if trainer.is_global_zero:
         summary.update(_log_scaling(trainer, summary, scaling or ScalingContext()))
-        summary.update(_prediction(built, summary.get("perf/step_time_s")))
+        # A step watched for its CPU memory peak (memory/peak_rank) is slowed by the watching:
+        # its time is no measurement to hold a prediction to.
+        timed = "memory/peak_rank" not in summary
+        summary.update(_prediction(built, summary.get("perf/step_time_s") if timed else None))
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
         _plot_label_histograms(summary)

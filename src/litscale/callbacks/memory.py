@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from litscale.declarations import moe_parameter_counts
 from litscale.layout import mesh_of
 from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
+from litscale.step_memory import StepPeak
 from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
 
 __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
@@ -59,8 +60,11 @@ class MemoryCallback(Callback):
     mesh. A strategy may supply ``memory_bytes()`` when its buffers are not the module's
     tensors (DeepSpeed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, measure_peak: bool = False) -> None:
         self.result: dict[str, float] = {}
+        # CPU: one step watched by torch's MemTracker (litscale.step_memory), which slows it.
+        self._step_peak: StepPeak | None = None
+        self._measure_peak = measure_peak
         self._grads: int | None = None
         self._num_params: int | None = None
         self._moe = (0, 0)  # a mixture of experts' MoE-layer and routed-expert parameters
@@ -75,11 +79,20 @@ class MemoryCallback(Callback):
         custom = getattr(trainer.strategy, "memory_bytes", None)
         return custom() if custom is not None else _generic_bytes(pl_module, trainer.optimizers)
 
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        # The second step (the first creates the optimizer's state) unless the run has one.
+        if (self._measure_peak and self._step_peak is None and pl_module.device.type == "cpu"
+                and trainer.global_step == _watched_step(trainer)):
+            self._step_peak = StepPeak(pl_module.device)
+            self._step_peak.enter(pl_module, trainer.optimizers)
+
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self._grads is None:
             self._grads = self._measure(trainer, pl_module)["memory/grads_bytes"]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self._step_peak is not None and self._step_peak.active and trainer.global_step > _watched_step(trainer):
+            self._step_peak.leave()
         if self.result or trainer.global_step < 1 or self._grads is None:
             return
         measured = {**self._measure(trainer, pl_module), "memory/grads_bytes": self._grads}
@@ -97,6 +110,22 @@ class MemoryCallback(Callback):
         # figure the planner's predicted peak is checked against.
         if pl_module.device.type == "cuda" and self.result:
             self.result["memory/peak_bytes"] = float(torch.cuda.max_memory_allocated(pl_module.device))
+        elif self._step_peak is not None:
+            self._step_peak.leave()  # a run that ended inside the watched step
+            if self._step_peak.peak is not None:
+                self._record_cpu_peak(trainer)
+
+    def _record_cpu_peak(self, trainer: Trainer) -> None:
+        """The busiest rank's peak (a pipeline's first stage holds the most in flight), the same
+        on every rank."""
+        row = torch.tensor([float(self._step_peak.peak), float(trainer.global_rank)], dtype=torch.float64)
+        if trainer.world_size > 1 and torch.distributed.is_initialized():
+            rows = [torch.zeros_like(row) for _ in range(torch.distributed.get_world_size())]
+            torch.distributed.all_gather(rows, row)
+            row = max(rows, key=lambda r: float(r[0]))
+        self.result["memory/peak_bytes"], self.result["memory/peak_rank"] = float(row[0]), float(row[1])
+        rank_zero_info(f"litscale: memory peak of one step (CPU, torch's MemTracker): {_mib(float(row[0]))} "
+                       f"on rank {int(row[1])}")
 
     def _estimate(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         strategy = trainer.strategy
@@ -107,6 +136,11 @@ class MemoryCallback(Callback):
             param_bytes=params[0].element_size() if params else 4,
             optimizer_bytes_per_param=optimizer_state_bytes_per_param(trainer.optimizers[0]),
             tensor_whole_params=self._moe[0], expert_params=self._moe[1])
+
+
+def _watched_step(trainer: Trainer) -> int:
+    """The second step (the first creates the optimizer's state), the first of a 1-step run."""
+    return 1 if trainer.max_steps is None or trainer.max_steps < 0 or trainer.max_steps > 1 else 0
 
 
 def _mib(value: float) -> str:

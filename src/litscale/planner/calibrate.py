@@ -203,7 +203,7 @@ def calibrated_figures() -> dict | None:
     return None if stale(figures) else figures
 
 
-def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegativeFloat = 0.1,
+def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegativeFloat = 0.0,
               overlap: Fraction = 0.0, overhead_per_microbatch_s: NonNegativeFloat = 0.0) -> Cluster:
     """This machine as a cluster: one rank per core, its measured matmul peak and gloo link
     (calibrated once, then read from the file). ``overlap`` 0: on CPU, gradient communication

@@ -84,8 +84,10 @@ def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str
                                   param_bytes=param_bytes, optimizer_bytes_per_param=facts.optimizer_state_bytes_per_param + master,
                                   at_peak=True, tensor_whole_params=moe.layer_params if moe else 0,
                                   expert_params=moe.expert_params if moe else 0)
+    local_params = facts.num_params / (plan.mesh.tensor * plan.mesh.pipeline)
     memory = {"params": states["memory/estimate_params_bytes"], "grads": states["memory/estimate_grads_bytes"],
               "optimizer": states["memory/estimate_optimizer_bytes"],
+              "buffers": sharding.reduce_buffer_bytes_per_rank(local_params, param_bytes),
               "activations": activation_bytes(plan, facts)}
     memory["total"] = sum(memory.values()) * (1 + cluster.allocator_overhead)
     return memory

@@ -72,10 +72,15 @@ def check_no_running_statistics_in_16_bit(net: nn.Module, dtypes: PrecisionDtype
                          "or fsdp in 16 bits")
 
 
-def zero_sharding(stage: int) -> Sharding:
+def zero_sharding(stage: int, *, contiguous_gradients: bool = True, overlap_comm: bool = True,
+                  reduce_bucket_size: int = 200_000_000) -> Sharding:
     """ZeRO stage ``stage``; DeepSpeed's ZeRO optimizers keep an fp32 partition of the weights,
-    even in fp32."""
-    return Sharding(zero_stage=stage, fp32_master_copy=True)
+    even in fp32. With contiguous gradients they also keep a reduction bucket (stages 1-2: two
+    with ``overlap_comm``; stage 1's in fp32), as ``setup_buckets`` in
+    deepspeed/runtime/zero/stage_1_and_2.py and ``stage3.py``'s IPG buffer allocate them."""
+    buffers = 0 if not contiguous_gradients else 1 if stage == 3 or not overlap_comm else 2
+    return Sharding(zero_stage=stage, fp32_master_copy=True, reduce_buffers=buffers,
+                    reduce_bucket_elements=reduce_bucket_size, reduce_buffer_bytes=4 if stage == 1 else 0)
 
 
 class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
@@ -210,6 +215,13 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         import deepspeed
 
         device_rank = self.root_device.index if self.root_device.index is not None else self.local_rank
+        # DeepSpeed allocates its reduction buckets whole (2 x 200M elements by default: 1.6 GB
+        # in fp32), whatever the model: a bucket larger than the rank's parameters is memory no
+        # reduction uses, so it is cut to them (the planner counts the same, Sharding.reduce_*).
+        zero = self.config["zero_optimization"]
+        params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            zero[key] = max(1, min(int(zero[key]), params))
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=device_rank), config=self.config, model=model,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
@@ -225,7 +237,9 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
 
     @property
     def sharding(self) -> Sharding:
-        return zero_sharding(self.stage)
+        zero = self.config["zero_optimization"]
+        return zero_sharding(self.stage, contiguous_gradients=zero["contiguous_gradients"],
+                             overlap_comm=zero["overlap_comm"], reduce_bucket_size=zero["reduce_bucket_size"])
 
     def memory_bytes(self) -> dict[str, int]:
         """This rank's bytes of parameters, gradients and optimizer state, read from DeepSpeed's

@@ -178,7 +178,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
         _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
         return None
     prediction = predict(plan, facts, cluster)
-    parts = ", ".join(f"{k} {prediction.memory[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations"))
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in prediction.memory.items() if k != "total" and (v or k != "buffers"))
     _say(f"as configured: {plan.describe()}: {prediction.peak_bytes / GiB:.2f} GiB per rank predicted ({parts}), "
          f"{prediction.step_s:.4g} s per step on {cluster.name}")
     peak = prediction.peak_bytes

@@ -1,0 +1,80 @@
+"""The peak of tensor memory in one training step on CPU, where no allocator keeps a
+high-water mark (CUDA's ``torch.cuda.max_memory_allocated`` is that figure on a GPU).
+
+Measured with torch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``), a dispatch
+mode that sees every tensor an operator creates and every storage freed, and sorts them as
+parameters, gradients, optimizer state, activations and temporaries. Written by hand here is
+only the window: the tracker is told of the module and optimizers, which exist before the
+step, and is entered at the step's start and left at its end. Tensors that no operator in the
+window touches and that are neither (a data loader's prefetched batches) are not counted.
+The tracker slows the step it watches, so only a run that asks for it pays
+(``callbacks.memory.measure_peak=true``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.optim import Optimizer
+
+TOTAL = "Total"
+
+
+class StepPeak:
+    """``enter(module, optimizers)`` at a step's start, ``leave()`` at its end; then ``peak``:
+    bytes of tensors live at the step's high-water mark on ``device``.
+
+    NOTE: the total only. The tracker also sorts bytes by kind, but Lightning runs the forward
+    and backward inside ``optimizer.step(closure)``, which the tracker takes for the optimizer's
+    own work: nearly everything would be called optimizer state."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.peak: int | None = None
+        self._tracker = None
+
+    def enter(self, module: torch.nn.Module, optimizers: Iterable[Optimizer]) -> None:
+        self._tracker = _total_only_tracker()
+        self._tracker.track_external(module, *(_torch_optimizer(o) for o in optimizers))
+        self._tracker.__enter__()
+
+    def leave(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return
+        tracker.__exit__(None, None, None)
+        snapshot = tracker.get_tracker_snapshot("peak").get(self.device, {})
+        self.peak = int(snapshot.get(TOTAL, 0))
+
+    @property
+    def active(self) -> bool:
+        return self._tracker is not None
+
+
+def _torch_optimizer(optimizer: object) -> object:
+    """The ``torch.optim.Optimizer`` inside Lightning's and DeepSpeed's wrappers, whose state and
+    hooks the tracker reads (DeepSpeed's holds its flat fp32 partitions as its parameters)."""
+    while not isinstance(optimizer, Optimizer):
+        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+        if inner is None:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
+def _total_only_tracker():
+    """A MemTracker that lets a module run forward more than once in the window: a pipeline
+    stage runs once per micro-batch. MemTracker refuses that for the per-module figures it also
+    keeps (``memory_tracking``), which are not read here; each new forward of a module starts
+    its figures afresh. The total is kept from tensors' storages, each counted once, whatever
+    module they pass through."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class TotalOnlyTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return TotalOnlyTracker()
