@@ -35,7 +35,7 @@ class StepPeak:
         self._tracker = None
 
     def enter(self, module: torch.nn.Module, optimizers: Iterable[Optimizer]) -> None:
-        self._tracker = _total_only_tracker()
+        self._tracker = total_only_tracker()
         self._tracker.track_external(module, *(_torch_optimizer(o) for o in optimizers))
         self._tracker.__enter__()
 
@@ -63,18 +63,26 @@ def _torch_optimizer(optimizer: object) -> object:
     return optimizer
 
 
-def _total_only_tracker():
-    """A MemTracker that lets a module run forward more than once in the window: a pipeline
-    stage runs once per micro-batch. MemTracker refuses that for the per-module figures it also
-    keeps (``memory_tracking``), which are not read here; each new forward of a module starts
-    its figures afresh. The total is kept from tensors' storages, each counted once, whatever
-    module they pass through."""
+def total_only_tracker():
+    """A MemTracker that keeps the total alone. MemTracker also keeps figures per module, from
+    hooks on every module's forward and backward, which are not read here and cost twice: it
+    refuses a module that runs forward twice in the window (a pipeline stage runs once per
+    micro-batch), and it walks every module's figures at each operator (minutes for a model of
+    thousands of expert modules). Its module hooks are left out; the total is kept from tensors'
+    storages, each counted once, whatever module they pass through."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class TotalOnlyTracker(MemTracker):
         def _pre_fw_hook(self, module, inputs):
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
 
     return TotalOnlyTracker()

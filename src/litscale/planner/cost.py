@@ -87,25 +87,79 @@ def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str
     local_params = facts.num_params / (plan.mesh.tensor * plan.mesh.pipeline)
     memory = {"params": states["memory/estimate_params_bytes"], "grads": states["memory/estimate_grads_bytes"],
               "optimizer": states["memory/estimate_optimizer_bytes"],
-              "buffers": sharding.reduce_buffer_bytes_per_rank(local_params, param_bytes),
+              "buffers": sharding.reduce_buffer_bytes_per_rank(local_params, param_bytes)
+              + fsdp_gathered_bytes(plan, facts),
               "activations": activation_bytes(plan, facts)}
     memory["total"] = sum(memory.values()) * (1 + cluster.allocator_overhead)
     return memory
 
 
+def fsdp_gathered_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """What FSDP2 holds in its own buffers beside a rank's shards (in the compute dtype, which its
+    mixed-precision policy gathers in). Resharding after forward: the root's parameters
+    (embeddings, head), kept gathered from forward to backward, and in backward one unit's
+    gathered parameters and unsharded gradients before they are reduced. Holding the parameters
+    through the step (a pipeline's stages): every gathered parameter, counted as the plan's
+    parameters, beside which the shards stay."""
+    sharding, mesh = plan.sharding, plan.mesh
+    if sharding.zero_stage != 3 or sharding.fp32_master_copy or mesh.fsdp == 1 and not sharding.whole_parameters_in_step:
+        return 0.0  # not FSDP2 (DeepSpeed's ZeRO-3 keeps its own buffers: reduce_buffers)
+    split = mesh.tensor * mesh.pipeline
+    if sharding.whole_parameters_in_step:  # the shards at fp32 (DTYPE_BYTES of the parameters)
+        return facts.num_params / split / mesh.fsdp * DTYPE_BYTES[plan.param_dtype]
+    experts = facts.moe.expert_params if facts.moe else 0
+    unit = (facts.num_params - facts.root_params - experts + experts / mesh.expert) / max(facts.layers, 1) / split
+    return (facts.root_params / split + 2 * unit) * DTYPE_BYTES[plan.compute_dtype]
+
+
 def activation_bytes(plan: Plan, facts: ModelFacts) -> float:
-    """Activations one rank holds at the peak, between a micro-batch's forward and backward:
-    with context parallel, its share of the sequence's, plus each layer's keys and values
-    gathered whole (kept for backward)."""
-    mesh, scale = plan.mesh, DTYPE_BYTES[plan.compute_dtype] / 4
-    micro = plan.pipeline_micro_batch
+    """Activations the busiest rank holds at the peak, between a micro-batch's forward and
+    backward: with context parallel, its share of the sequence's, plus each layer's keys and
+    values gathered whole (kept for backward); with a pipeline, its stage's for each micro-batch
+    in flight."""
+    mesh, micro, scale = plan.mesh, plan.pipeline_micro_batch, activation_scale(plan, facts)
     whole = facts.activations(micro) * scale
+    if facts.traced_under_autocast and (plan.sharding.zero_stage or plan.sharding.fp32_master_copy):
+        whole -= facts.activation_bytes_fixed * scale  # no weight casts: see ModelFacts.traced_under_autocast
     if plan.activation_checkpointing:  # every layer keeps its input; one layer is recomputed at a time
         whole = facts.layers * facts.boundary_bytes(micro) * scale + whole / facts.layers
     per_stage = (whole / mesh.context + context_kv_bytes(plan, facts)) / mesh.pipeline / mesh.tensor
-    in_flight = 1 if mesh.pipeline == 1 else (
-        plan.microbatches if plan.schedule == "gpipe" else min(plan.microbatches, mesh.pipeline))
-    return per_stage * in_flight
+    per_stage += tensor_parallel_whole_bytes(plan, facts) / mesh.context / mesh.pipeline
+    # Backward's working set beside the saved activations (the logits' gradient, a layer's
+    # activation gradients): once per rank, not once per micro-batch in flight.
+    working = facts.backward_working_bytes(micro) * scale / mesh.context / mesh.tensor
+    if mesh.pipeline == 1:
+        return per_stage + working
+    # A pipeline's first stage holds the most micro-batches in flight (1F1B: as many as there are
+    # stages; GPipe: all), its last stage the loss's fp32 log-probabilities for each of its own.
+    loss = micro * facts.seq_len * facts.vocab_size * 4 / mesh.context / mesh.tensor
+    body = per_stage - loss / mesh.pipeline
+    gpipe = plan.schedule == "gpipe"
+    first = body * (plan.microbatches if gpipe else min(plan.microbatches, mesh.pipeline))
+    last = (body + loss) * (plan.microbatches if gpipe else 1)
+    return max(first, last) + working
+
+
+def activation_scale(plan: Plan, facts: ModelFacts) -> float:
+    """The plan's activation bytes over the traced ones: 1 where the trace ran in the plan's
+    compute dtype, else the dtype's size over fp32's."""
+    return 1.0 if facts.traced_dtype == plan.compute_dtype else DTYPE_BYTES[plan.compute_dtype] / 4
+
+
+def tensor_parallel_whole_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """What tensor parallel leaves whole on each of its ranks beyond their share of the
+    activations (fp32): under sequence parallel, the sequence-gathered input each attention and
+    each MLP saves for its column-parallel matmuls, and that of the head (in the compute dtype);
+    without loss parallel, the whole vocabulary's fp32 log-probabilities the cross-entropy keeps;
+    a mixture of experts' MoE layers, which it leaves whole (``models/moe_parallel.py``)."""
+    tensor = plan.mesh.tensor
+    if tensor == 1:
+        return 0.0
+    micro = plan.pipeline_micro_batch
+    gathered = (2 * facts.layers + 1) * facts.boundary_bytes(micro, DTYPE_BYTES[plan.compute_dtype])
+    log_probs = 0.0 if plan.options.get("loss_parallel") else micro * facts.seq_len * facts.vocab_size * 4
+    moe = micro * facts.moe.saved_bytes_per_sample * activation_scale(plan, facts) if facts.moe else 0.0
+    return (gathered + log_probs + moe) * (1 - 1 / tensor)
 
 
 def context_kv_bytes(plan: Plan, facts: ModelFacts) -> float:

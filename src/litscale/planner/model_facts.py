@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +58,9 @@ class MoEFacts:
     active_params: int
     load_imbalance: float = 1.0
     tokens_per_expert: tuple[tuple[float, ...], ...] = ()
+    # Activation bytes the MoE layers save for backward per sample (as traced), which tensor
+    # parallel leaves whole on each of its ranks.
+    saved_bytes_per_sample: float = 0.0
 
     def imbalance(self, expert_parallel_size: int) -> float:
         """Rows the busiest of ``expert_parallel_size`` ranks exchanges over the mean: measured
@@ -73,8 +79,11 @@ class MoEFacts:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """``activation_bytes`` per sample (fp32, no activation checkpointing), traced at micro
-    batch 1 and 2 so a fixed part (independent of the batch) is told from the per-sample one."""
+    """``activation_bytes`` per sample (fp32, no activation checkpointing), traced at two micro
+    batches so a fixed part (independent of the batch) is told from the per-sample one:
+    what autograd saves for backward. ``working_bytes_per_sample``: what backward holds beside
+    them at its busiest (the logits' gradient, a layer's activation gradients), from the
+    high-water mark of a whole traced forward and backward at the larger batch."""
 
     num_params: int
     flops_per_token: float
@@ -84,6 +93,15 @@ class ModelFacts:
     heads: int
     activation_bytes_per_sample: float
     activation_bytes_fixed: float = 0.0
+    # What backward holds at its peak beside the saved activations, per sample.
+    working_bytes_per_sample: float = 0.0
+    # The compute dtype the activations were traced in (autocast or 16-bit weights); a plan of
+    # another scales the fp32 trace by its dtype's size.
+    traced_dtype: str = "float32"
+    # Traced under autocast: the fixed part of the activations is then mostly the 16-bit copies
+    # of the fp32 weights each matmul saves, which a strategy gathering 16-bit weights (FSDP2's
+    # mixed-precision policy, DeepSpeed's 16-bit engine) does not make.
+    traced_under_autocast: bool = False
     root_params: int = 0  # parameters outside the sharding units (embeddings, final norm, head)
     vocab_size: int = 0
     # The norms' parameter tensors and their elements: under sequence parallel each one's
@@ -107,6 +125,11 @@ class ModelFacts:
     def activations(self, micro_batch: int) -> float:
         return self.activation_bytes_fixed + micro_batch * self.activation_bytes_per_sample
 
+    def backward_working_bytes(self, micro_batch: int) -> float:
+        """What backward holds at its peak beside the saved activations: the high-water mark of
+        a traced step above its saved activations, parameters and gradients."""
+        return micro_batch * self.working_bytes_per_sample
+
     def boundary_bytes(self, micro_batch: int, dtype_bytes: int = 4) -> float:
         """One layer's input (or output): what a pipeline stage sends, what a checkpointed layer keeps."""
         return micro_batch * self.seq_len * self.hidden * dtype_bytes
@@ -115,60 +138,121 @@ class ModelFacts:
 def saved_activation_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: bool = False) -> int:
     """Bytes of the tensors autograd saves in one forward of ``net`` (and of the next-token
     cross-entropy over its output, which keeps the log-probabilities), parameters excluded,
-    each storage counted once. ``net`` and ``inputs`` may be on the meta device: only shapes count.
+    each storage counted once. ``net`` and ``inputs`` may be on the meta device: only shapes count."""
+    return traced_step_bytes(net, inputs, next_token_loss=next_token_loss, backward=False)[0]
 
-    NOTE: counted with ``saved_tensors_hooks`` rather than an allocator's peak, which fake
-    tensors do not have: what backward keeps alive is what stays in memory between forward and
-    backward, the activations a plan must fit. Traced as CPU tensors under ``FakeTensorMode``,
-    not on the meta device: there attention takes the math path and keeps every T x T score
-    matrix (8 GiB per layer for Llama-3 8B at 8,192 tokens), where the fused kernels of CPUs
-    and GPUs keep only their output and log-sum-exp."""
+
+def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: bool = False,
+                      backward: bool = True) -> tuple[int, int, int]:
+    """``(saved, step, saved_in_moe)``: the bytes autograd saves in one forward
+    (``saved_activation_bytes``), the high-water mark of the forward and backward above the
+    parameters and the gradients backward ends with (0 without ``backward``), as torch's
+    MemTracker counts the tensors alive
+    (litscale.step_memory: what a run's ``callbacks.memory.measure_peak`` measures), and of the
+    saved bytes those saved inside a mixture of experts' MoE layers. Gradients start as None, as
+    each training step finds them.
+
+    NOTE: traced as CPU tensors under ``FakeTensorMode``, not on the meta device: there attention
+    takes the math path and keeps every T x T score matrix (8 GiB per layer for Llama-3 8B at
+    8,192 tokens), where the fused kernels of CPUs and GPUs keep only their output and log-sum-exp."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from litscale.declarations import find_moe_layers
+    from litscale.step_memory import TOTAL, total_only_tracker
+
     fake_net = copy.deepcopy(net)
+    in_moe: list[bool] = [False]
+    for layer in find_moe_layers(fake_net):
+        layer.register_forward_pre_hook(lambda *_: in_moe.__setitem__(0, True))
+        layer.register_forward_hook(lambda *_: in_moe.__setitem__(0, False))
+    cpu = torch.device("cpu")
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake_net.to_empty(device="cpu")
         inputs = torch.empty_like(inputs, device="cpu")
         weights = {p.untyped_storage()._cdata for p in fake_net.parameters()}
         seen: dict[int, int] = {}
+        seen_in_moe: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
             if storage._cdata not in weights:
                 seen[storage._cdata] = storage.nbytes()
+                if in_moe[0]:
+                    seen_in_moe[storage._cdata] = storage.nbytes()
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = fake_net(inputs)
-            if next_token_loss:
-                F.cross_entropy(output.flatten(0, 1), inputs.flatten())
-    return sum(seen.values())
+        tracker = total_only_tracker()
+        tracker.track_external(fake_net)
+        with tracker:
+            start = tracker.get_tracker_snapshot()[cpu][TOTAL]
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = fake_net(inputs)
+                loss = F.cross_entropy(output.flatten(0, 1), inputs.flatten()) if next_token_loss else output.sum()
+            if backward:
+                loss.backward()
+        grads = sum(p.grad.untyped_storage().nbytes() for p in fake_net.parameters() if p.grad is not None)
+        step = tracker.get_tracker_snapshot("peak")[cpu][TOTAL] - start - grads if backward else 0
+    return sum(seen.values()), max(0, step), sum(seen_in_moe.values())
 
 
-def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int) -> ModelFacts:
+# The micro batches traced: forward at both, forward and backward at the larger (below a few
+# samples the gradients, not the activations, set a step's peak).
+TRACED_BATCHES = (2, 4)
+
+
+@contextmanager
+def traced_precision(net: nn.Module, compute_dtype: str, param_dtype: str) -> Iterator[tuple[nn.Module, str]]:
+    """``(network, compute dtype)`` as a run of that precision computes: a 16-bit copy of ``net``
+    (``*_true``), or ``net`` under CPU autocast (``*_mixed``: its norms, softmax and loss in fp32,
+    its matmuls in 16 bits, as CUDA's autocast casts them too); ``net`` in fp32 otherwise (fp8's
+    float8 matmuls included: traced in fp32, scaled by the plan's dtype)."""
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(compute_dtype)
+    if dtype is None:
+        yield net, "float32"
+    elif param_dtype == compute_dtype:
+        yield copy.deepcopy(net).to(dtype), compute_dtype
+    else:
+        # CPU's fused norm kernels want one dtype; torch says so once per process and takes the
+        # unfused path, which saves the same tensors: nothing a user of the trace can act on.
+        with torch.autocast("cpu", dtype=dtype), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+            yield net, compute_dtype
+
+
+def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype: str = "float32",
+                param_dtype: str = "float32") -> ModelFacts:
     """Facts of a zoo network (GPT, Llama, Hugging Face) built on the meta device."""
     config = getattr(net, "config", None)
     units = list(net.sharding_units()) if hasattr(net, "sharding_units") else [net]
     in_units = sum(p.numel() for unit in units for p in unit.parameters())
     hidden = _first(config, ("n_embd", "dim", "hidden_size"), 0)
     heads = _first(config, ("n_head", "n_heads", "num_attention_heads"), 1)
-    traced = [saved_activation_bytes(net, torch.zeros(batch, seq_len, dtype=torch.long, device="meta"),
-                                     next_token_loss=True) for batch in (1, 2)]
-    per_sample = traced[1] - traced[0]
+    small, large = TRACED_BATCHES
+    with traced_precision(net, compute_dtype, param_dtype) as (traced_net, traced_dtype):
+        saved_small, _, moe_small = traced_step_bytes(
+            traced_net, torch.zeros(small, seq_len, dtype=torch.long, device="meta"), next_token_loss=True,
+            backward=False)
+        saved_large, step_large, moe_large = traced_step_bytes(
+            traced_net, torch.zeros(large, seq_len, dtype=torch.long, device="meta"), next_token_loss=True)
+    per_sample = (saved_large - saved_small) / (large - small)
     num_params = sum(p.numel() for p in net.parameters())
     norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
     return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
                       layers=len(units), hidden=hidden, heads=heads, activation_bytes_per_sample=per_sample,
-                      activation_bytes_fixed=traced[0] - per_sample, root_params=num_params - in_units,
+                      activation_bytes_fixed=saved_small - small * per_sample,
+                      working_bytes_per_sample=max(0, step_large - saved_large) / large,
+                      traced_dtype=traced_dtype, traced_under_autocast=traced_dtype != param_dtype, root_params=num_params - in_units,
                       vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
                       pipeline_blocks=len(net.pipeline_blocks()) if hasattr(net, "pipeline_blocks") else 0,
-                      kv_width=context_parallel_kv_width(net), moe=moe_facts(net), net=net)
+                      kv_width=context_parallel_kv_width(net), moe=moe_facts(net, saved_per_sample=(moe_large - moe_small) / (large - small)),
+                      net=net)
 
 
-def moe_facts(net: nn.Module) -> MoEFacts | None:
+def moe_facts(net: nn.Module, saved_per_sample: float = 0.0) -> MoEFacts | None:
     """The MoE facts of a network that declares grouped experts (``expert_modules``), read off
     its modules: each declared module's parent is its MoE layer (router, experts, shared
-    experts); None for a dense network."""
+    experts); None for a dense network. ``saved_per_sample``: the traced bytes its MoE layers
+    save for backward, per sample."""
     from litscale.declarations import find_expert_modules, moe_parameter_counts
 
     experts = find_expert_modules(net)
@@ -179,7 +263,8 @@ def moe_facts(net: nn.Module) -> MoEFacts | None:
     unchosen = expert_params * (config.n_experts - config.top_k) // config.n_experts
     return MoEFacts(layers=len(experts), n_experts=config.n_experts, top_k=config.top_k, expert_params=expert_params,
                     layer_params=layer_params, layer_flops_per_token=6.0 * (layer_params - unchosen),
-                    active_params=sum(p.numel() for p in net.parameters()) - unchosen)
+                    active_params=sum(p.numel() for p in net.parameters()) - unchosen,
+                    saved_bytes_per_sample=saved_per_sample)
 
 
 def context_parallel_kv_width(net: nn.Module) -> int:

@@ -105,7 +105,8 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     from litscale.app.validation import meta_net
     from litscale.muon import parameter_roles, state_bytes_per_param, wants_parameter_roles
 
-    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size))
+    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size),
+                        compute_dtype=cfg.precision.compute_dtype, param_dtype=cfg.precision.param_dtype)
     if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
         facts = dataclasses.replace(facts, optimizer_state_bytes_per_param=state_bytes_per_param(
             parameter_roles(facts.net, 0.0)))
