@@ -48,6 +48,10 @@ LAYOUTS = {
     "cp4": (4, ("strategy=fsdp", "strategy.context_parallel_size=4", "launcher.oversubscribe=true")),
     "ep2": (2, ("strategy=fsdp", "strategy.expert_parallel_size=2")),
 }
+# Cells the planner misses by more than 10% (experiments/planner/memory_table.json): strict, so
+# the day one is met the test says so and it moves into the table.
+MISSED = {("llama", "pp_1f1b"): "Llama-tiny's 2 layers split 1 and 1 with the embedding and head: the first "
+                                "stage's peak is 10.1% above the even split of in-flight activations the planner counts"}
 QUICK = {("gpt", "fsdp")}  # in make test; the others in make test-full
 
 
@@ -59,6 +63,8 @@ def _cells():
                                    ("gpt", "ep2"), ("llama", "ep2")):
                 continue  # refused combinations (docs/compatibility.md), or a model without experts
             marks = [] if (model, layout) in QUICK else [pytest.mark.full]
+            if (model, layout) in MISSED:  # only the tolerance's assertion: a run that fails is a failure
+                marks.append(pytest.mark.xfail(strict=True, raises=AssertionError, reason=MISSED[model, layout]))
             yield pytest.param(model, layout, marks=marks, id=f"{model}-{layout}")
 
 
@@ -107,7 +113,8 @@ def test_the_predicted_peak_is_within_ten_percent_of_the_measured_one(outputs_ro
     overrides = [*COMMON, *MODELS[model], *layout_overrides, f"trainer.devices={ranks}"]
     process = train_on_pool(*overrides, "callbacks.memory.measure_peak=true", outputs=outputs_root, devices=ranks,
                             timeout=500)
-    assert process.returncode == 0, explain(process)
+    if process.returncode != 0:
+        pytest.fail(explain(process))
     (summary,) = summaries(outputs_root)
     measured = summary["memory/peak_bytes"]
     predicted = _predicted_peak(overrides, tmp_path)

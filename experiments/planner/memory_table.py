@@ -8,6 +8,7 @@ this machine's calibration (``python -m litscale.planner.calibrate``) for the ru
 
     python experiments/planner/memory_table.py            # every cell, writes memory_table.json
     python experiments/planner/memory_table.py --only gpt  # the cells whose name has "gpt"
+    python experiments/planner/memory_table.py --report    # README.md's table from memory_table.json
 
 Goal (issue: a planner whose pick you can take): every cell within 10%.
 """
@@ -80,11 +81,42 @@ def run_cell(overrides: list[str], outputs: Path) -> dict:
     return row
 
 
+README = Path(__file__).with_name("README.md")
+BEGIN, END = "<!-- memory table -->", "<!-- end memory table -->"
+
+
+def report(results: dict) -> str:
+    """The recorded cells as a markdown table, each met or missed."""
+    lines = ["| cell | overrides | measured peak | predicted | error | within 10% |", "| --- | --- | ---: | ---: | ---: | --- |"]
+    for name, row in results["cells"].items():
+        if not isinstance(row.get("error"), float):
+            lines.append(f"| {name} | `{' '.join(row['overrides'])}` | | | | no comparison: {row.get('error')} |")
+            continue
+        lines.append(f"| {name} | `{' '.join(row['overrides'])}` | {row['measured_bytes'] / 2**20:.2f} MiB | "
+                     f"{row['predicted_bytes'] / 2**20:.2f} MiB | {row['error']:+.1%} | "
+                     f"{'met' if abs(row['error']) <= results['goal'] else 'missed'} |")
+    errors = [abs(r["error"]) for r in results["cells"].values() if isinstance(r.get("error"), float)]
+    lines.append(f"\n{sum(e <= results['goal'] for e in errors)} of {len(results['cells'])} cells within "
+                 f"{results['goal']:.0%}; largest error {max(errors):.1%}; load average at the end "
+                 f"{results['load_average']:.2f} (memory does not depend on it).")
+    return "\n".join(lines)
+
+
+def write_report(path: Path) -> None:
+    text = README.read_text()
+    before, rest = text.split(BEGIN, 1)
+    after = rest.split(END, 1)[1]
+    README.write_text(f"{before}{BEGIN}\n{report(json.loads(path.read_text()))}\n{END}{after}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="")
     parser.add_argument("--out", default=str(Path(__file__).with_name("memory_table.json")))
+    parser.add_argument("--report", action="store_true", help="only write README.md's table from --out")
     args = parser.parse_args()
+    if args.report:
+        return write_report(Path(args.out))
     rows = {}
     for name, _, overrides in cells():
         if args.only not in name:

@@ -14,7 +14,7 @@ in ``moe_cost.py``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from litscale.planner.cluster import Cluster
 from litscale.planner.model_facts import ModelFacts
@@ -80,12 +80,20 @@ def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str
     sharding, param_bytes = plan.sharding, DTYPE_BYTES[plan.param_dtype]
     master = 4 if param_bytes < 4 and not sharding.fp32_master_copy else 0  # 16-bit parameters' fp32 copy
     moe = facts.moe
-    states = state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=sharding,
-                                  param_bytes=param_bytes, optimizer_bytes_per_param=facts.optimizer_state_bytes_per_param + master,
-                                  at_peak=True, tensor_whole_params=moe.layer_params if moe else 0,
-                                  expert_params=moe.expert_params if moe else 0)
+
+    def states_of(held: Sharding) -> dict[str, float]:
+        return state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=held, param_bytes=param_bytes,
+                                    optimizer_bytes_per_param=facts.optimizer_state_bytes_per_param + master,
+                                    at_peak=True, tensor_whole_params=moe.layer_params if moe else 0,
+                                    expert_params=moe.expert_params if moe else 0)
+
+    states = states_of(sharding)
+    # Gradients copied into reduction buckets (DeepSpeed's contiguous gradients) live there, not
+    # beside them: a ZeRO-1 rank then keeps its reduced partition alone, as ZeRO-2's does.
+    grads = states_of(replace(sharding, zero_stage=2)) if sharding.reduce_buffers and \
+        sharding.zero_stage == 1 else states
     local_params = facts.num_params / (plan.mesh.tensor * plan.mesh.pipeline)
-    memory = {"params": states["memory/estimate_params_bytes"], "grads": states["memory/estimate_grads_bytes"],
+    memory = {"params": states["memory/estimate_params_bytes"], "grads": grads["memory/estimate_grads_bytes"],
               "optimizer": states["memory/estimate_optimizer_bytes"],
               "buffers": sharding.reduce_buffer_bytes_per_rank(local_params, param_bytes)
               + fsdp_gathered_bytes(plan, facts),
