@@ -156,7 +156,7 @@ def activation_scale(plan: Plan, facts: ModelFacts) -> float:
 
 def tensor_parallel_whole_bytes(plan: Plan, facts: ModelFacts) -> float:
     """What tensor parallel leaves whole on each of its ranks beyond their share of the
-    activations (fp32): under sequence parallel, the sequence-gathered input each attention and
+    activations: under sequence parallel, the sequence-gathered input each attention and
     each MLP saves for its column-parallel matmuls, and that of the head (in the compute dtype);
     without loss parallel, the whole vocabulary's fp32 log-probabilities the cross-entropy keeps;
     a mixture of experts' MoE layers, which it leaves whole (``models/moe_parallel.py``)."""
