@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch.optim import Optimizer
 
+from litscale.tensor_bytes import torch_optimizer
+
 TOTAL = "Total"
 
 
@@ -36,7 +38,7 @@ class StepPeak:
 
     def enter(self, module: torch.nn.Module, optimizers: Iterable[Optimizer]) -> None:
         self._tracker = total_only_tracker()
-        self._tracker.track_external(module, *(_torch_optimizer(o) for o in optimizers))
+        self._tracker.track_external(module, *(torch_optimizer(o) for o in optimizers))
         self._tracker.__enter__()
 
     def leave(self) -> None:
@@ -50,17 +52,6 @@ class StepPeak:
     @property
     def active(self) -> bool:
         return self._tracker is not None
-
-
-def _torch_optimizer(optimizer: object) -> object:
-    """The ``torch.optim.Optimizer`` inside Lightning's and DeepSpeed's wrappers, whose state and
-    hooks the tracker reads (DeepSpeed's holds its flat fp32 partitions as its parameters)."""
-    while not isinstance(optimizer, Optimizer):
-        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
-        if inner is None:
-            return optimizer
-        optimizer = inner
-    return optimizer
 
 
 def total_only_tracker():

@@ -40,6 +40,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return total
 
 
+def torch_optimizer(optimizer: object) -> object:
+    """The ``torch.optim.Optimizer`` inside Lightning's and DeepSpeed's wrappers (DeepSpeed's
+    steps its flat fp32 partitions as its parameters); ``optimizer`` itself if none is inside."""
+    while not isinstance(optimizer, Optimizer):
+        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+        if inner is None:
+            return optimizer
+        optimizer = inner
+    return optimizer
+
+
 def optimizer_state_tensors(optimizer: Optimizer) -> list[torch.Tensor]:
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
     return [v for state in optimizer.state.values() for v in state.values()

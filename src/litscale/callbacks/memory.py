@@ -25,7 +25,7 @@ from litscale.declarations import moe_parameter_counts
 from litscale.layout import mesh_of
 from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
 from litscale.step_memory import StepPeak
-from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
+from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
 
 __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 
@@ -35,8 +35,7 @@ METRICS = ("memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes"
 def optimizer_state_bytes_per_param(optimizer: Optimizer) -> float:
     """K without a master copy: fp32 bytes of state per parameter for common optimizers (the
     mean over its parameters for one that says, as Muon does)."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's wrapper
+    optimizer = torch_optimizer(optimizer)
     if hasattr(optimizer, "state_bytes_per_param"):
         return optimizer.state_bytes_per_param()
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) or "adam" in type(optimizer).__name__.lower():
