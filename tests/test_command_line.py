@@ -313,7 +313,7 @@ def test_a_scaling_sweep_runs_all_but_the_skipped_cell(tmp_path):
     assert "litscale: done" in (sweep / "2" / "train.log").read_text()  # written by the ranks
 
 
-@pytest.mark.full  # make test-full: 4 ranks on 2 cores
+@pytest.mark.soak  # make test-soak: 4 ranks on 2 cores, about a minute (test_moving_runs.py oversubscribes 4 FSDP ranks in make test-full)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_more_ranks_than_cores_train_with_launcher_oversubscribe(tmp_path):

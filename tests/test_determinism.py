@@ -255,7 +255,8 @@ CELLS = [
     for accumulation in (1, 2)
     if ranks * accumulation <= CHUNKS and (ranks > 1 or (name, accumulation) == ("ddp", 2))
 ]
-QUICK = {(2, "ddp", 2), (2, "fsdp", 1)}  # in make test; the other cells in make test-full
+QUICK = {(2, "ddp", 2), (2, "fsdp", 1)}  # in make test; the other cells in make test-full,
+# but 8 ranks (70-100 s each on 2 cores): make test-soak, beyond CI's time.
 STRATEGIES = {"ddp": ddp, "fsdp": fsdp}
 
 
@@ -266,7 +267,7 @@ STRATEGIES = {"ddp": ddp, "fsdp": fsdp}
     [
         pytest.param(
             *cell,
-            marks=[] if cell in QUICK else [pytest.mark.full],
+            marks=[] if cell in QUICK else [pytest.mark.soak] if cell[0] == 8 else [pytest.mark.full],
             id=f"{cell[1] if cell[0] > 1 else 'single'}-{cell[0]}ranks-acc{cell[2]}",
         )
         for cell in CELLS

@@ -7,6 +7,7 @@ A fenced block is runnable when the last non-blank line before it is an HTML com
 FLAGS, separated by spaces:
 
 - ``full``: a long one: ``make test-full`` runs it, ``make test`` leaves it out;
+- ``soak``: longer still (several ranks or runs): only ``make test-soak`` runs it, beyond CI's time;
 - ``error``: each command must fail before anything starts, with exit code 2 and one line of
   output, the ``# error: ...`` comment written under it;
 - ``after-run``: a Python block that reads a run's outputs; it runs after a short default run,
@@ -44,7 +45,7 @@ MAX_README_LINES = 250
 SHORT_RUN = {"trainer.max_steps": "2", "trainer.limit_val_batches": "2"}
 RUN_PLACEHOLDER = "outputs/default/runs/<run>"
 MARKER = re.compile(r"^<!--\s*runnable(?::\s*(?P<flags>[^>]*?))?\s*-->$")
-FLAGS = {"full", "error", "after-run"}
+FLAGS = {"full", "soak", "error", "after-run"}
 
 
 @dataclass
@@ -138,7 +139,7 @@ RUNNABLES = collect_runnables()
 
 
 def _param(runnable: Runnable):
-    marks = [pytest.mark.full] if "full" in runnable.flags else []
+    marks = [getattr(pytest.mark, flag) for flag in ("full", "soak") if flag in runnable.flags]
     return pytest.param(runnable, id=runnable.id, marks=marks)
 
 

@@ -21,8 +21,9 @@ LAYOUTS = [
     ("ddp2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=8"), 2),
     ("ddp2_acc2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=4",
                    "trainer.accumulate_grad_batches=2"), 2),
+    # make test-soak: 4 DDP ranks run about 2 min on 2 cores (fsdp4_acc2 keeps 4 ranks in make test-full).
     pytest.param(("ddp4", ("strategy=ddp", "trainer.devices=4", "launcher.oversubscribe=true",
-                           "data.batch_size=4"), 4), marks=pytest.mark.full),
+                           "data.batch_size=4"), 4), marks=pytest.mark.soak),
     # DeepSpeed accumulates itself: Lightning calls on_before_optimizer_step at every micro batch.
     pytest.param(("zero2_acc2", ("strategy=deepspeed_zero", "trainer.devices=2", "data.batch_size=4",
                                  "trainer.accumulate_grad_batches=2"), 2), marks=pytest.mark.full),

@@ -21,7 +21,9 @@ keeps gradients in its own partitions, not in ``.grad``: its loss and weights ar
 A family of cases (one row group) runs in one process group: starting 4 or 8 processes on 2
 cores costs more than fitting a tiny model. The 2-rank cells run in ``make test`` (but the
 pipeline schedules other than 1f1b, which ``test_pipeline.py`` also runs on 2 ranks, and ZeRO
-offload); those and the 4- and 8-rank cells are marked ``full`` and run in ``make test-full``.
+offload); those and the 4- and 8-rank cells are marked ``full`` and run in ``make test-full``,
+but the other schedules at 4 ranks (``soak``: ``make test-soak``, beyond CI's time). A family
+fits only the cells the session selected.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class Case:
     tolerance: dict = dataclasses.field(default_factory=dict)
     local_sgd: dict | None = None  # compared with local SGD re-derived: sync_every, outer_lr
     full_only: bool = False  # in `make test-full` at every rank count (kept out of `make test`)
+    soak_at: tuple[int, ...] = ()  # rank counts run by `make test-soak` only, beyond CI's time
     sequence_share: int | None = None  # each rank's module sees 1 / this of every sequence (context parallel)
 
     def expected(self, optimizer: str, world_size: int) -> list:
@@ -180,7 +183,8 @@ FAMILIES: dict[str, dict[str, Case]] = {
         # needs that many; each splits a rank's micro batch of 8 evenly.
         # At 2 ranks, `make test` keeps 1f1b; test_pipeline.py runs every schedule there too.
         **{f"pp{size}_{schedule}": Case(P(pipeline, schedule=schedule, microbatches=2 * size), PIPELINED,
-                                  world_sizes=(size,), full_only=schedule != "1f1b")
+                                  world_sizes=(size,), full_only=schedule != "1f1b",
+                                  soak_at=(4,) if schedule != "1f1b" else ())
            for schedule in SCHEDULES for size in (2, 4)},
         # Each stage holds its matrices whole.
         "pp2_1f1b_muon": Case(P(pipeline, schedule="1f1b", microbatches=4),
@@ -263,37 +267,54 @@ FAMILIES: dict[str, dict[str, Case]] = {
 DEADLINE = {2: 600, 4: 900, 8: 900}
 
 
-def fit_family(rank: int, world_size: int, cases: dict[str, Case]) -> dict:
-    """Every case of a family that runs at ``world_size``, in one process group:
+def fit_family(rank: int, world_size: int, cases: dict[str, Case], cells: frozenset) -> dict:
+    """The ``cells`` ``(case, optimizer)`` of a family at ``world_size``, in one process group:
     ``{(case, optimizer): Trace}``."""
     return {(name, optimizer): fit_on_mesh(rank, world_size, case.strategy(), setup,
                                            gradients=case.gradients,
                                            local_weights=case.weights_on_every_rank)
-            for name, case in cases.items() if world_size in case.world_sizes
-            for optimizer, setup in case.setups.items()}
+            for name, case in cases.items() for optimizer, setup in case.setups.items()
+            if (name, optimizer) in cells}
 
 
 @functools.cache
-def family_fits(family: str, world_size: int) -> dict | str:
-    """Each rank's traces ``{(case, optimizer): [Trace per rank]}``, or the failure's text
-    (kept, so the family's other cells fail at once instead of starting the ranks again)."""
+def family_fits(family: str, world_size: int, cells: frozenset) -> dict | str:
+    """Each rank's traces ``{(case, optimizer): [Trace per rank]}`` of the family's ``cells``
+    at ``world_size`` (those this session selected: `make test` fits no cell it leaves out),
+    or the failure's text (kept, so the family's other cells fail at once instead of starting
+    the ranks again)."""
     try:
-        ranks = run_distributed(fit_family, world_size, FAMILIES[family], timeout=DEADLINE[world_size])
+        ranks = run_distributed(fit_family, world_size, FAMILIES[family], cells, timeout=DEADLINE[world_size])
     except AssertionError as error:
         return str(error)
     return {key: [traces[key] for traces in ranks] for key in ranks[0]}
 
 
+def _marks(case: Case, world_size: int) -> list:
+    if world_size in case.soak_at:
+        return [pytest.mark.soak]
+    return [pytest.mark.full] if world_size > 2 or case.full_only else []
+
+
 CELLS = [pytest.param(family, name, world_size, optimizer, id=f"{name}-{world_size}ranks-{optimizer}",
-                      marks=[pytest.mark.full] if world_size > 2 or case.full_only else [])
+                      marks=_marks(case, world_size))
          for family, cases in FAMILIES.items() for name, case in cases.items()
          for world_size in case.world_sizes for optimizer in case.setups]
 
 
+def selected_cells(session, family: str, world_size: int) -> frozenset:
+    """The ``(case, optimizer)`` cells of ``family`` at ``world_size`` this session runs."""
+    return frozenset((item.callspec.params["name"], item.callspec.params["optimizer"])
+                     for item in session.items
+                     if item.originalname == "test_strategy_matches_one_process_step_by_step"
+                     and item.callspec.params["family"] == family
+                     and item.callspec.params["world_size"] == world_size)
+
+
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize(("family", "name", "world_size", "optimizer"), CELLS)
-def test_strategy_matches_one_process_step_by_step(family, name, world_size, optimizer):
-    fits = family_fits(family, world_size)
+def test_strategy_matches_one_process_step_by_step(family, name, world_size, optimizer, request):
+    fits = family_fits(family, world_size, selected_cells(request.session, family, world_size))
     assert not isinstance(fits, str), fits
     case = FAMILIES[family][name]
     if case.sequence_share:

@@ -104,7 +104,9 @@ def sweeps(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.full  # 3 Ray jobs and 2 basic-launcher jobs of 2 ranks: a minute or two on 2 cores
+# make test-soak: the module's sweeps (4 Ray jobs, 2 basic-launcher jobs of 2 ranks, a 2-trial
+# study on Ray) take 5-8 min on 2 cores, beyond CI's time.
+@pytest.mark.soak
 @pytest.mark.timeout(2400)
 def test_ray_jobs_train_as_litscales_own_launcher(sweeps):
     (ray_outputs, ray_process), (basic_outputs, basic_process) = sweeps["ray"], sweeps["basic"]
@@ -148,7 +150,7 @@ def test_ray_jobs_train_as_litscales_own_launcher(sweeps):
 
 
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(2400)
 def test_a_ray_job_restarted_after_a_killed_worker_resumes_its_own_save_and_trains_as_uninterrupted(sweeps):
     """``max_failures: 1``: rank 1 killed at the last step; Ray starts the job's workers again,
@@ -169,7 +171,7 @@ def test_a_ray_job_restarted_after_a_killed_worker_resumes_its_own_save_and_trai
 
 
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(2400)
 def test_a_killed_ray_worker_ends_its_job_with_one_line(sweeps):
     _, process = sweeps["ray"]
@@ -182,7 +184,7 @@ def test_a_killed_ray_worker_ends_its_job_with_one_line(sweeps):
 
 
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(2400)
 def test_an_optuna_study_runs_its_trials_on_ray_and_prints_the_best(sweeps):
     """Each trial's summary is read from the run dir Ray's job reported (the first trial's

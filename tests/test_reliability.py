@@ -82,9 +82,9 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize(("setup", "stop_signal"), [
-    pytest.param(ONE_PROCESS, "sigterm", marks=pytest.mark.full),  # full: ddp's case takes the same path
+    pytest.param(ONE_PROCESS, "sigterm", marks=pytest.mark.soak),  # soak: ddp's case takes the same path
     (TWO_RANKS, "sigterm"),
-    pytest.param(TWO_RANKS, "sigusr1", marks=pytest.mark.full)],  # full: the same path as sigterm
+    pytest.param(TWO_RANKS, "sigusr1", marks=pytest.mark.soak)],  # soak: the same path as sigterm
     ids=["single-sigterm", "ddp-sigterm", "ddp-sigusr1"])
 def test_stop_signal_saves_checkpoint_and_auto_resume_reproduces_losses(tmp_path, uninterrupted,
                                                                         setup, stop_signal):
