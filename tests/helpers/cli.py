@@ -50,7 +50,8 @@ def cli_env(outputs: Path, env: dict | None = None) -> dict:
 
 # A process the job's end has already stopped may take a moment to finish exiting on a loaded
 # machine (its arguments gone, not yet a zombie): only what still runs after this is a stray.
-EXIT_GRACE_S = 2.0
+# 2 s was too short at a load average of 15 (a DDP rank still exiting after a clean run).
+EXIT_GRACE_S = 5.0
 
 
 def run_in_own_group(command: list[str], *, outputs: Path, env: dict | None = None,
