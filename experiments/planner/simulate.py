@@ -107,8 +107,11 @@ def scaling() -> dict:
         for name, mesh_of in meshes.items():
             points = []
             for devices in DEVICES:
-                mesh = mesh_of(devices)
-                if mesh.world_size != devices or mesh.data < 1:
+                try:
+                    mesh = mesh_of(devices)
+                except ValueError:  # a size the layout does not fit (3-D below its pp x tp)
+                    continue
+                if mesh.world_size != devices:
                     continue
                 strategy = name.split(" ")[0].replace("hsdp", "fsdp").replace("3-D", "pipeline")
                 # A pipeline rank takes pp x 2 samples in as many micro-batches: the same tokens
