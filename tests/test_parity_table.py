@@ -32,6 +32,7 @@ sys.exit(code)
 
 
 RUNS = ("make test", "make test-full", "make test-soak")
+HEADINGS = {f"{run}:" for run in RUNS}
 
 
 def listed_cells() -> dict[str, str]:
@@ -41,8 +42,8 @@ def listed_cells() -> dict[str, str]:
     assert block, "tests/README.md has no <!-- parity cells --> list under the parity table"
     cells, run = {}, None
     for line in block.group(1).splitlines():
-        if line.strip().rstrip(":") in RUNS:
-            run = line.strip().rstrip(":")
+        if line.strip() in HEADINGS:
+            run = line.strip()[:-1]
         elif line.strip():
             assert run is not None, f"{line!r} comes before a heading naming its run ({', '.join(RUNS)})"
             cells[line.strip()] = run
