@@ -79,11 +79,15 @@ SHORT = ("model.net.preset=nano", "data.seq_len=32", "data.max_bytes=400000", "d
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", [
-    "fsdp", pytest.param("deepspeed_zero", marks=pytest.mark.full)])  # full: make test's time budget
-def test_ckpt_path_last_resumes_exactly_and_exports(tmp_path, strategy):
+@pytest.mark.parametrize("choices", [
+    ["strategy=fsdp"],
+    # full: make test's time budget. Muon's: the momentum DeepSpeed's ZeRO Muon keeps per partition.
+    pytest.param(["strategy=deepspeed_zero"], marks=pytest.mark.full),
+    pytest.param(["strategy=deepspeed_zero", "optimizer=muon", "trainer.gradient_clip_val=null"], marks=pytest.mark.full),
+], ids=["fsdp", "deepspeed_zero", "deepspeed_zero-muon"])
+def test_ckpt_path_last_resumes_exactly_and_exports(tmp_path, choices):
     """train.py's runs on the rank pool (the claim is the checkpoint's, not the launcher's)."""
-    overrides = (*SHORT, f"strategy={strategy}")
+    overrides = (*SHORT, *choices)
 
     def train(*more: str):
         return train_on_pool(*overrides, *more, outputs=tmp_path, devices=2)

@@ -96,14 +96,40 @@ def test_deepspeed_refuses_16_bit_training_of_batch_norm_statistics(precision, r
         assert refusal is None
 
 
+ZERO_MUON = "is not supported with optimizer=muon under strategy=deepspeed_zero: DeepSpeed's ZeRO Muon"
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    ([], f"trainer.gradient_clip_val=1.0 {ZERO_MUON} clips by the norm of its orthogonalised updates, not of the "
+     "gradients one process clips; allowed: trainer.gradient_clip_val=null"),
+    (["trainer.gradient_clip_val=null", "optimizer.nesterov=false"],
+     f"optimizer.nesterov=false {ZERO_MUON} steps Nesterov's momentum; allowed: optimizer.nesterov=true"),
+    (["trainer.gradient_clip_val=null", "optimizer.ns_steps=3"],
+     f"optimizer.ns_steps=3 {ZERO_MUON} runs 5 Newton-Schulz steps; allowed: optimizer.ns_steps=5"),
+    (["trainer.gradient_clip_val=null", "trainer.accelerator=gpu"],
+     "optimizer.ns_dtype=float32 is not supported with optimizer=muon under strategy=deepspeed_zero: on a GPU "
+     "DeepSpeed's ZeRO Muon runs Newton-Schulz in bfloat16; allowed: optimizer.ns_dtype=bfloat16"),
+    (["trainer.gradient_clip_val=null", "strategy.stage=3"],
+     "optimizer=muon is not supported with strategy=deepspeed_zero: ZeRO hands the optimizer flat partitions of the "
+     "parameters, and litscale hands Muon's whole matrices to DeepSpeed's ZeRO Muon at stages 1 and 2 only; allowed: "
+     "optimizer=adamw, or any strategy but deepspeed_zero stage 3"),
+    (["trainer.gradient_clip_val=null", "strategy.stage=1"], None),
+    (["trainer.gradient_clip_val=null", "optimizer.ns_dtype=bfloat16"], None),
+], ids=["clipping", "nesterov", "ns_steps", "float32_on_gpu", "stage3", "stage1", "bfloat16"])
+def test_deepspeed_takes_muon_at_stages_1_2_with_the_settings_its_zero_muon_steps(overrides, refusal, tmp_path):
+    """Muon under ZeRO 1-2 is DeepSpeed's ZeRO Muon (``litscale.strategies.zero_muon``): what it
+    cannot step as one process does is refused in one line naming the key."""
+    assert _refusal([*CPU2, "strategy=deepspeed_zero", "optimizer=muon", *overrides], tmp_path) == refusal
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("option", "line"), [
     ("checkpoint.async_save=true", "error: checkpoint.async_save=true is not supported with strategy=deepspeed_zero: "
      "DeepSpeed's engine writes its own partitioned checkpoint files, on the training thread; allowed: "
      "checkpoint.async_save=false, or any strategy but deepspeed_zero"),
-    ("optimizer=muon", "error: optimizer=muon is not supported with strategy=deepspeed_zero: ZeRO hands the "
-     "optimizer flat partitions of the parameters, and Muon orthogonalises whole matrices; allowed: "
-     "optimizer=adamw, or any strategy but deepspeed_zero"),
+    ("optimizer=muon", "error: trainer.gradient_clip_val=1.0 is not supported with optimizer=muon under "
+     "strategy=deepspeed_zero: DeepSpeed's ZeRO Muon clips by the norm of its orthogonalised updates, not of the "
+     "gradients one process clips; allowed: trainer.gradient_clip_val=null"),
 ], ids=["async_save", "muon"])
 def test_train_py_refuses_what_deepspeed_cannot_take_in_one_line_before_any_rank_starts(option, line, tmp_path):
     assert refusal_on_pool("strategy=deepspeed_zero", "trainer.accelerator=cpu", "trainer.devices=2", option,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -75,12 +75,30 @@ ALTERNATIVES = {
     Option.TENSOR_PARALLEL: "strategy=tensor_parallel or pipeline",
     Option.PIPELINE_PARALLEL: "strategy=pipeline",
     Option.ASYNC_SAVE: "checkpoint.async_save=false, or any strategy but deepspeed_zero",
-    Option.MATRIX_OPTIMIZER: "optimizer=adamw, or any strategy but deepspeed_zero",
+    Option.MATRIX_OPTIMIZER: "optimizer=adamw, or any strategy but deepspeed_zero stage 3",
     Option.WIDTH_SCALING: "lr_scaling=none, linear or sqrt",
 }
 # Why a strategy that is not a StrategyContract cannot save in the background: the background
 # save is the contract's own ``save_checkpoint``.
 NO_CONTRACT_SAVE = "it is not a litscale StrategyContract, whose save_checkpoint writes in the background"
+
+
+@dataclass(frozen=True)
+class SettingRefusal:
+    """A setting a strategy refuses beside an option it takes: the key, its value, why (a
+    clause) and what is allowed instead."""
+
+    key: str
+    value: Any
+    reason: str
+    allowed: str
+
+    def line(self, option: str, strategy_name: str) -> str:
+        """The one line a user sees."""
+        typed = {True: "true", False: "false", None: "null"}.get(self.value, self.value) \
+            if isinstance(self.value, bool | None) else self.value
+        return (f"{self.key}={typed} is not supported with {option} under strategy={strategy_name}: "
+                f"{self.reason}; allowed: {self.allowed}")
 
 
 @dataclass(frozen=True)
@@ -105,6 +123,9 @@ class StrategyContract:
     refuses: ClassVar[dict[Option, str]] = {
         Option.LAYOUT_INVARIANT: "the strategy does not state how it reduces gradients, so their order cannot be fixed",
     }
+    # Option -> what the strategy needs beside an option it takes (a clause, no full stop), as
+    # ``why_not_with`` checks it: a footnote of ``docs/compatibility.md``.
+    conditions: ClassVar[dict[Option, str]] = {}
     # Packages imported when the strategy runs (not at import): checked before any rank starts.
     requires: ClassVar[tuple[Requirement, ...]] = ()
     # None: the collective check traces this strategy's first step; else why it cannot.
@@ -250,6 +271,12 @@ class StrategyContract:
             return self.refuses[option]
         return _lacks_keyword(self, option)
 
+    def why_not_with(self, option: Option, settings: Mapping[str, Any]) -> SettingRefusal | None:
+        """Why this strategy takes ``option`` but not with one of these ``settings`` (dotted
+        config keys, ``optimizer.<key>`` and ``trainer.<key>``: the run's values); ``None`` if it
+        takes them all. By default: any."""
+        return None
+
 
 def why_not(strategy: Any, option: Option) -> str | None:
     """``strategy.why_not(option)`` for a contract strategy; for a user's own strategy, the
@@ -259,6 +286,12 @@ def why_not(strategy: Any, option: Option) -> str | None:
     if option is Option.ASYNC_SAVE:
         return NO_CONTRACT_SAVE
     return StrategyContract.refuses.get(option) or _lacks_keyword(strategy, option)
+
+
+def why_not_with(strategy: Any, option: Option, settings: Mapping[str, Any]) -> SettingRefusal | None:
+    """A contract strategy's refusal of one of ``option``'s ``settings``; a user's strategy
+    refuses none."""
+    return strategy.why_not_with(option, settings) if isinstance(strategy, StrategyContract) else None
 
 
 def _lacks_keyword(strategy: Any, option: Option) -> str | None:

@@ -25,7 +25,8 @@ needs the whole matrix. Each rank all-gathers the update of every sharded matrix
 gives every rank bit-identical results by construction; its cost is that every rank computes
 every matrix's iteration (``world`` times the FLOPs of one process) and gathers every matrix
 (the all-gather FSDP already does for the forward, once more per step). ZeRO (DeepSpeed) hands
-its optimizer flat partitions with no matrix in them: refused there.
+its optimizer flat partitions with no matrix in them: at stages 1-2 DeepSpeed's own ZeRO Muon
+steps it (``litscale.strategies.zero_muon``), at stage 3 it is refused.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 A combination is one choice per dimension (strategy with its mesh sizes, precision,
 determinism, model family, compression, optimizer (LARS, LAMB and Muon among them), devices,
 accumulation, Hydra launcher and sweeper, checkpoints: none, or saved every step on the
-training thread or in the background, and the LR rule across widths: none, or µP),
+training thread or in the background, the LR rule across widths: none, or µP, and gradient
+clipping: the default norm clipping, or none),
 turned into the overrides a user would type. ``tests/test_combinations.py`` checks that each
 is either refused in one line before any rank starts, or accepted and trains right.
 """
@@ -54,6 +55,9 @@ SWEEPERS = ("basic", "optuna")
 CHECKPOINTS = ("none", "sync", "async")
 # none: the default rule; mup: µP at a quarter or half of the model's width (every multiplier of litscale.mup is not 1).
 LR_SCALINGS = ("none", "mup")
+# norm: the default clipping (trainer.gradient_clip_val=1.0); none: no clipping (what Muon
+# under ZeRO, stepped by DeepSpeed's ZeRO Muon, needs).
+CLIPPINGS = ("norm", "none")
 # What every combination shares: a CPU run of 2 steps with a micro batch that 4 microbatches split.
 BASE = ["trainer.accelerator=cpu", "trainer.max_steps=2", "launcher.oversubscribe=true",
         "data.batch_size=8", "logger=none", "callbacks=none"]
@@ -74,17 +78,19 @@ class Combination:
     sweeper: str
     checkpoint: str = "none"
     lr_scaling: str = "none"
+    clipping: str = "norm"
 
     def job_overrides(self) -> list[str]:
         """What the job sees: everything but the Hydra launcher and sweeper."""
         saves = [] if self.checkpoint == "none" else [
             "callbacks=checkpoints", f"checkpoint.async_save={str(self.checkpoint == 'async').lower()}"]
         widths = ["lr_scaling=mup", "lr_scaling.base_width=32"] if self.lr_scaling == "mup" else []
+        clipping = ["trainer.gradient_clip_val=null"] if self.clipping == "none" else []
         return [*BASE, *STRATEGIES[self.strategy], f"precision={self.precision}",
                 f"determinism={self.determinism}", *MODELS[self.model], f"compression={self.compression}",
                 f"optimizer={self.optimizer}",
                 f"trainer.devices={self.devices}", f"trainer.accumulate_grad_batches={self.accumulation}", *saves,
-                *widths]
+                *widths, *clipping]
 
     def overrides(self) -> list[str]:
         """The command line: the job's overrides and the engines that launch and sweep it."""
@@ -103,7 +109,7 @@ class Combination:
 
 
 DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRESSIONS, OPTIMIZERS, DEVICES,
-              ACCUMULATIONS, LAUNCHERS, SWEEPERS, CHECKPOINTS, LR_SCALINGS)
+              ACCUMULATIONS, LAUNCHERS, SWEEPERS, CHECKPOINTS, LR_SCALINGS, CLIPPINGS)
 
 
 # How often each value is drawn, by dimension (None: evenly). Most options refuse only a few
@@ -111,7 +117,7 @@ DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRES
 # determinism mode) is drawn more often: a sample with as many accepted combinations to train
 # as refused ones to read.
 WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), (4, 2, 1, 1, 1), None, None, (3, 1, 1), (3, 1), None,
-           (3, 1))
+           (3, 1), (3, 1))
 
 
 def cross_product_size() -> int:

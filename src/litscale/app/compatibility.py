@@ -71,8 +71,11 @@ def render() -> str:
         cells = []
         for option in HEADINGS:
             reason = why_not(strategy, option)
-            if reason is None:
+            condition = contract_value(strategy, "conditions").get(option)
+            if reason is None and condition is None:
                 cells.append("yes")
+            elif reason is None:
+                cells.append(f"yes [{reasons.setdefault((None, condition), len(reasons) + 1)}]")
             else:
                 number = reasons.setdefault((option, reason), len(reasons) + 1)
                 cells.append(f"no [{number}]")
@@ -80,7 +83,7 @@ def render() -> str:
         traced = "traced" if untraced is None else f"no [{reasons.setdefault((None, untraced), len(reasons) + 1)}]"
         needs = ", ".join(f"`{r.module}` (`litscale[{r.extra}]`)" for r in contract_value(strategy, "requires"))
         lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {traced} | {needs or '-'} |")
-    lines += ["", "## Why not", ""]
+    lines += ["", "## Why not, and what a yes needs", ""]
     for (option, reason), number in reasons.items():
         instead = f" Instead: {ALTERNATIVES[option]}." if option is not None else ""
         lines.append(f"{number}. {reason}.{instead}")

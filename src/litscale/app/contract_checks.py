@@ -11,9 +11,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from litscale.app.devices import resolve_accelerator
 from litscale.app.safety import locate_target
 from litscale.app.width_checks import base_width_of, width_rule
-from litscale.contract import Option, missing_requirement, refusal_line, why_not
+from litscale.contract import Option, missing_requirement, refusal_line, why_not, why_not_with
 from litscale.errors import ConfigError
 from litscale.muon import wants_parameter_roles
 
@@ -41,13 +42,26 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
     return chosen
 
 
+def run_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The settings a strategy may refuse an option with (``why_not_with``): the optimizer's
+    keys and the trainer's, dotted, the accelerator resolved (``auto`` is this machine's)."""
+    settings = {f"optimizer.{key}": value for key, value in cfg.optimizer.items() if not key.startswith("_")}
+    settings |= {f"trainer.{key}": value for key, value in cfg.trainer.items()}
+    settings["trainer.accelerator"] = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
+    return settings
+
+
 def check_strategy_accepts(cfg: DictConfig, choices: dict[str, str], strategy: Any) -> None:
     """The strategy's package is installed and it takes every option the config chose."""
     name = strategy_name(cfg, choices)
     missing = missing_requirement(strategy, name)
     if missing:
         raise ConfigError(missing)
+    settings = run_settings(cfg)
     for option, typed in chosen_options(cfg, choices).items():
         reason = why_not(strategy, option)
         if reason is not None:
             raise ConfigError(refusal_line(option, name, reason, typed=typed))
+        refused = why_not_with(strategy, option, settings)
+        if refused is not None:
+            raise ConfigError(refused.line(typed, name))
