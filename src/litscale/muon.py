@@ -82,6 +82,19 @@ def state_bytes_per_param(groups: list[dict]) -> float:
     return sum(count * size for count, size in counts) / total if total else 0.0
 
 
+def newton_schulz_flops(shapes: Iterable[torch.Size], steps: int = 5) -> float:
+    """Floating-point operations of ``newton_schulz`` over matrices of these ``shapes`` (a
+    stacked expert weight: each of its matrices): per iteration on an ``m x n`` matrix
+    (``m <= n``, the short side first), ``X X^T`` (2 m^2 n), ``A A`` (2 m^3) and ``B X``
+    (2 m^2 n), the multiply-adds counted twice as ``torch.utils.flop_counter`` counts them."""
+    total = 0.0
+    for shape in shapes:
+        *stack, rows, cols = shape
+        short, long = min(rows, cols), max(rows, cols)
+        total += math.prod(stack) * steps * (4 * short * short * long + 2 * short ** 3)
+    return total
+
+
 def output_layers(net: nn.Module) -> list[nn.Module]:
     """The layers that produce the model's output: declared (``output_layers``, names), else a
     transformers model's output embeddings, else none."""

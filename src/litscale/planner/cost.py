@@ -182,6 +182,20 @@ def context_kv_bytes(plan: Plan, facts: ModelFacts) -> float:
 DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 2**20, 25 * 2**20
 
 
+def muon_update_gathers(plan: Plan, facts: ModelFacts, ring, shards: int, data_link, cluster: Cluster) -> None:
+    """Muon's step gathers each sharded hidden matrix's fp32 update whole (``full_tensor``, one
+    call per matrix): over the FSDP shards, and over the tensor-parallel ranks. ZeRO (DeepSpeed's
+    ZeRO Muon) all-reduces only the matrices its partitions split, which is not counted."""
+    mesh = plan.mesh
+    if not facts.matrix_params or (plan.sharding.fp32_master_copy and mesh.data_shard > 1):
+        return
+    matrices, update = facts.matrix_tensors // mesh.pipeline, facts.matrix_params * 4 / mesh.pipeline
+    if plan.sharding.zero_stage == 3 and shards > 1:
+        ring("Muon update all-gather", update / mesh.tensor, matrices, shards, data_link, 1)
+    if mesh.tensor > 1:
+        ring("Muon update all-gather (tensor)", update, matrices, mesh.tensor, cluster.link_for(mesh.tensor, 1), 1)
+
+
 def latency_steps(group: int, factor: int) -> int:
     """Latencies one collective pays: a ring's ``factor x (n - 1)`` steps, or a tree's
     ``factor x ceil(log2 n)`` where that is fewer (NCCL picks trees where latency dominates),
@@ -233,6 +247,7 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         if mesh.data_replicate > 1:
             ring("gradient all-reduce (replicas)", grad_bytes / shards, 1, mesh.data_replicate,
                  cluster.inter_node, 2)
+    muon_update_gathers(plan, facts, ring, shards, data_link, cluster)
     micro, runs = plan.pipeline_micro_batch, plan.forward_backwards
     activation = facts.boundary_bytes(micro) * DTYPE_BYTES[plan.compute_dtype] / 4 / mesh.context
     found += [Collective(*exchange) for exchange in all_to_all(plan, facts, cluster, DTYPE_BYTES[plan.compute_dtype])]
@@ -355,6 +370,17 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
     return cluster.optimizer_s_per_param * updated
 
 
+def newton_schulz_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
+    """Muon's orthogonalisation on one rank: every hidden matrix it holds whole or gathers (a
+    sharded matrix's update is gathered and orthogonalised on every rank of its shards,
+    ``litscale.muon``), a pipeline rank its stages' matrices, a ZeRO rank those of its partition
+    (DeepSpeed's ZeRO Muon); FLOPs over the cluster's achieved throughput in its dtype."""
+    share = 1 / plan.mesh.pipeline
+    if plan.sharding.fp32_master_copy and plan.mesh.data_shard > 1:
+        share /= plan.mesh.data_shard
+    return facts.newton_schulz_flops * share / cluster.flops(facts.newton_schulz_dtype)
+
+
 def busiest_pipeline_share(plan: Plan, facts: ModelFacts) -> float:
     """The share of the layers the busiest pipeline rank runs, split as the pipeline strategy
     splits them (``balanced_cuts`` over equal layers, stages placed by the schedule): 1/p where
@@ -396,7 +422,7 @@ def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
     exposed = max(0.0, hidden_comm - cluster.overlap * compute * 2 / 3)  # backward: 2/3 of compute
     exposed += sum(c.seconds for c in prediction.collectives if c.name not in hideable)
     prediction.compute_s, prediction.exposed_comm_s = compute, exposed
-    prediction.optimizer_s = _optimizer_s(prediction, facts, cluster)
+    prediction.optimizer_s = _optimizer_s(prediction, facts, cluster) + newton_schulz_s(plan, facts, cluster)
     prediction.step_s = compute + exposed + prediction.optimizer_s
     global_tokens = tokens_per_rank * mesh.data
     prediction.tokens_per_s = global_tokens / prediction.step_s

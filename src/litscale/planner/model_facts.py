@@ -118,6 +118,13 @@ class ModelFacts:
     # fp32 bytes of optimizer state per parameter (no master copy): Adam's two moments unless the
     # configured optimizer says otherwise (Muon: one buffer for the hidden matrices).
     optimizer_state_bytes_per_param: float = 8.0
+    # Muon's: the hidden matrices' parameters (their updates gathered whole where sharded) and
+    # the Newton-Schulz iterations' FLOPs over them, in ``newton_schulz_dtype``; 0 for an
+    # element-wise optimizer.
+    matrix_params: int = 0
+    matrix_tensors: int = 0
+    newton_schulz_flops: float = 0.0
+    newton_schulz_dtype: str = "float32"
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
     # The network read (on the meta device): what the strategies check a plan against.
     net: nn.Module | None = field(default=None, repr=False, compare=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from litscale.contract import (
@@ -21,6 +22,7 @@ from litscale.contract import (
     refusal_line,
     validate_setup,
     why_not,
+    why_not_with,
 )
 from litscale.layout import MeshSizes, mesh_of
 
@@ -89,11 +91,19 @@ class Refusals:
     """Why each strategy refuses a plan for one network (on the meta device) and sequence length,
     asked once per strategy, options, world size, micro batch, precision and compression."""
 
-    def __init__(self, net: nn.Module | None, seq_len: int) -> None:
+    def __init__(self, net: nn.Module | None, seq_len: int, *, run_options: dict[Option, str] | None = None,
+                 settings: Mapping[str, Any] | None = None) -> None:
+        """``run_options``: the contract's options the run chose that no plan changes (Muon, the
+        determinism mode, ...: all but precision and compression), each as typed; ``settings``:
+        the run's ``optimizer.<key>`` and ``trainer.<key>`` values a strategy may refuse them
+        with (``litscale.contract.why_not_with``)."""
         if net is None:
             raise ValueError("the planner asks each strategy to check the model, so the model's facts must carry "
                              "its network (litscale.planner.model_facts.model_facts sets it)")
         self.net, self.seq_len = net, seq_len
+        self.run_options = {option: typed for option, typed in (run_options or {}).items()
+                            if option not in (Option.FP16_MIXED, Option.COMPRESSION)}
+        self.settings = settings or {}
         self._asked: dict[tuple, str | None] = {}
 
     def __call__(self, name: str, options: dict[str, Any], *, mesh: MeshSizes, micro_batch: int,
@@ -102,7 +112,8 @@ class Refusals:
         where it takes it."""
         key = (name, tuple(sorted(options.items())), mesh, micro_batch, compute_dtype, compression)
         if key not in self._asked:
-            self._asked[key] = self._ask(name, options, mesh, micro_batch, chosen_options(compute_dtype, compression))
+            chosen = {**self.run_options, **chosen_options(compute_dtype, compression)}
+            self._asked[key] = self._ask(name, options, mesh, micro_batch, chosen)
         return self._asked[key]
 
     def _ask(self, name: str, options: dict[str, Any], mesh: MeshSizes, micro_batch: int,
@@ -116,6 +127,9 @@ class Refusals:
                 reason = why_not(strategy, option)
                 if reason is not None:
                     return refusal_line(option, name, reason, typed=typed)
+                refused = why_not_with(strategy, option, self.settings)
+                if refused is not None:
+                    return refused.line(typed, name)
             validate_setup(strategy, world_size=mesh.world_size, net=self.net, seq_len=self.seq_len,
                            micro_batch=micro_batch)
             laid_out = mesh_of(strategy, mesh.world_size)

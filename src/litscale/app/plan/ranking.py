@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from litscale.app.contract_checks import chosen_options, run_settings
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
 from litscale.app.plan.verify import aligned
 from litscale.errors import ConfigError
@@ -103,7 +104,10 @@ def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> Ran
         cluster, refit_overrides = refit(cfg, choices, cluster)
     dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
     facts = facts_of(cfg)
-    refusals = Refusals(facts.net, facts.seq_len)  # each layout asked once, for the timing and the ranking
+    # Each layout asked once, for the timing and the ranking, with the run's own options (Muon,
+    # the determinism mode, ...): a strategy that refuses them is never ranked.
+    refusals = Refusals(facts.net, facts.seq_len, run_options=chosen_options(cfg, choices),
+                        settings=run_settings(cfg))
     runnable = [p for p in plans(cluster, facts, layout.global_batch, **dtypes)
                 if why_not(p, cluster, facts, layout.global_batch, refusals) is None]
     configured = configured_plan(cfg, choices, layout)
