@@ -63,7 +63,7 @@ def test_muon_adds_its_iterations_to_the_step_and_gathers_what_fsdp_shards(tmp_p
     _, _, adamw = _facts(tmp_path, "optimizer=adamw")
     adamw = dataclasses.replace(adamw, optimizer_state_bytes_per_param=muon.optimizer_state_bytes_per_param)
     cluster = _cluster(cfg)
-    iteration_s = muon.newton_schulz_flops / cluster.flops("float32")
+    iteration_s = muon.newton_schulz_flops * cluster.contention / cluster.flops("float32")
     fsdp = Plan("fsdp", MeshSizes(data_shard=2), micro_batch=4, accumulation=1, options={})
     with_muon, without = predict(fsdp, muon, cluster), predict(fsdp, adamw, cluster)
     # FSDP: every rank orthogonalises every matrix, gathered whole.

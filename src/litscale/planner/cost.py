@@ -374,10 +374,13 @@ def newton_schulz_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
     """Muon's orthogonalisation on one rank: every hidden matrix it holds whole or gathers (a
     sharded matrix's update is gathered and orthogonalised on every rank of its shards,
     ``litscale.muon``), a pipeline rank its stages' matrices, a ZeRO rank those of its partition
-    (DeepSpeed's ZeRO Muon); FLOPs over the cluster's achieved throughput in its dtype."""
+    (DeepSpeed's ZeRO Muon); FLOPs over the cluster's achieved throughput in its dtype, slowed
+    by the node's contention as the forward-backward is."""
     share = 1 / plan.mesh.pipeline
     if plan.sharding.fp32_master_copy and plan.mesh.data_shard > 1:
         share /= plan.mesh.data_shard
+    if plan.mesh.world_size > 1:  # the node's other ranks iterate at the same time, as they compute
+        share *= cluster.contention
     return facts.newton_schulz_flops * share / cluster.flops(facts.newton_schulz_dtype)
 
 
