@@ -6,6 +6,7 @@ without touching this file; a new group needs an entry in ``GROUP_CHECKS``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -457,3 +458,26 @@ def test_a_run_that_never_validates_skips_the_starting_validation():
     assert not never_validates(trainer(max_steps=1, val_check_interval=0.5), None)  # a share of an epoch
     assert not never_validates(trainer(max_steps=1, check_val_every_n_epoch=1), None)
     assert not never_validates(trainer(max_steps=-1), None)
+
+
+def test_compositions_come_out_the_same_with_each_file_read_once_per_session():
+    """``helpers.configs.files_read_once`` hands Hydra copies of the files it read before: the
+    tests' compositions must be exactly Hydra's own (an override once leaked into the next
+    composition through a shared copy)."""
+    from helpers.configs import CONF_DIR, files_read_once
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    commands = [["checkpoint.async_save=true", "callbacks=checkpoints", "strategy=fsdp"], ["strategy=ddp"],
+                ["model=moe", "optimizer=muon", "trainer.gradient_clip_val=null"], []]
+
+    def composed(read_once: bool) -> list:
+        found = []
+        for overrides in commands:
+            GlobalHydra.instance().clear()
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), \
+                    (files_read_once() if read_once else contextlib.nullcontext()):
+                found.append(OmegaConf.to_container(compose("train", overrides=overrides, return_hydra_config=True)))
+        return found
+
+    assert composed(read_once=True) == composed(read_once=False)

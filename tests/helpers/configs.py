@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from pathlib import Path
@@ -34,8 +35,38 @@ def _composed(overrides: tuple[str, ...]) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), files_read_once():
         return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+# (the search path's sources, a config's path) -> Hydra's result of reading that file.
+_READ: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def files_read_once():
+    """Hydra reads each config file of a composition once per ``compose`` (its
+    ``CachingConfigRepository`` lives for one call): about 28 YAML files per composition, a
+    third of its time. Inside this block each file is read once per test session and handed
+    out as a deep copy (a composition edits what it was handed: an override of one
+    composition showed in the next without the copy). Only the tests' compositions from
+    ``conf/`` use it (the files do not change during a session); ``test_configs.py`` checks
+    that compositions come out the same with it and without."""
+    from hydra._internal.config_repository import ConfigRepository
+
+    original = ConfigRepository.load_config
+
+    def load_config(self, config_path: str):
+        key = (tuple(source.full_path() for source in self.sources), config_path)
+        if key not in _READ:
+            _READ[key] = original(self, config_path)
+        return copy.deepcopy(_READ[key])
+
+    ConfigRepository.load_config = load_config
+    try:
+        yield
+    finally:
+        ConfigRepository.load_config = original
 
 
 def as_job(cfg: DictConfig, output_dir: Path) -> tuple[DictConfig, dict[str, str]]:
@@ -59,7 +90,7 @@ def compose_options(options: list[tuple[str, str]]) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), files_read_once():
         # `+g@p=o` adds option o of group g at package p: one pass instead of one per option.
         cfg = compose("train", overrides=[f"+{g}@options.{g}.{o}={o}" for g, o in options])
     return cfg.options
