@@ -142,13 +142,20 @@ def _deepspeed_profile(net, stage: int, *, seq_len: int, micro_batches: set[int]
     from torch.nn import functional as F
 
     from litscale.planner.model_facts import Profile
-    from litscale.strategies.deepspeed_zero import DeepSpeedZeroStrategy
+    from litscale.strategies.deepspeed_zero import (
+        DeepSpeedZeroStrategy,
+        skip_shared_memory_all_reduce_build,
+    )
 
     os.environ["DS_ACCELERATOR"] = "cpu"  # read when deepspeed is first imported
     os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")  # the engine asks a launcher's variables
     import deepspeed
 
     deepspeed.utils.logging.logger.setLevel(logging.WARNING)
+    # As a run does: the engine's start JIT-compiled DeepSpeed's shared-memory op here too
+    # ("deepspeed_shm_comm_op built successfully" in plan=show), the compile a killed run
+    # leaves locked for every later DeepSpeed start.
+    skip_shared_memory_all_reduce_build()
     config = {**DeepSpeedZeroStrategy(stage=stage).config, "train_micro_batch_size_per_gpu": max(micro_batches),
               "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
