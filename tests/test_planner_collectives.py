@@ -199,6 +199,27 @@ def test_fsdp_step_issues_the_predicted_gathers_and_scatters(fake_world):
     _assert_fsdp_predicted(fake_world, *_fsdp_counts(fake_world))
 
 
+def test_a_muon_step_under_fsdp_gathers_each_matrix_update_as_predicted(fake_world):
+    """Muon's step gathers each sharded hidden matrix's update whole (``full_tensor``): the
+    planner's ``Muon update all-gather``, in calls and bytes, beside FSDP's own collectives."""
+    from litscale.app.plan.runs import with_muon
+    from litscale.muon import Muon, parameter_roles
+
+    world = fake_world
+    net, facts = _gpt_and_facts()
+    mesh = init_device_mesh("cpu", (world,))
+    for unit in net.sharding_units():
+        fully_shard(unit, mesh=mesh)
+    fully_shard(net, mesh=mesh, reshard_after_forward=False)
+    counter = CollectiveCounter(world, {**FSDP, "all_gather_into_tensor": "Muon update all-gather"})
+    calls, sent = _counted_step(net, counter, optimizer=Muon(parameter_roles(net, 0.0), lr=1e-3))
+    plan = Plan("fsdp", MeshSizes(data_shard=world), micro_batch=2, accumulation=1)
+    predicted = {c.name: c for c in collectives(plan, with_muon(facts), CLUSTER)}
+    assert sorted(calls) == sorted(predicted)
+    gather = predicted["Muon update all-gather"]
+    assert (calls["Muon update all-gather"], sent["Muon update all-gather"]) == (gather.calls, gather.bytes_per_rank)
+
+
 def test_ddp_step_reduces_the_predicted_buckets(fake_world):
     net, facts = _gpt_and_facts()
     ddp = DistributedDataParallel(net)

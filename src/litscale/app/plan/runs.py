@@ -97,30 +97,32 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
     return result
 
 
+def with_muon(facts: ModelFacts, *, ns_steps: int = 5, ns_dtype: str = "float32") -> ModelFacts:
+    """``facts`` of a run that Muon steps: its state, its hidden matrices (their parameters and
+    tensors) and the Newton-Schulz iterations' FLOPs over them."""
+    from litscale.muon import MATRIX, newton_schulz_flops, parameter_roles, state_bytes_per_param
+
+    groups = parameter_roles(facts.net, 0.0)
+    matrices = [p for group in groups if group["role"] == MATRIX for p in group["params"]]
+    return dataclasses.replace(
+        facts, optimizer_state_bytes_per_param=state_bytes_per_param(groups),
+        matrix_params=sum(p.numel() for p in matrices), matrix_tensors=len(matrices),
+        newton_schulz_flops=newton_schulz_flops((p.shape for p in matrices), ns_steps), newton_schulz_dtype=ns_dtype)
+
+
 def facts_of(cfg: DictConfig) -> ModelFacts:
     """The composed model's facts, read off a meta-device copy; a mixture of experts' load
     imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
     of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
     from litscale.app.safety import locate_target
     from litscale.app.validation import meta_net
-    from litscale.muon import (
-        MATRIX,
-        newton_schulz_flops,
-        parameter_roles,
-        state_bytes_per_param,
-        wants_parameter_roles,
-    )
+    from litscale.muon import wants_parameter_roles
 
     facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size),
                         compute_dtype=cfg.precision.compute_dtype, param_dtype=cfg.precision.param_dtype)
     if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
-        groups = parameter_roles(facts.net, 0.0)
-        matrices = [p for group in groups if group["role"] == MATRIX for p in group["params"]]
-        facts = dataclasses.replace(
-            facts, optimizer_state_bytes_per_param=state_bytes_per_param(groups),
-            matrix_params=sum(p.numel() for p in matrices), matrix_tensors=len(matrices),
-            newton_schulz_flops=newton_schulz_flops((p.shape for p in matrices), int(cfg.optimizer.get("ns_steps", 5))),
-            newton_schulz_dtype=str(cfg.optimizer.get("ns_dtype", "float32")))
+        facts = with_muon(facts, ns_steps=int(cfg.optimizer.get("ns_steps", 5)),
+                          ns_dtype=str(cfg.optimizer.get("ns_dtype", "float32")))
     plan = cfg.get("plan") or {}
     if facts.moe is None:
         return facts
