@@ -305,3 +305,31 @@ def test_compression_on_single_process_strategy_is_refused(tmp_path, outputs_roo
     cfg, choices = compose_job(["compression=powersgd"], tmp_path / "run")
     with pytest.raises(ConfigError, match=r"^compression=powersgd is not supported with strategy=single: it has no compression option; allowed: "):
         validate(cfg, choices=choices)
+
+
+def test_a_move_to_another_world_size_gives_each_rank_the_saved_ranks_mean_error_feedback():
+    """Every hook averages what the ranks send, so the update had not yet received the mean of
+    the ranks' residuals: each rank of the new layout resumes with that mean (before, with
+    zeros). Counters and PowerSGD's shared factors are rank 0's; its per-bucket batched errors
+    belong to the old buckets and are dropped."""
+    from litscale.callbacks.communication import CommunicationCallback
+
+    class Recorded:
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    class Hook:
+        state = Recorded()
+
+    saved = [{"steps": 7, "residuals": {"w": torch.full((2, 2), float(r)), "b": torch.tensor([2.0 * r])},
+              "errors": {"w": torch.tensor([r + 1.0])}, "low_rank": {"w": ("p", "q")}, "batched": {0: "old"}}
+             for r in range(3)]
+    hook = Hook()
+    with pytest.warns(UserWarning, match="saved by 3 ranks and is resumed on 1: each rank's error feedback starts "
+                                         "from the saved ranks' mean"):
+        CommunicationCallback(compression=hook).load_state_dict({"ranks": saved})
+    loaded = hook.state.loaded
+    assert torch.equal(loaded["residuals"]["w"], torch.full((2, 2), 1.0))  # (0 + 1 + 2) / 3
+    assert torch.equal(loaded["residuals"]["b"], torch.tensor([2.0]))
+    assert torch.equal(loaded["errors"]["w"], torch.tensor([2.0]))
+    assert (loaded["steps"], loaded["low_rank"], loaded["batched"]) == (7, {"w": ("p", "q")}, {})

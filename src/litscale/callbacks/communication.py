@@ -88,15 +88,32 @@ class CommunicationCallback(Callback):
         if getattr(state, "identical_across_ranks", False):
             state.load_state_dict(ranks[0])
             return
-        local = ranks[rank] if len(ranks) == world_size else _without_residuals(ranks[0])
-        if len(ranks) != world_size:
-            rank_zero_warn(f"compression state was saved by {len(ranks)} ranks and is resumed on "
-                           f"{world_size}: error-feedback residuals start from zero")
+        if len(ranks) == world_size:
+            local = ranks[rank]
+        else:
+            local = moved_state(ranks)
+            rank_zero_warn(f"compression state was saved by {len(ranks)} ranks and is resumed on {world_size}: each "
+                           "rank's error feedback starts from the saved ranks' mean (what the averaged update has "
+                           "not received yet)")
         state.load_state_dict(local)
         self._last = None
 
 
-def _without_residuals(state: dict[str, Any]) -> dict[str, Any]:
-    """A rank's state minus what belongs to that rank alone (its error-feedback residuals)."""
-    per_rank = {"residuals": {}, "errors": {}, "batched_errors": {}, "fragment_residuals": {}}
-    return {**state, **{key: value for key, value in per_rank.items() if key in state}}
+# A rank's own error feedback, by parameter (or fragment) name: what its compressed share left out.
+PER_RANK_FEEDBACK = ("residuals", "errors", "fragment_residuals")
+
+
+def moved_state(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The state each rank of another world size resumes with: rank 0's counters and shared
+    state (PowerSGD's warm-start factors, identical on every rank), and as each rank's error
+    feedback the saved ranks' mean. Every hook here averages what the ranks send, so the update
+    was missing the mean of their residuals; handing each new rank that mean gives it back in
+    full on the next step, whatever the new world size. PowerSGD's batched errors (one per
+    bucket: the buckets of another layout are other tensors) start from zero."""
+    moved = {**ranks[0], **({"batched": {}} if "batched" in ranks[0] else {})}
+    for key in PER_RANK_FEEDBACK:
+        if key not in ranks[0]:
+            continue
+        shared = set.intersection(*(set(state.get(key) or {}) for state in ranks))
+        moved[key] = {name: sum(state[key][name] for state in ranks) / len(ranks) for name in sorted(shared, key=str)}
+    return moved
