@@ -279,3 +279,23 @@ def test_resumed_powersgd_run_continues_exactly(tmp_path):
     expected, actual = (final_weights(s) for s in summaries(tmp_path))
     for key in expected:
         torch.testing.assert_close(actual[key], expected[key], rtol=1.3e-6, atol=1e-5, msg=key)
+
+
+@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.timeout(300)
+def test_a_top_k_run_saved_on_two_ranks_resumes_on_one_with_the_mean_error_feedback(tmp_path):
+    """A move between compressed layouts end to end: each rank of the new world takes the
+    saved ranks' mean residuals (``test_compression.py`` checks the mean itself)."""
+    run = (*SHORT_RUN, "compression=topk", "compression.error_feedback=true", "+trainer.limit_train_batches=5",
+           "trainer.val_check_interval=5", "callbacks.model_checkpoint.save_top_k=-1", "logger=none")
+    saved = train_on_pool(*run, "trainer.max_steps=5", "name=saved", outputs=tmp_path, devices=2)
+    assert saved.returncode == 0, explain(saved)
+    checkpoint = Path(summaries(tmp_path)[0]["output_dir"]) / "checkpoints" / "step000005.ckpt"
+    state = torch.load(checkpoint, weights_only=True)["callbacks"]["CommunicationCallback"]
+    assert len(state["ranks"]) == 2 and all(s["residuals"] for s in state["ranks"])
+    moved = train_on_pool(*run, "trainer.max_steps=10", "trainer.devices=1", f"ckpt_path={checkpoint}", "name=moved",
+                          outputs=tmp_path, devices=1)
+    assert moved.returncode == 0, explain(moved)
+    assert ("compression state was saved by 2 ranks and is resumed on 1: each rank's error feedback starts from "
+            "the saved ranks' mean") in moved.stderr
+    assert summaries(tmp_path)[-1]["steps"] == 10
