@@ -234,6 +234,33 @@ def test_failing_rank_stops_every_rank_with_one_error(tmp_path, kind, expected):
         assert process.stderr.count("Traceback") == 1  # the root cause's traceback, once
 
 
+@pytest.mark.full  # make test-full: make test's time budget
+@pytest.mark.timeout(400)
+def test_a_rank_killed_inside_a_sharded_save_leaves_the_last_complete_checkpoint_to_resume(tmp_path, uninterrupted):
+    """Rank 1 of an FSDP job dies as the step-8 save begins, while rank 0 is inside it (the
+    save's directory staged beside ``last.ckpt``, published only once every rank has written):
+    the job stops with one error, ``last.ckpt`` is still step 4's, whole, and ``ckpt_path=auto``
+    continues from it to the uninterrupted run's losses and weights, bit for bit."""
+    setup = (*SHORT, "strategy=fsdp", "trainer.devices=2")
+    killed = run_train(*setup, "name=resumed", *fault(8, "sigkill", rank=1), "+callbacks.fault.during=save",
+                       outputs=tmp_path, timeout=240)
+    assert killed.returncode == 1, explain(killed)
+    errors = [line for line in killed.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 failed: Signal 9 (SIGKILL)"), explain(killed)
+    (interrupted,) = run_dirs(tmp_path, "resumed")
+    last = interrupted / "checkpoints" / "last.ckpt"
+    assert is_complete_checkpoint(str(last)) and newest_last_checkpoint(str(tmp_path / "resumed")) == str(last)
+    resumed = train_on_pool(*setup, "name=resumed", "ckpt_path=auto", outputs=tmp_path, devices=2)
+    assert resumed.returncode == 0, explain(resumed)
+    reference, continued = uninterrupted(setup), summaries(tmp_path / "resumed")[0]
+    expected, actual = train_losses(reference["output_dir"]), train_losses(continued["output_dir"])
+    assert sorted(actual) == [4, 5, 6, 7]  # from step 4's checkpoint (Lightning's 0-based step index)
+    assert all(actual[step] == expected[step] for step in actual), (actual, expected)
+    # A sharded checkpoint is a directory: the runs' whole-model exports are compared.
+    exported, expected_weights = torch.load(continued["export"]), torch.load(reference["export"])
+    assert all(torch.equal(exported[name], tensor) for name, tensor in expected_weights.items())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_persistent_nan_loss_stops_after_saving_a_checkpoint(tmp_path):

@@ -13,6 +13,9 @@ all-reduce, while it goes on), ``kind=slow`` (the rank sleeps ``delay_s`` in eve
 ``kind=freeze`` (the rank's whole process stops itself with SIGSTOP at ``at_step``, its
 heartbeat and watchdog threads with it, as under a debugger or a C call holding the GIL).
 ``kind=hang`` with ``during=export`` or ``during=summary`` hangs in that work after ``fit``.
+With ``during=save`` a fault that acts at once (``sigkill``, ``exception``, ...) acts as the
+rank begins the first checkpoint save from step ``at_step`` on: the other ranks are then inside
+that save, waiting for this rank's part.
 
 A fault fires once per run, and not in a run resumed from a checkpoint: the restart that a
 fault provokes (``torchrun --max-restarts``, a requeued job, the same command again with
@@ -57,7 +60,7 @@ class InjectFault(Callback):
         kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights", "hang",
                       "skip_collective", "wrong_shape", "slow", "freeze", "ctrl_c", "ctrl_c_twice"] = "exception",
         rank: NonNegativeInt | None = None,
-        during: Literal["train", "validation", "export", "summary"] = "train",
+        during: Literal["train", "validation", "save", "export", "summary"] = "train",
         after_resume: bool = False,
         delay_s: PositiveFloat = 1.0,
         for_steps: PositiveInt | None = None,
@@ -148,6 +151,12 @@ class InjectFault(Callback):
         if (self.during == "validation" and not trainer.sanity_checking and self.kind in INSTANT_KINDS
                 and trainer.global_step >= self.at_step):
             self._fire(trainer, pl_module, where=" in validation")
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning builds the checkpoint on every rank, then the strategy writes it: a rank
+        # that stops here leaves the others inside that save, waiting for its part.
+        if self.during == "save" and trainer.global_step >= self.at_step and self.kind in INSTANT_KINDS:
+            self._fire(trainer, pl_module, where=" in a checkpoint save")
 
     def _fire(self, trainer: Trainer, pl_module: LightningModule, *, where: str) -> None:
         if self._fired or not self._on_this_rank(trainer):
