@@ -109,6 +109,20 @@ def plot(results: list[dict], optimizers: list[str], widths: list[int], path: Pa
     plt.close(figure)
 
 
+def reusable_runs(args: argparse.Namespace) -> dict[tuple, dict]:
+    """The runs of results.json trained with this invocation's steps, sequence, batch and seed
+    (the base width is the narrowest, as here): by optimizer, parametrisation, width and lr."""
+    path = HERE / "results.json"
+    if not path.exists():
+        return {}
+    saved = json.loads(path.read_text())
+    same = all(saved["args"][key] == getattr(args, key) for key in ("steps", "seq_len", "batch_size", "seed"))
+    if not same or int(saved["args"]["widths"].split(",")[0]) != int(args.widths.split(",")[0]):
+        return {}
+    return {(r["optimizer"], r["parametrisation"], r["width"], r["lr"]): {**r, "train_losses": [r["final_train_loss"]]}
+            for r in saved["runs"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--widths", default="64,128,256")
@@ -117,17 +131,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--muon-log2-lrs", default=None, help="Muon's grid, if not --log2-lrs")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the runs results.json already holds for the same steps, sequence, batch and seed")
     args = parser.parse_args()
     widths = [int(w) for w in args.widths.split(",")]
     optimizers = args.optimizers.split(",")
-    lrs = [2.0 ** int(e) for e in args.log2_lrs.split(",")]
+    grids = {optimizer: [2.0 ** int(e) for e in ((args.muon_log2_lrs if optimizer == "muon" else None)
+                                                  or args.log2_lrs).split(",")] for optimizer in optimizers}
     train_batches, val_batches = batches(args.steps, args.seq_len, args.batch_size)
+    done = reusable_runs(args) if args.reuse else {}
     results, started = [], time.perf_counter()
     for optimizer in optimizers:
         for parametrisation in ("sp", "mup"):
             for width in widths:
-                for lr in lrs:
+                for lr in grids[optimizer]:
+                    if (optimizer, parametrisation, width, lr) in done:
+                        results.append(done[optimizer, parametrisation, width, lr])
+                        continue
                     if parametrisation == "mup" and width == widths[0]:
                         # At the base width µP is the standard model (tests/test_mup.py): the same run.
                         same = next(r for r in results if (r["optimizer"], r["parametrisation"], r["width"], r["lr"])
