@@ -234,6 +234,7 @@ def test_failing_rank_stops_every_rank_with_one_error(tmp_path, kind, expected):
         assert process.stderr.count("Traceback") == 1  # the root cause's traceback, once
 
 
+@pytest.mark.slow
 @pytest.mark.full  # make test-full: make test's time budget
 @pytest.mark.timeout(400)
 def test_a_rank_killed_inside_a_sharded_save_leaves_the_last_complete_checkpoint_to_resume(tmp_path, uninterrupted):
