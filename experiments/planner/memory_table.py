@@ -7,7 +7,7 @@ one every run makes of itself (litscale.app.plan.runs.predicted_for_run), so the
 this machine's calibration (``python -m litscale.planner.calibrate``) for the run to predict.
 
     python experiments/planner/memory_table.py            # every cell, writes memory_table.json
-    python experiments/planner/memory_table.py --only gpt  # the cells whose name has "gpt"
+    python experiments/planner/memory_table.py --only gpt  # the cells whose name has "gpt" (the rest kept)
     python experiments/planner/memory_table.py --report    # README.md's table from memory_table.json
 
 Goal (issue: a planner whose pick you can take): every cell within 10%.
@@ -131,7 +131,10 @@ def main() -> None:
     errors = [abs(r["error"]) for r in rows.values() if isinstance(r.get("error"), float)]
     within = sum(e <= GOAL for e in errors)
     print(f"{within} of {len(rows)} cells within {GOAL:.0%} ({len(rows) - len(errors)} without a comparison)")
-    Path(args.out).write_text(json.dumps({"goal": GOAL, "load_average": os.getloadavg()[0], "cells": rows}, indent=1))
+    out = Path(args.out)
+    if args.only and out.exists():  # a partial re-record: the other cells stay as recorded
+        rows = {**json.loads(out.read_text())["cells"], **rows}
+    out.write_text(json.dumps({"goal": GOAL, "load_average": os.getloadavg()[0], "cells": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,21 @@ def total_only_tracker():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class TotalOnlyTracker(MemTracker):
+        window_peak: int | None = None  # the largest total since ``open_window``; None: not watched
+
+        def current_total(self) -> int:
+            return sum(snapshot.get(TOTAL, 0) for snapshot in self._curr_mem_snap.values())
+
+        def open_window(self) -> int:
+            """Start watching for a part of the step's own peak; returns the total now."""
+            self.window_peak = self.current_total()
+            return self.window_peak
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            if self.window_peak is not None:
+                self.window_peak = max(self.window_peak, self.current_total())
+
         def _pre_fw_hook(self, module, inputs):
             pass
 

@@ -24,6 +24,7 @@ from litscale.planner.moe_cost import (
     expert_fsdp_collectives,
     flops_per_token_per_rank,
 )
+from litscale.planner.pipeline_cost import rank_activation_bytes, rank_param_shares
 from litscale.planner.plan import Plan
 from litscale.sharding import Sharding, state_bytes_per_rank
 
@@ -77,27 +78,40 @@ def predict(plan: Plan, facts: ModelFacts, cluster: Cluster) -> Prediction:
 
 
 def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str, float]:
+    """The busiest rank's bytes at the step's peak: a pipeline's ranks each with their own
+    stages' parameters and activations (``pipeline_cost``), where the model's blocks are known."""
+    shares = rank_param_shares(plan, facts) or [1 / plan.mesh.pipeline]
+    activations = rank_activation_bytes(plan, facts, pipeline_whole_bytes(plan, facts)) \
+        or [activation_bytes(plan, facts)] * len(shares)
+    ranks = [_rank_memory(plan, facts, cluster, share * plan.mesh.pipeline, held)
+             for share, held in zip(shares, activations, strict=True)]
+    return max(ranks, key=lambda memory: memory["total"])
+
+
+def _rank_memory(plan: Plan, facts: ModelFacts, cluster: Cluster, scale: float, activations: float) -> dict[str, float]:
+    """One rank's memory, holding ``scale`` times the even split's share of the parameters."""
     sharding, param_bytes = plan.sharding, DTYPE_BYTES[plan.param_dtype]
     master = 4 if param_bytes < 4 and not sharding.fp32_master_copy else 0  # 16-bit parameters' fp32 copy
     moe = facts.moe
 
     def states_of(held: Sharding) -> dict[str, float]:
-        return state_bytes_per_rank(num_params=facts.num_params, mesh=plan.mesh, sharding=held, param_bytes=param_bytes,
+        return state_bytes_per_rank(num_params=facts.num_params * scale, mesh=plan.mesh, sharding=held,
+                                    param_bytes=param_bytes,
                                     optimizer_bytes_per_param=facts.optimizer_state_bytes_per_param + master,
-                                    at_peak=True, tensor_whole_params=moe.layer_params if moe else 0,
-                                    expert_params=moe.expert_params if moe else 0)
+                                    at_peak=True, tensor_whole_params=moe.layer_params * scale if moe else 0,
+                                    expert_params=moe.expert_params * scale if moe else 0)
 
     states = states_of(sharding)
     # Gradients copied into reduction buckets (DeepSpeed's contiguous gradients) live there, not
     # beside them: a ZeRO-1 rank then keeps its reduced partition alone, as ZeRO-2's does.
     grads = states_of(replace(sharding, zero_stage=2)) if sharding.reduce_buffers and \
         sharding.zero_stage == 1 else states
-    local_params = facts.num_params / (plan.mesh.tensor * plan.mesh.pipeline)
+    local_params = facts.num_params * scale / (plan.mesh.tensor * plan.mesh.pipeline)
     memory = {"params": states["memory/estimate_params_bytes"], "grads": grads["memory/estimate_grads_bytes"],
               "optimizer": states["memory/estimate_optimizer_bytes"],
               "buffers": sharding.reduce_buffer_bytes_per_rank(local_params, param_bytes)
-              + fsdp_gathered_bytes(plan, facts),
-              "activations": activation_bytes(plan, facts)}
+              + fsdp_gathered_bytes(plan, facts) * scale,
+              "activations": activations}
     memory["total"] = sum(memory.values()) * (1 + cluster.allocator_overhead)
     return memory
 
@@ -120,22 +134,35 @@ def fsdp_gathered_bytes(plan: Plan, facts: ModelFacts) -> float:
     return (facts.root_params / split + 2 * unit) * DTYPE_BYTES[plan.compute_dtype]
 
 
-def activation_bytes(plan: Plan, facts: ModelFacts) -> float:
-    """Activations the busiest rank holds at the peak, between a micro-batch's forward and
-    backward: with context parallel, its share of the sequence's, plus each layer's keys and
-    values gathered whole (kept for backward); with a pipeline, its stage's for each micro-batch
-    in flight."""
+def pipeline_whole_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """Activations all the stages of one tensor-parallel rank save for one pipeline
+    micro-batch: with context parallel, its share of the sequence's, plus each layer's keys and
+    values gathered whole (kept for backward)."""
     mesh, micro, scale = plan.mesh, plan.pipeline_micro_batch, activation_scale(plan, facts)
     whole = facts.activations(micro) * scale
     if facts.traced_under_autocast and (plan.sharding.zero_stage or plan.sharding.fp32_master_copy):
         whole -= facts.activation_bytes_fixed * scale  # no weight casts: see ModelFacts.traced_under_autocast
     if plan.activation_checkpointing:  # every layer keeps its input; one layer is recomputed at a time
         whole = facts.layers * facts.boundary_bytes(micro) * scale + whole / facts.layers
-    per_stage = (whole / mesh.context + context_kv_bytes(plan, facts)) / mesh.pipeline / mesh.tensor
-    per_stage += tensor_parallel_whole_bytes(plan, facts) / mesh.context / mesh.pipeline
-    # Backward's working set beside the saved activations (the logits' gradient, a layer's
-    # activation gradients): once per rank, not once per micro-batch in flight.
-    working = facts.backward_working_bytes(micro) * scale / mesh.context / mesh.tensor
+    return (whole / mesh.context + context_kv_bytes(plan, facts)) / mesh.tensor \
+        + tensor_parallel_whole_bytes(plan, facts) / mesh.context
+
+
+def backward_working_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """Backward's working set beside the saved activations (the logits' gradient, a layer's
+    activation gradients): once per rank, not once per micro-batch in flight."""
+    mesh = plan.mesh
+    return facts.backward_working_bytes(plan.pipeline_micro_batch) * activation_scale(plan, facts) \
+        / mesh.context / mesh.tensor
+
+
+def activation_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """Activations the busiest rank holds at the peak, between a micro-batch's forward and
+    backward (``pipeline_whole_bytes``), with a pipeline its stage's for each micro-batch in
+    flight, split evenly over the stages (``pipeline_cost`` splits them as the strategy does)."""
+    mesh, micro = plan.mesh, plan.pipeline_micro_batch
+    per_stage = pipeline_whole_bytes(plan, facts) / mesh.pipeline
+    working = backward_working_bytes(plan, facts)
     if mesh.pipeline == 1:
         return per_stage + working
     # A pipeline's first stage holds the most micro-batches in flight (1F1B: as many as there are

@@ -111,6 +111,12 @@ class ModelFacts:
     # The blocks a pipeline may cut between (``pipeline_blocks``: the layers, the embedding and
     # the head); 0 where the model declares none.
     pipeline_blocks: int = 0
+    # Each block's parameters, and the activation bytes its forward saves (per sample and fixed,
+    # as ``activation_bytes_*`` are split): what each pipeline stage holds, cut as the strategy cuts.
+    block_params: tuple[int, ...] = ()
+    block_saved_per_sample: tuple[float, ...] = ()
+    block_saved_fixed: tuple[float, ...] = ()
+    block_backward_per_sample: tuple[float, ...] = ()  # each block's backward working set
     # Key (and value) features per token of each attention layer, where the model can split its
     # sequence (``context_parallel_attention``); 0 where it cannot.
     kv_width: int = 0
@@ -137,6 +143,17 @@ class ModelFacts:
         a traced step above its saved activations, parameters and gradients."""
         return micro_batch * self.working_bytes_per_sample
 
+    def block_shares(self, micro_batch: int) -> tuple[list[float], list[float]]:
+        """Each pipeline block's saved activations and its backward's working set at
+        ``micro_batch``, as shares of the whole model's saved activations (as traced); ([], [])
+        where the blocks are unknown."""
+        saved = [fixed + micro_batch * per_sample
+                 for fixed, per_sample in zip(self.block_saved_fixed, self.block_saved_per_sample, strict=True)]
+        total = sum(saved)
+        if total <= 0 or len(self.block_backward_per_sample) != len(saved):
+            return [], []
+        return [b / total for b in saved], [micro_batch * b / total for b in self.block_backward_per_sample]
+
     def boundary_bytes(self, micro_batch: int, dtype_bytes: int = 4) -> float:
         """One layer's input (or output): what a pipeline stage sends, what a checkpointed layer keeps."""
         return micro_batch * self.seq_len * self.hidden * dtype_bytes
@@ -146,18 +163,37 @@ def saved_activation_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_l
     """Bytes of the tensors autograd saves in one forward of ``net`` (and of the next-token
     cross-entropy over its output, which keeps the log-probabilities), parameters excluded,
     each storage counted once. ``net`` and ``inputs`` may be on the meta device: only shapes count."""
-    return traced_step_bytes(net, inputs, next_token_loss=next_token_loss, backward=False)[0]
+    return traced_step_bytes(net, inputs, next_token_loss=next_token_loss, backward=False).saved
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    """One traced forward (and backward) of a network: see ``traced_step_bytes``."""
+
+    saved: int
+    step: int
+    saved_in_moe: int
+    saved_by_unit: tuple[int, ...] = ()
+    backward_by_unit: tuple[int, ...] = ()
 
 
 def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: bool = False,
-                      backward: bool = True) -> tuple[int, int, int]:
-    """``(saved, step, saved_in_moe)``: the bytes autograd saves in one forward
-    (``saved_activation_bytes``), the high-water mark of the forward and backward above the
-    parameters and the gradients backward ends with (0 without ``backward``), as torch's
-    MemTracker counts the tensors alive
+                      backward: bool = True, units: list[list[str]] | None = None) -> TracedStep:
+    """The bytes autograd saves in one forward (``saved``, as ``saved_activation_bytes``), the
+    high-water mark of the forward and backward above the parameters and the gradients backward
+    ends with (``step``, 0 without ``backward``), as torch's MemTracker counts the tensors alive
     (litscale.step_memory: what a run's ``callbacks.memory.measure_peak`` measures), and of the
     saved bytes those saved inside a mixture of experts' MoE layers. Gradients start as None, as
     each training step finds them.
+
+    ``units``: the pipeline units of ``net`` (submodule names, in forward order): ``saved_by_unit``
+    then splits ``saved`` by the unit whose forward saved each storage first (the loss's, after
+    the last unit, with the last unit), as a pipeline stage holding those units keeps them; and
+    ``backward_by_unit`` is each unit's backward working set: what its backward holds at its
+    busiest above what it started with (the parameters' gradients it creates left out: a step
+    holds those anyway). A pipeline stage runs that backward while other micro-batches' saved
+    activations stay (1F1B's first stages), where a whole model's backward has freed the
+    later layers' first.
 
     NOTE: traced as CPU tensors under ``FakeTensorMode``, not on the meta device: there attention
     takes the math path and keeps every T x T score matrix (8 GiB per layer for Llama-3 8B at
@@ -172,6 +208,11 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
     for layer in find_moe_layers(fake_net):
         layer.register_forward_pre_hook(lambda *_: in_moe.__setitem__(0, True))
         layer.register_forward_hook(lambda *_: in_moe.__setitem__(0, False))
+    unit_now = [0]  # the unit running: set as each unit's modules start their forward
+    for index, names in enumerate(units or ()):
+        for name in names:
+            fake_net.get_submodule(name).register_forward_pre_hook(
+                lambda *_, index=index: unit_now.__setitem__(0, index))
     cpu = torch.device("cpu")
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake_net.to_empty(device="cpu")
@@ -179,27 +220,79 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
         weights = {p.untyped_storage()._cdata for p in fake_net.parameters()}
         seen: dict[int, int] = {}
         seen_in_moe: dict[int, int] = {}
+        unit_of: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
             if storage._cdata not in weights:
                 seen[storage._cdata] = storage.nbytes()
+                unit_of.setdefault(storage._cdata, unit_now[0])
                 if in_moe[0]:
                     seen_in_moe[storage._cdata] = storage.nbytes()
             return tensor
 
         tracker = total_only_tracker()
         tracker.track_external(fake_net)
+        windows = _BackwardWindows(tracker, fake_net, units or [])
         with tracker:
             start = tracker.get_tracker_snapshot()[cpu][TOTAL]
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = fake_net(inputs)
                 loss = F.cross_entropy(output.flatten(0, 1), inputs.flatten()) if next_token_loss else output.sum()
             if backward:
+                windows.open(len(windows.backward) - 1)  # the loss's backward: the last unit's
                 loss.backward()
+                windows.close()
         grads = sum(p.grad.untyped_storage().nbytes() for p in fake_net.parameters() if p.grad is not None)
         step = tracker.get_tracker_snapshot("peak")[cpu][TOTAL] - start - grads if backward else 0
-    return sum(seen.values()), max(0, step), sum(seen_in_moe.values())
+    by_unit = [0] * len(units or ())
+    for storage, nbytes in seen.items():
+        if by_unit:
+            by_unit[unit_of[storage]] += nbytes
+    return TracedStep(sum(seen.values()), max(0, step), sum(seen_in_moe.values()), tuple(by_unit),
+                      tuple(windows.backward) if backward else ())
+
+
+class _BackwardWindows:
+    """Each pipeline unit's backward, seen from tensor hooks placed in forward: it starts when the
+    gradient of the unit's output is computed and ends when that of its input is (or the next
+    unit's starts: a unit's output is often the next one's input, whose hooks run in the order
+    they were placed). ``backward[u]``: the unit's largest rise of the tracker's total above
+    where its backward started, less the parameters' gradients created meanwhile."""
+
+    def __init__(self, tracker, net: nn.Module, units: list[list[str]]) -> None:
+        self.tracker, self.params = tracker, list(net.parameters())
+        self.backward = [0] * len(units)
+        self._open: tuple[int, int, int] | None = None  # (unit, total, gradient bytes) at its start
+        for index, names in enumerate(units):
+            net.get_submodule(names[-1]).register_forward_hook(
+                lambda _m, _i, output, index=index: self._on_grad(output, lambda: self.open(index)))
+            net.get_submodule(names[0]).register_forward_pre_hook(
+                lambda _m, inputs, index=index: self._on_grad(inputs, lambda: self.close(index)))
+
+    @staticmethod
+    def _on_grad(value, action) -> None:
+        first = value[0] if isinstance(value, (tuple, list)) and value else value
+        if isinstance(first, torch.Tensor) and first.requires_grad:
+            first.register_hook(lambda grad: action())
+
+    def _grad_bytes(self) -> int:
+        return sum(p.grad.untyped_storage().nbytes() for p in self.params if p.grad is not None)
+
+    def open(self, unit: int) -> None:
+        if self._open is not None and self._open[0] == unit:
+            return
+        self.close()
+        if unit >= 0:
+            self._open = (unit, self.tracker.open_window(), self._grad_bytes())
+
+    def close(self, unit: int | None = None) -> None:
+        if self._open is None or unit is not None and self._open[0] != unit:
+            return
+        opened, total, grads = self._open
+        rise = self.tracker.window_peak - total - (self._grad_bytes() - grads)
+        self.backward[opened] = max(self.backward[opened], rise)
+        self._open = None
 
 
 # The micro batches traced: forward at both, forward and backward at the larger (below a few
@@ -235,13 +328,16 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype:
     hidden = _first(config, ("n_embd", "dim", "hidden_size"), 0)
     heads = _first(config, ("n_head", "n_heads", "num_attention_heads"), 1)
     small, large = TRACED_BATCHES
+    blocks = pipeline_block_names(net)
     with traced_precision(net, compute_dtype, param_dtype) as (traced_net, traced_dtype):
-        saved_small, _, moe_small = traced_step_bytes(
-            traced_net, torch.zeros(small, seq_len, dtype=torch.long, device="meta"), next_token_loss=True,
-            backward=False)
-        saved_large, step_large, moe_large = traced_step_bytes(
-            traced_net, torch.zeros(large, seq_len, dtype=torch.long, device="meta"), next_token_loss=True)
+        at_small = traced_step_bytes(traced_net, torch.zeros(small, seq_len, dtype=torch.long, device="meta"),
+                                     next_token_loss=True, backward=False, units=blocks)
+        at_large = traced_step_bytes(traced_net, torch.zeros(large, seq_len, dtype=torch.long, device="meta"),
+                                     next_token_loss=True, units=blocks)
+    saved_small, moe_small = at_small.saved, at_small.saved_in_moe
+    saved_large, step_large, moe_large = at_large.saved, at_large.step, at_large.saved_in_moe
     per_sample = (saved_large - saved_small) / (large - small)
+    block_per_sample = [(b - a) / (large - small) for a, b in zip(at_small.saved_by_unit, at_large.saved_by_unit, strict=True)]
     num_params = sum(p.numel() for p in net.parameters())
     norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
     return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
@@ -250,9 +346,28 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype:
                       working_bytes_per_sample=max(0, step_large - saved_large) / large,
                       traced_dtype=traced_dtype, traced_under_autocast=traced_dtype != param_dtype, root_params=num_params - in_units,
                       vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
-                      pipeline_blocks=len(net.pipeline_blocks()) if hasattr(net, "pipeline_blocks") else 0,
+                      pipeline_blocks=len(blocks),
+                      block_params=tuple(sum(p.numel() for name in unit for p in net.get_submodule(name).parameters())
+                                         for unit in blocks),
+                      block_saved_per_sample=tuple(block_per_sample),
+                      block_backward_per_sample=tuple(b / large for b in at_large.backward_by_unit),
+                      block_saved_fixed=tuple(a - small * b for a, b in zip(at_small.saved_by_unit, block_per_sample,
+                                                                             strict=True)),
                       kv_width=context_parallel_kv_width(net), moe=moe_facts(net, saved_per_sample=(moe_large - moe_small) / (large - small)),
                       net=net)
+
+
+def pipeline_block_names(net: nn.Module) -> list[list[str]]:
+    """The blocks ``net`` declares for a pipeline (``pipeline_blocks``), each a list of submodule
+    names relative to ``net``; [] where it declares none."""
+    from litscale.strategies.stages import find_blocks
+
+    try:
+        owner, units = find_blocks(net)
+    except ValueError:
+        return []
+    prefix = next(name for name, module in net.named_modules() if module is owner)
+    return [[f"{prefix}.{name}" if prefix else name for name in unit] for unit in units]
 
 
 def moe_facts(net: nn.Module, saved_per_sample: float = 0.0) -> MoEFacts | None:

@@ -1,0 +1,68 @@
+"""What each pipeline rank holds: its stages' blocks, cut and placed as the pipeline strategy
+cuts them (``litscale.strategies.stages``: balanced by parameter count, or at
+``split_points``), with each block's parameters and traced activations (``ModelFacts.block_*``).
+
+An even split of the model over the stages is wrong where the blocks are unequal: a first
+stage with the embedding, a last one with the head and the loss's log-probabilities, or 5
+layers on 2 ranks. Here each rank's share is its own blocks'.
+"""
+
+from __future__ import annotations
+
+from litscale.planner.model_facts import ModelFacts
+from litscale.planner.plan import Plan
+
+
+def rank_stages(plan: Plan, facts: ModelFacts) -> list[list[tuple[int, range]]] | None:
+    """Each pipeline rank's stages ``(stage index, its blocks)``, as the strategy plans them;
+    None without a pipeline, without the model's blocks, or with more stages than blocks."""
+    mesh = plan.mesh
+    if mesh.pipeline == 1 or not facts.block_params or facts.net is None:
+        return None
+    from litscale.strategies.pipeline import SCHEDULES
+    from litscale.strategies.stages import balanced_cuts, find_blocks, stage_cuts, stage_ranks
+
+    stages, split_points = mesh.pipeline * plan.virtual_stages, plan.options.get("split_points")
+    if stages > len(facts.block_params):
+        return None
+    # Balanced as the strategy balances them (by parameter count, read once into the facts: a
+    # ranking costs thousands of plans), or cut at the user's split points.
+    cuts = stage_cuts(*find_blocks(facts.net), stages, split_points) if split_points else \
+        balanced_cuts(facts.block_params, stages)
+    cuts = [*cuts, len(facts.block_params)]
+    held: list[list[tuple[int, range]]] = [[] for _ in range(mesh.pipeline)]
+    for stage, rank in enumerate(stage_ranks(stages, mesh.pipeline, SCHEDULES[plan.schedule][1])):
+        held[rank].append((stage, range(cuts[stage], cuts[stage + 1])))
+    return held
+
+
+def rank_param_shares(plan: Plan, facts: ModelFacts) -> list[float] | None:
+    """Each pipeline rank's share of the model's parameters (a parameter two blocks share is
+    counted in each: the strategy keeps such blocks on one stage)."""
+    held = rank_stages(plan, facts)
+    if held is None:
+        return None
+    total = sum(facts.block_params)
+    return [sum(facts.block_params[b] for _, blocks in stages for b in blocks) / total for stages in held]
+
+
+def rank_activation_bytes(plan: Plan, facts: ModelFacts, whole: float) -> list[float] | None:
+    """Each pipeline rank's activations at its peak, of a model whose saved activations for one
+    pipeline micro-batch are ``whole`` bytes: each stage's blocks' share of them times the
+    micro-batches in flight on that stage (GPipe: all; 1F1B: stage s of p holds p - s), plus
+    the largest backward working set of its blocks, which it runs with all of them held.
+    None where the blocks are unknown or the schedule places several stages on a rank (its
+    in-flight counts are the even split's, in ``cost.activation_bytes``)."""
+    from litscale.strategies.pipeline import SCHEDULES
+
+    held = rank_stages(plan, facts)
+    if held is None or SCHEDULES[plan.schedule][1] != "single":
+        return None
+    saved, backward = facts.block_shares(plan.pipeline_micro_batch)
+    if not saved:
+        return None
+    gpipe, pipeline = plan.schedule == "gpipe", plan.mesh.pipeline
+    return [sum(whole * (sum(saved[b] for b in blocks)
+                         * (plan.microbatches if gpipe else min(plan.microbatches, pipeline - stage))
+                         + max(backward[b] for b in blocks))
+                for stage, blocks in stages) for stages in held]
