@@ -7,6 +7,7 @@ through the spawned child that ``plan=show`` uses."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -182,3 +183,51 @@ def test_tensor_parallel_leaves_the_moe_layers_whole_and_expert_parallel_splits_
     exact = (kinds["experts"] / 2 / 2 + (kinds["moe_rest"] + kinds["norms"]) / 4 + kinds["split"] / 2 / 4) * 4
     assert found["params_bytes"] == pytest.approx(exact, rel=1e-6)
     assert predicted == pytest.approx(exact - kinds["norms"] / 2 / 4 * 4, rel=1e-6)
+
+
+# One rank's training step at the configured world (plan.fake_step): its peak, measured by
+# torch's MemTracker on fake tensors, against the planner's prediction for the same run.
+STEP_WITHIN = 0.10
+GPT = ["model=gpt", "data=synthetic"]  # 128 tokens, as a run's default
+STEPS = [
+    pytest.param(["model=gpt", "model.net.preset=small", "data.seq_len=1024", "data.batch_size=8", "strategy=fsdp"], 64,
+                 id="gpt2_small-fsdp64"),
+    pytest.param([*GPT, "data.batch_size=8", "strategy=ddp"], 2, id="nano-ddp2", marks=pytest.mark.full),
+    pytest.param([*GPT, "data.batch_size=8", "strategy=tensor_parallel"], 2, id="nano-tp2", marks=pytest.mark.full),
+    pytest.param(["model=llama", "data.batch_size=8", "precision=bf16_mixed", "strategy=fsdp"], 4,
+                 id="llama-bf16_mixed-fsdp4", marks=pytest.mark.full),
+    pytest.param([*GPT, "data.batch_size=8", "optimizer=muon", "strategy=fsdp"], 2, id="nano-muon-fsdp2",
+                 marks=pytest.mark.full),
+]
+
+
+@pytest.mark.slow  # traces two training steps (3-8 s)
+@pytest.mark.parametrize(("overrides", "world"), STEPS)
+def test_one_step_at_the_configured_world_peaks_within_ten_percent_of_the_prediction(overrides, world, tmp_path):
+    cfg, choices, layout = _configured(["plan.fake_step=true", *overrides], world, tmp_path)
+    found = built_in_this_process(OmegaConf.to_container(cfg, resolve=True), world)
+    assert "step_skipped" not in found, found.get("step_skipped")
+    # Tensors' bytes on both sides: no allocator's reserve.
+    cluster = dataclasses.replace(CLUSTER, allocator_overhead=0.0)
+    predicted = memory_per_rank(configured_plan(cfg, choices, layout), facts_of(cfg), cluster)["total"]
+    assert abs(predicted / found["step_peak_bytes"] - 1) <= STEP_WITHIN, (
+        f"predicted {predicted / 2**20:.2f} MiB, one step peaked at {found['step_peak_bytes'] / 2**20:.2f} MiB")
+
+
+@pytest.mark.parametrize(("overrides", "reason"), [
+    (["strategy=pipeline"], "PIPELINE"),
+    (["model=moe", "strategy=fsdp"], "EXPERTS"),
+    (["model=llama", "strategy=fsdp", "strategy.context_parallel_size=2"], "CONTEXT"),
+], ids=["pipeline", "moe", "context_parallel"])
+def test_a_step_the_fake_group_cannot_run_is_skipped_with_the_reason(overrides, reason, tmp_path):
+    from litscale.app.plan import fake_step
+
+    cfg, _, _ = _configured(["plan.fake_step=true", "data.seq_len=32", *overrides], 2, tmp_path)
+    found = built_in_this_process(OmegaConf.to_container(cfg, resolve=True), 2)
+    assert found["step_skipped"] == getattr(fake_step, reason) and "step_peak_bytes" not in found
+
+
+def test_without_plan_fake_step_no_step_runs(tmp_path):
+    cfg, _, _ = _configured([*NANO, "strategy=fsdp"], 2, tmp_path)
+    found = built_in_this_process(OmegaConf.to_container(cfg, resolve=True), 2)
+    assert "step_peak_bytes" not in found and "step_skipped" not in found

@@ -176,7 +176,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
                        base_batch_size=int(cfg.lr_scaling.base_batch_size), rule=rule)
         _say(f"as configured: lr {cfg.optimizer.lr:g} scaled by the {rule} rule to {lr:.4g} "
              f"(global batch {layout.global_batch}, base {cfg.lr_scaling.base_batch_size})")
-    built = _dry_run(cfg, layout)
+    built, step_peak = _dry_run(cfg, layout)
     _trace_collectives(cfg, choices, layout, built)
     if plan is None:
         _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
@@ -185,6 +185,11 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in prediction.memory.items() if k != "total" and (v or k != "buffers"))
     _say(f"as configured: {plan.describe()}: {prediction.peak_bytes / GiB:.2f} GiB per rank predicted ({parts}), "
          f"{prediction.step_s:.4g} s per step on {cluster.name}")
+    if step_peak is not None:
+        measured = step_peak * (1 + cluster.allocator_overhead)
+        _say(f"as configured: one rank's training step at world {layout.world_size}, traced with fake tensors: "
+             f"{measured / GiB:.3g} GiB per rank at its peak{' with the allocator overhead' if cluster.allocator_overhead else ''}, "
+             f"predicted {prediction.peak_bytes / GiB:.3g} GiB ({prediction.peak_bytes / measured - 1:+.1%})")
     peak = prediction.peak_bytes
     if built is not None:  # what the formula's even share leaves out (a pipeline's gathered stage it counts already)
         peak += max(0.0, built - prediction.memory["params"]) * (1 + cluster.allocator_overhead)
@@ -201,21 +206,24 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     return None
 
 
-def _dry_run(cfg: DictConfig, layout: RunLayout) -> float | None:
+def _dry_run(cfg: DictConfig, layout: RunLayout) -> tuple[float | None, int | None]:
     """Build the configured strategy at the configured world on a fake process group (no rank
-    starts); say what rank 0 holds and return its parameters' bytes (None: not built)."""
+    starts); say what rank 0 holds and return its parameters' bytes (None: not built) and, with
+    ``plan.fake_step``, one step's peak bytes there (None: not run, and the line says why)."""
     from litscale.app.plan.dry_run import REPLICATED_MESH, built_on_fake_world
 
     built = built_on_fake_world(OmegaConf.to_container(cfg, resolve=True), layout.world_size)
     if built["params_bytes"] is None:
         _say(f"as configured: not built ({built['skipped']})")
-        return None
-    if built["mesh"] == REPLICATED_MESH:
+    elif built["mesh"] == REPLICATED_MESH:
         _say(f"as configured: every rank holds the whole model, {_size(built['params_bytes'])} of parameters")
-        return float(built["params_bytes"])
-    _say(f"as configured: built on a fake process group of {built['ranks']} ranks (mesh {built['mesh']}): rank 0 "
-         f"holds {_size(built['params_bytes'])} of parameters")
-    return float(built["params_bytes"])
+    else:
+        _say(f"as configured: built on a fake process group of {built['ranks']} ranks (mesh {built['mesh']}): rank 0 "
+             f"holds {_size(built['params_bytes'])} of parameters")
+    if cfg.plan.get("fake_step") and "step_peak_bytes" not in built:
+        _say(f"as configured: no training step traced ({built.get('step_skipped') or built.get('skipped')})")
+    params = None if built["params_bytes"] is None else float(built["params_bytes"])
+    return params, built.get("step_peak_bytes")
 
 
 def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, built: float | None) -> None:
