@@ -118,7 +118,7 @@ def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float, *overrides
     monkeypatch.setattr(trust, "load_accuracy", lambda: accuracy(nano_spearman))
     monkeypatch.setattr(scaling_study, "job_context",
                         lambda cfg: scaling_study.ScalingContext(overrides=user, sweep_dir=str(tmp_path)))
-    monkeypatch.setattr(plan_module, "_dry_run", lambda cfg, layout: None)  # not what is tested here
+    monkeypatch.setattr(plan_module, "_dry_run", lambda cfg, layout: (None, None))  # not what is tested here
     monkeypatch.setattr(plan_module, "_trace_collectives", lambda *args: None)
     printed: list[str] = []
     monkeypatch.setattr(plan_module, "_say", printed.append)
