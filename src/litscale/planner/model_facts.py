@@ -366,7 +366,9 @@ def pipeline_block_names(net: nn.Module) -> list[list[str]]:
         owner, units = find_blocks(net)
     except ValueError:
         return []
-    prefix = next(name for name, module in net.named_modules() if module is owner)
+    prefix = next((name for name, module in net.named_modules() if module is owner), None)
+    if prefix is None:  # declared on a module outside ``net``: not this network's blocks
+        return []
     return [[f"{prefix}.{name}" if prefix else name for name in unit] for unit in units]
 
 
