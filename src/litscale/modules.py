@@ -27,6 +27,11 @@ OptimizerFactory = Callable[[Iterable], Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy over the logits in fp32 (a copy, for 16-bit logits)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def optimizer_groups(net: nn.Module, optimizer: object, weight_decay: float) -> list[dict]:
     """The param groups ``optimizer`` (a class or factory) is built from: by weight decay, and by
     role where it asks for them (Muon)."""
@@ -196,7 +201,7 @@ class CausalLMModule(TaskModule):
 
     def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Mean next-token cross-entropy (a pipeline's last stage calls it on its output)."""
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return next_token_loss(logits, targets)
 
     def log_validation(self, val_loss: Tensor) -> None:
         super().log_validation(val_loss)

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 from torch import nn
 
@@ -108,7 +107,7 @@ def train_and_measure(cfg: DictConfig, width: int, base_width: int, parametrisat
                       batches: list, seed: int) -> dict[str, list[float]]:
     from litscale.app.build import build, trusted_targets
     from litscale.lr_scaling import ScaledOptimizerFactory
-    from litscale.modules import optimizer_groups
+    from litscale.modules import next_token_loss, optimizer_groups
     from litscale.mup import WidthScaling
 
     trusted = trusted_targets(cfg)
@@ -127,7 +126,7 @@ def train_and_measure(cfg: DictConfig, width: int, base_width: int, parametrisat
     with ActivationSizes(net, sizes):
         for tokens, targets in batches:
             logits = net(tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            loss = next_token_loss(logits, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

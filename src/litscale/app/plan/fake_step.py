@@ -47,10 +47,9 @@ def peak_of_one_step(cfg: Any, holder: nn.Module) -> int:
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.nn import functional as F
 
     from litscale.app.build import build, trusted_targets
-    from litscale.modules import optimizer_groups
+    from litscale.modules import next_token_loss, optimizer_groups
     from litscale.step_memory import TOTAL, total_only_tracker
 
     net, precision = holder["net"], cfg.precision
@@ -67,8 +66,7 @@ def peak_of_one_step(cfg: Any, holder: nn.Module) -> int:
             for _ in range(2):
                 with autocast:
                     logits = net(tokens[:, :-1])
-                    # as CausalLMModule.loss_fn: the logits' fp32 copy is part of the peak
-                    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+                    loss = next_token_loss(logits, tokens[:, 1:])  # CausalLMModule's: its fp32 copy is in the peak
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
