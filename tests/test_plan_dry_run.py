@@ -192,7 +192,7 @@ GPT = ["model=gpt", "data=synthetic"]  # 128 tokens, as a run's default
 STEPS = [
     pytest.param(["model=gpt", "model.net.preset=small", "data.seq_len=1024", "data.batch_size=8", "strategy=fsdp"], 64,
                  id="gpt2_small-fsdp64"),
-    pytest.param([*GPT, "data.batch_size=8", "strategy=ddp"], 2, id="nano-ddp2", marks=pytest.mark.full),
+    pytest.param([*GPT, "data.batch_size=8", "strategy=single"], 1, id="nano-single", marks=pytest.mark.full),
     pytest.param([*GPT, "data.batch_size=8", "strategy=tensor_parallel"], 2, id="nano-tp2", marks=pytest.mark.full),
     pytest.param(["model=llama", "data.batch_size=8", "precision=bf16_mixed", "strategy=fsdp"], 4,
                  id="llama-bf16_mixed-fsdp4", marks=pytest.mark.full),
@@ -215,10 +215,11 @@ def test_one_step_at_the_configured_world_peaks_within_ten_percent_of_the_predic
 
 
 @pytest.mark.parametrize(("overrides", "reason"), [
+    (["strategy=ddp"], "DDP_REDUCER"),
     (["strategy=pipeline"], "PIPELINE"),
     (["model=moe", "strategy=fsdp"], "EXPERTS"),
     (["model=llama", "strategy=fsdp", "strategy.context_parallel_size=2"], "CONTEXT"),
-], ids=["pipeline", "moe", "context_parallel"])
+], ids=["ddp", "pipeline", "moe", "context_parallel"])
 def test_a_step_the_fake_group_cannot_run_is_skipped_with_the_reason(overrides, reason, tmp_path):
     from litscale.app.plan import fake_step
 

@@ -86,7 +86,7 @@ def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
     holder = nn.ModuleDict({"net": meta_net(cfg).to(getattr(torch, cfg.precision.param_dtype))})
     if sharding_of(strategy).zero_stage == 0:  # replicated, as the strategy states: nothing to split
         return with_step({"params_bytes": held_bytes([holder]), "mesh": REPLICATED_MESH, "ranks": world_size},
-                         cfg, holder, [])
+                         cfg, strategy, holder, [])
     if not hasattr(strategy, "split"):
         return {"params_bytes": None, "mesh": "not built", "ranks": world_size, "skipped": DEEPSPEED_SKIPPED}
     return _split_on_fake_group(holder, strategy, world_size, cfg)
@@ -97,17 +97,17 @@ def _split_on_fake_group(holder: nn.Module, strategy: Any, world_size: int, cfg:
         mesh = strategy_mesh(strategy, world_size)
         stages = strategy.split(holder, mesh)
         return with_step({"params_bytes": held_bytes([holder, *stages]), "mesh": describe(mesh), "ranks": world_size},
-                         cfg, holder, stages)
+                         cfg, strategy, holder, stages)
 
 
-def with_step(built: dict[str, Any], cfg: Any, holder: nn.Module, stages: list) -> dict[str, Any]:
+def with_step(built: dict[str, Any], cfg: Any, strategy: Any, holder: nn.Module, stages: list) -> dict[str, Any]:
     """``built``, with ``plan.fake_step``, and one step's peak (``step_peak_bytes``) or why there
     is none (``step_skipped``): ``litscale.app.plan.fake_step``."""
     from litscale.app.plan import fake_step
 
     if not (cfg.get("plan") or {}).get("fake_step"):
         return built
-    reason = fake_step.why_not(cfg, holder, stages)
+    reason = fake_step.why_not(cfg, strategy, holder, stages)
     if reason is None:
         try:
             built["step_peak_bytes"] = fake_step.peak_of_one_step(cfg, holder)
