@@ -1,8 +1,8 @@
 """One training step of the run as configured, at its world size, on this machine: the network
 the dry run split over torch's fake process group (its collectives return at once) is given
 fake tensors (shapes, no storage: ``FakeTensorMode``), and torch's ``MemTracker`` watches two
-steps of forward, loss, backward and the configured optimizer (the second holds the state the
-first made). Its peak is what one rank of the planned job allocates, set beside the planner's
+steps of forward, loss, backward and the configured optimizer, in Lightning's order (the second
+holds the state the first made, and the first's gradients through its forward). Its peak is what one rank of the planned job allocates, set beside the planner's
 prediction by ``plan=show|auto plan.fake_step=true``; torchtitan estimates memory the same way.
 
 Nothing is stored, so 64 ranks of GPT-2 small at 1,024 tokens take seconds on 2 cores. Not
@@ -22,8 +22,8 @@ PIPELINE = "a pipeline's stages exchange activations point to point, which the f
 EXPERTS = "a mixture of experts routes each token by the router's values, which fake tensors do not have"
 CONTEXT = "context parallel feeds each rank its chunks of every sequence in the training loop, which this step does not"
 NOT_CAUSAL_LM = "the model is not a causal language model (the step feeds it tokens)"
-# NOTE: a step of the bare network would leave out DDP's gradient buckets, which hold every
-# gradient for the whole run (3.3 MiB beside a 19 MiB peak for GPT-nano at 32 tokens on 2 ranks).
+# NOTE: a step of the bare network drops its gradients before the backward; DDP's gradient
+# buckets keep every gradient's memory for the whole run, beside the backward's temporaries.
 DDP_REDUCER = ("DDP's gradient buckets are made by its C++ reducer, which fake tensors cannot run, and a step "
                "without them leaves out that they hold every gradient for the whole run")
 
@@ -75,7 +75,9 @@ def peak_of_one_step(cfg: Any, holder: nn.Module) -> int:
                 with autocast:
                     logits = net(tokens[:, :-1])
                     loss = next_token_loss(logits, tokens[:, 1:])  # CausalLMModule's: its fp32 copy is in the peak
+                # In Lightning's order (its closure): the last step's gradients are dropped after
+                # the forward, not before it, so they are part of the forward's peak.
+                optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
         return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")][TOTAL])
