@@ -9,8 +9,9 @@ position in the saving optimizer's groups, a directory by the parameter's name; 
 conversion assumes the module's parameter order, which is not the groups' order when weight
 decay splits the parameters (``modules.weight_decay_groups``), and so gives a parameter another
 one's moments. Every save therefore records the names of each optimizer's parameters, group by
-group (``OPTIMIZER_PARAM_NAMES``), and the conversions here go by name. DeepSpeed's checkpoints
-are of neither kind and move only to DeepSpeed (``app.checkpoint_checks``).
+group (``OPTIMIZER_PARAM_NAMES``), and the conversions here go by name. A DeepSpeed ZeRO-1/2
+checkpoint is read whole as a file (``litscale.deepspeed_moves``) and moves as one; nothing
+moves into DeepSpeed (``app.checkpoint_checks``).
 """
 
 from __future__ import annotations
@@ -117,16 +118,18 @@ def optimizer_states_by_position(checkpoint: dict[str, Any], module: nn.Module,
     return {**checkpoint, "optimizer_states": states}
 
 
-def load_file_into_sharded(path: str, model: nn.Module, optimizers: list[Optimizer], *, strict: bool) -> dict[str, Any]:
-    """Load a file checkpoint into a sharded (DTensor, or pipeline-stage) model and its
-    optimizers; returns the checkpoint's other state for Lightning to restore."""
+def load_file_into_sharded(path: str | dict[str, Any], model: nn.Module, optimizers: list[Optimizer], *,
+                           strict: bool) -> dict[str, Any]:
+    """Load a file checkpoint (its path, or the checkpoint as read: a DeepSpeed directory read as
+    one by ``litscale.deepspeed_moves``) into a sharded (DTensor, or pipeline-stage) model and
+    its optimizers; returns the checkpoint's other state for Lightning to restore."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True) if isinstance(path, str) else path
     own = model.state_dict().keys()
     weights = checkpoint.pop("state_dict")
     partial = own != weights.keys()  # a pipeline stage holds only its own layers

@@ -242,13 +242,20 @@ class StrategyContract:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The strategy's own load, or a checkpoint of the other kind moved onto this layout
         (``litscale.checkpoint_moves``): a file into a sharded model, a sharded directory into
-        a replicated one."""
+        a replicated one, a DeepSpeed ZeRO-1/2 directory into either."""
         from litscale import checkpoint_moves
         from litscale.checkpoints import DCP_METADATA
+        from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, is_deepspeed_checkpoint
 
         path = str(self.broadcast(str(checkpoint_path)))
-        if self.saves_shards and os.path.isfile(path):
-            return checkpoint_moves.load_file_into_sharded(path, self.model, self.optimizers,
+        whole = None
+        if self.shares_checkpoint_formats and is_deepspeed_checkpoint(path):
+            # DeepSpeed's own directory under another strategy, read as a file (DeepSpeed loads its own)
+            whole = deepspeed_as_file_checkpoint(path)
+            if not self.saves_shards:
+                return whole
+        if self.saves_shards and (whole is not None or os.path.isfile(path)):
+            return checkpoint_moves.load_file_into_sharded(whole or path, self.model, self.optimizers,
                                                            strict=self.lightning_module.strict_loading)
         if not self.saves_shards and os.path.isfile(os.path.join(path, DCP_METADATA)):
             return checkpoint_moves.directory_as_file_checkpoint(path)

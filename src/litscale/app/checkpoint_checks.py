@@ -62,8 +62,9 @@ def _model_named(choice: str | None, preset: Any) -> str:
 def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any, world_size: int,
                            choices: dict[str, str]) -> None:
     """A checkpoint resumes on a layout that can read it: files and sharded directories move
-    between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed
-    checkpoint moves only to DeepSpeed on as many ranks (its partitions are per rank)."""
+    between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed ZeRO-1/2
+    checkpoint of Adam or AdamW moves to them too, read whole (``litscale.deepspeed_moves``),
+    and to DeepSpeed on as many ranks (its partitions are per rank)."""
     if not ckpt_path:
         return
     saved_by_deepspeed = os.path.isfile(os.path.join(ckpt_path, DEEPSPEED_LATEST))
@@ -71,9 +72,15 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     shown = repr(ckpt_path) if cfg.ckpt_path == ckpt_path else f"{cfg.ckpt_path} ({ckpt_path})"
     ours = f"strategy={choices.get('strategy', type(strategy).__name__)}"
     if saved_by_deepspeed and not to_deepspeed:
-        raise ConfigError(
-            f"ckpt_path={shown}: a DeepSpeed checkpoint resumes only under DeepSpeed, not {ours}; allowed: "
-            "strategy=deepspeed_zero, or start from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
+        from litscale.deepspeed_moves import why_not_movable
+
+        reason = why_not_movable(ckpt_path)
+        if reason is not None:
+            raise ConfigError(
+                f"ckpt_path={shown}: this DeepSpeed checkpoint resumes only under DeepSpeed, not {ours}: {reason}; "
+                "allowed: strategy=deepspeed_zero, or start from its weights (DeepSpeed's zero_to_fp32.py) with "
+                "ckpt_path=null")
+        return
     if to_deepspeed and not saved_by_deepspeed:
         kind = "a sharded directory" if os.path.isdir(ckpt_path) else "a file"
         raise ConfigError(

@@ -36,6 +36,7 @@ from litscale.arguments import checked_arguments
 from litscale.checkpoint_moves import load_file_into_sharded
 from litscale.constraints import PositiveInt
 from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
+from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, is_deepspeed_checkpoint
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
@@ -288,8 +289,9 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
         )
 
         path = Path(self.broadcast(checkpoint_path))
-        if path.is_file():  # a replicated layout's checkpoint: each stage takes its own layers
-            return load_file_into_sharded(str(path), self.model, self.optimizers,
+        if path.is_file() or is_deepspeed_checkpoint(str(path)):  # read whole: each stage takes its own layers
+            whole = deepspeed_as_file_checkpoint(str(path)) if path.is_dir() else str(path)
+            return load_file_into_sharded(whole, self.model, self.optimizers,
                                           strict=self.lightning_module.strict_loading)
         model_state = {"state_dict": get_model_state_dict(self.model)}
         distributed_checkpoint_load(model_state, path)

@@ -1,0 +1,95 @@
+"""A DeepSpeed ZeRO-1/2 checkpoint read whole, as the checkpoint a litscale file strategy saves
+(``litscale.checkpoint_moves`` then carries it onto any layout): the fp32 master weights, the
+optimizer's moments and step by parameter, and Lightning's own state (loops, schedulers,
+callbacks, the data position), which DeepSpeed keeps as its "client state".
+
+Read by hand, as no library does it in memory: DeepSpeed's ``zero_to_fp32`` recovers the
+weights only, and its universal checkpoint writes a second copy of everything to disk. Each
+rank's optimizer file holds its flat partition of every parameter group (weights and each
+moment alike) and, per parameter, where its fragment lies in that partition
+(``param_slice_mappings``); a parameter split over two partitions is its fragments in rank
+order. ZeRO-3's files are laid out otherwise and are refused (``why_not_movable``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any
+
+import torch
+
+from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES
+from litscale.checkpoints import DEEPSPEED_LATEST
+
+# The per-parameter state of the optimizers whose moments move (torch's Adam and AdamW).
+MOVABLE_STATE = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def is_deepspeed_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, DEEPSPEED_LATEST))
+
+
+def _files(path: str) -> tuple[str, list[str]]:
+    """(the model states file, the optimizer files in rank order) of the checkpoint's tag."""
+    with open(os.path.join(path, DEEPSPEED_LATEST)) as handle:
+        tag = handle.read().strip()
+    folder = os.path.join(path, tag)
+    ranks = sorted(glob.glob(os.path.join(glob.escape(folder), "zero_pp_rank_*_mp_rank_00_optim_states.pt")),
+                   key=lambda name: int(os.path.basename(name).split("_")[3]))
+    return os.path.join(folder, "mp_rank_00_model_states.pt"), ranks
+
+
+def why_not_movable(path: str) -> str | None:
+    """Why the DeepSpeed checkpoint at ``path`` cannot move to another strategy; None: it can."""
+    _, ranks = _files(path)
+    if not ranks:
+        return "it holds no ZeRO optimizer partitions"
+    saved = torch.load(ranks[0], map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
+    if "param_slice_mappings" not in saved:
+        return "it was saved by ZeRO stage 3, whose partitions only DeepSpeed reads back"
+    kinds = {key for state in saved["base_optimizer_state"]["state"].values() for key in state}
+    if not kinds <= MOVABLE_STATE:
+        return (f"its optimizer keeps {', '.join(sorted(kinds - MOVABLE_STATE))}, which litscale moves only for "
+                "Adam and AdamW")
+    return None
+
+
+def deepspeed_as_file_checkpoint(path: str) -> dict[str, Any]:
+    """The DeepSpeed ZeRO-1/2 checkpoint at ``path`` as a file strategy's checkpoint: the
+    client state, ``state_dict`` (fp32 master weights, and the module's buffers), one
+    ``optimizer_states`` entry keyed by position in the saved groups, and the groups' parameter
+    names (``OPTIMIZER_PARAM_NAMES``)."""
+    model_file, rank_files = _files(path)
+    model = torch.load(model_file, map_location="cpu", weights_only=False)
+    ranks = [torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"] for name in rank_files]
+    names = [list(group) for group in model["param_shapes"]]
+
+    def whole(group: int, name: str, flat_of) -> torch.Tensor:
+        parts = [flat_of(rank)[mapping.start:mapping.start + mapping.numel] for rank in ranks
+                 if (mapping := rank["param_slice_mappings"][group].get(name)) is not None]
+        return torch.cat(parts).view(model["param_shapes"][group][name])
+
+    weights, state = {}, {}
+    for group, group_names in enumerate(names):
+        for name in group_names:
+            weights[name] = whole(group, name, lambda rank, g=group: rank["single_partition_of_fp32_groups"][g])
+            state[len(state)] = {key: whole(group, name, lambda rank, g=group, k=key: rank["base_optimizer_state"]["state"][g][k])
+                                 for key in ("exp_avg", "exp_avg_sq")}
+            state[len(state) - 1]["step"] = ranks[0]["base_optimizer_state"]["state"][group]["step"].clone()
+    groups, start = [], 0
+    for group, group_names in zip(ranks[0]["base_optimizer_state"]["param_groups"], names, strict=True):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + len(group_names)))})
+        start += len(group_names)
+    buffers = {name: value for name, value in model["module"].items() if name not in weights}
+    client = {k: v for k, v in model.items() if k not in DEEPSPEED_OWN}
+    return {**client, "state_dict": {**buffers, **weights}, "optimizer_states": [{"state": state, "param_groups": groups}],
+            OPTIMIZER_PARAM_NAMES: [names]}
+
+
+# What DeepSpeed adds to the model states file beside Lightning's checkpoint (its client state).
+DEEPSPEED_OWN = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
+                 "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps",
+                 "global_steps", "global_samples", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
+                 "ds_config", "ds_version"}

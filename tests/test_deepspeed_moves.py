@@ -1,0 +1,112 @@
+"""A DeepSpeed ZeRO-1/2 checkpoint read whole as a file strategy's checkpoint
+(``litscale.deepspeed_moves``), on checkpoint files laid out as DeepSpeed lays them out:
+each rank's flat partition of every parameter group, and where each parameter's fragment lies
+in it. End to end (a ZeRO-2 run resumed under every other strategy): ``test_moving_runs.py``."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+
+from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES
+from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, why_not_movable
+
+Fragment = namedtuple("Fragment", "start numel")  # DeepSpeed's fragment_address
+SHAPES = [OrderedDict([("net.a", (2, 3)), ("net.b", (4,))]), OrderedDict([("net.c", (3,))])]
+
+
+def partitions(whole: list[torch.Tensor], ranks: int = 2):
+    """Each group's parameters flattened in order and cut into ``ranks`` equal partitions (padded),
+    with each parameter's fragment in each partition."""
+    flats, mappings = [], [[] for _ in range(ranks)]
+    for group, shapes in enumerate(SHAPES):
+        flat = torch.cat([whole[group][name].flatten() for name in shapes])
+        size = -(-flat.numel() // ranks)
+        flat = torch.cat([flat, flat.new_zeros(size * ranks - flat.numel())])
+        flats.append(flat.view(ranks, size))
+        offset = 0
+        for name, shape in shapes.items():
+            numel = torch.Size(shape).numel()
+            for rank in range(ranks):
+                lo, hi = max(offset, rank * size), min(offset + numel, (rank + 1) * size)
+                if lo < hi:
+                    mappings[rank].append((group, name, Fragment(lo - rank * size, hi - lo)))
+            offset += numel
+    return flats, mappings
+
+
+def write(tmp_path, *, state_keys=("exp_avg", "exp_avg_sq"), stage3=False) -> tuple[str, dict]:
+    torch.manual_seed(0)
+    tensors = {kind: [{name: torch.randn(shape) for name, shape in group.items()} for group in SHAPES]
+               for kind in ("fp32", *state_keys)}
+    folder = tmp_path / "last.ckpt" / "checkpoint"
+    folder.mkdir(parents=True)
+    (tmp_path / "last.ckpt" / "latest").write_text("checkpoint")
+    module = OrderedDict((name, tensors["fp32"][g][name].half()) for g, group in enumerate(SHAPES) for name in group)
+    module["net.buffer"] = torch.arange(3.0)
+    torch.save({"module": module, "param_shapes": SHAPES, "ds_version": "0", "global_step": 4, "loops": {"x": 1},
+                "lr_schedulers": [{"last_epoch": 4}]}, folder / "mp_rank_00_model_states.pt")
+    flats = {kind: partitions(groups)[0] for kind, groups in tensors.items()}
+    _, mappings = partitions(tensors["fp32"])
+    for rank in range(2):
+        slices = [OrderedDict((name, fragment) for g, name, fragment in mappings[rank] if g == group)
+                  for group in range(len(SHAPES))]
+        state = {group: {"step": torch.tensor(4.0), **{k: flats[k][group][rank] for k in state_keys}}
+                 for group in range(len(SHAPES))}
+        saved = {"base_optimizer_state": {"state": state, "param_groups": [{"lr": 0.1, "params": [0]},
+                                                                            {"lr": 0.2, "params": [1]}]},
+                 "single_partition_of_fp32_groups": [flats["fp32"][group][rank] for group in range(len(SHAPES))]}
+        if not stage3:
+            saved["param_slice_mappings"] = slices
+        torch.save({"optimizer_state_dict": saved}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
+    return str(tmp_path / "last.ckpt"), tensors
+
+
+def test_every_parameter_and_moment_is_put_back_whole_from_its_fragments(tmp_path):
+    path, tensors = write(tmp_path)
+    assert why_not_movable(path) is None
+    checkpoint = deepspeed_as_file_checkpoint(path)
+    names = [name for group in SHAPES for name in group]
+    assert checkpoint[OPTIMIZER_PARAM_NAMES] == [[list(group) for group in SHAPES]]
+    for g, group in enumerate(SHAPES):
+        for name in group:
+            assert torch.equal(checkpoint["state_dict"][name], tensors["fp32"][g][name])  # the fp32 master copy
+            state = checkpoint["optimizer_states"][0]["state"][names.index(name)]
+            assert torch.equal(state["exp_avg"], tensors["exp_avg"][g][name])
+            assert torch.equal(state["exp_avg_sq"], tensors["exp_avg_sq"][g][name])
+            assert state["step"] == 4
+    assert torch.equal(checkpoint["state_dict"]["net.buffer"], torch.arange(3.0))
+    assert [g["params"] for g in checkpoint["optimizer_states"][0]["param_groups"]] == [[0, 1], [2]]
+    assert [g["lr"] for g in checkpoint["optimizer_states"][0]["param_groups"]] == [0.1, 0.2]
+    assert checkpoint["loops"] == {"x": 1} and checkpoint["global_step"] == 4  # Lightning's, as saved
+    assert "module" not in checkpoint and "ds_version" not in checkpoint and "param_shapes" not in checkpoint
+
+
+@pytest.mark.parametrize(("written", "reason"), [
+    ({"stage3": True}, "it was saved by ZeRO stage 3, whose partitions only DeepSpeed reads back"),
+    ({"state_keys": ("momentum_buffer",)}, "its optimizer keeps momentum_buffer, which litscale moves only for "
+                                           "Adam and AdamW"),
+], ids=["zero3", "muon"])
+def test_what_cannot_move_says_why(tmp_path, written, reason):
+    path, _ = write(tmp_path, **written)
+    assert why_not_movable(path) == reason
+
+
+def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_starts(tmp_path):
+    from omegaconf import OmegaConf
+
+    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.errors import ConfigError
+    from litscale.strategies.fsdp import FSDPStrategy
+
+    path, _ = write(tmp_path, stage3=True)
+    with pytest.raises(ConfigError) as refused:
+        check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 2, {"strategy": "fsdp"})
+    assert str(refused.value) == (
+        f"ckpt_path={path!r}: this DeepSpeed checkpoint resumes only under DeepSpeed, not strategy=fsdp: it was saved "
+        "by ZeRO stage 3, whose partitions only DeepSpeed reads back; allowed: strategy=deepspeed_zero, or start from "
+        "its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
+    path, _ = write(tmp_path / "movable")
+    check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 4, {"strategy": "fsdp"})
