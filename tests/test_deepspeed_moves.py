@@ -1,7 +1,8 @@
-"""A DeepSpeed ZeRO-1/2 checkpoint read whole as a file strategy's checkpoint
+"""A DeepSpeed ZeRO checkpoint (stages 1-3) read whole as a file strategy's checkpoint
 (``litscale.deepspeed_moves``), on checkpoint files laid out as DeepSpeed lays them out:
-each rank's flat partition of every parameter group, and where each parameter's fragment lies
-in it. End to end (a ZeRO-2 run resumed under every other strategy): ``test_moving_runs.py``."""
+each rank's flat partition of every parameter group, and where each parameter lies in it. End
+to end (ZeRO-1, 2 and 3 runs resumed under other strategies, and the weights against
+DeepSpeed's own ``zero_to_fp32``): ``test_moving_runs.py``."""
 
 from __future__ import annotations
 
@@ -17,9 +18,25 @@ Fragment = namedtuple("Fragment", "start numel")  # DeepSpeed's fragment_address
 SHAPES = [OrderedDict([("net.a", (2, 3)), ("net.b", (4,))]), OrderedDict([("net.c", (3,))])]
 
 
+def stage3_partitions(whole: list[dict], ranks: int = 2) -> list[torch.Tensor]:
+    """ZeRO-3's: each parameter cut into ``ranks`` padded pieces, rank r's pieces one after the
+    other in its partition of the group."""
+    flats = []
+    for group, shapes in enumerate(SHAPES):
+        pieces = [[] for _ in range(ranks)]
+        for name in shapes:
+            flat = whole[group][name].flatten()
+            share = -(-flat.numel() // ranks)
+            flat = torch.cat([flat, flat.new_zeros(share * ranks - flat.numel())])
+            for rank in range(ranks):
+                pieces[rank].append(flat[rank * share:(rank + 1) * share])
+        flats.append(torch.stack([torch.cat(p) for p in pieces]))
+    return flats
+
+
 def partitions(whole: list[torch.Tensor], ranks: int = 2):
-    """Each group's parameters flattened in order and cut into ``ranks`` equal partitions (padded),
-    with each parameter's fragment in each partition."""
+    """ZeRO-1/2's: each group's parameters flattened in order and cut into ``ranks`` equal
+    partitions (padded), with each parameter's fragment in each partition."""
     flats, mappings = [], [[] for _ in range(ranks)]
     for group, shapes in enumerate(SHAPES):
         flat = torch.cat([whole[group][name].flatten() for name in shapes])
@@ -48,24 +65,28 @@ def write(tmp_path, *, state_keys=("exp_avg", "exp_avg_sq"), stage3=False) -> tu
     module["net.buffer"] = torch.arange(3.0)
     torch.save({"module": module, "param_shapes": SHAPES, "ds_version": "0", "global_step": 4, "loops": {"x": 1},
                 "lr_schedulers": [{"last_epoch": 4}]}, folder / "mp_rank_00_model_states.pt")
-    flats = {kind: partitions(groups)[0] for kind, groups in tensors.items()}
+    flats = {kind: (stage3_partitions if stage3 else lambda g: partitions(g)[0])(groups)
+             for kind, groups in tensors.items()}
     _, mappings = partitions(tensors["fp32"])
     for rank in range(2):
-        slices = [OrderedDict((name, fragment) for g, name, fragment in mappings[rank] if g == group)
-                  for group in range(len(SHAPES))]
         state = {group: {"step": torch.tensor(4.0), **{k: flats[k][group][rank] for k in state_keys}}
                  for group in range(len(SHAPES))}
-        saved = {"base_optimizer_state": {"state": state, "param_groups": [{"lr": 0.1, "params": [0]},
-                                                                            {"lr": 0.2, "params": [1]}]},
-                 "single_partition_of_fp32_groups": [flats["fp32"][group][rank] for group in range(len(SHAPES))]}
-        if not stage3:
-            saved["param_slice_mappings"] = slices
+        optimizer = {"state": state, "param_groups": [{"lr": 0.1, "params": [0]}, {"lr": 0.2, "params": [1]}]}
+        weights = [flats["fp32"][group][rank] for group in range(len(SHAPES))]
+        if stage3:
+            saved = {"optimizer_state_dict": optimizer, "fp32_flat_groups": weights}
+        else:
+            slices = [OrderedDict((name, fragment) for g, name, fragment in mappings[rank] if g == group)
+                      for group in range(len(SHAPES))]
+            saved = {"base_optimizer_state": optimizer, "single_partition_of_fp32_groups": weights,
+                     "param_slice_mappings": slices}
         torch.save({"optimizer_state_dict": saved}, folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
     return str(tmp_path / "last.ckpt"), tensors
 
 
-def test_every_parameter_and_moment_is_put_back_whole_from_its_fragments(tmp_path):
-    path, tensors = write(tmp_path)
+@pytest.mark.parametrize("stage3", [False, True], ids=["zero1_2", "zero3"])
+def test_every_parameter_and_moment_is_put_back_whole_from_its_fragments(tmp_path, stage3):
+    path, tensors = write(tmp_path, stage3=stage3)
     assert why_not_movable(path) is None
     checkpoint = deepspeed_as_file_checkpoint(path)
     names = [name for group in SHAPES for name in group]
@@ -84,14 +105,10 @@ def test_every_parameter_and_moment_is_put_back_whole_from_its_fragments(tmp_pat
     assert "module" not in checkpoint and "ds_version" not in checkpoint and "param_shapes" not in checkpoint
 
 
-@pytest.mark.parametrize(("written", "reason"), [
-    ({"stage3": True}, "it was saved by ZeRO stage 3, whose partitions only DeepSpeed reads back"),
-    ({"state_keys": ("momentum_buffer",)}, "its optimizer keeps momentum_buffer, which litscale moves only for "
-                                           "Adam and AdamW"),
-], ids=["zero3", "muon"])
-def test_what_cannot_move_says_why(tmp_path, written, reason):
-    path, _ = write(tmp_path, **written)
-    assert why_not_movable(path) == reason
+@pytest.mark.parametrize("stage3", [False, True], ids=["zero1_2", "zero3"])
+def test_an_optimizer_whose_state_has_no_mapping_cannot_move_and_says_why(tmp_path, stage3):
+    path, _ = write(tmp_path, state_keys=("momentum_buffer",), stage3=stage3)
+    assert why_not_movable(path) == "its optimizer keeps momentum_buffer, which litscale moves only for Adam and AdamW"
 
 
 def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_starts(tmp_path):
@@ -101,12 +118,12 @@ def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_st
     from litscale.errors import ConfigError
     from litscale.strategies.fsdp import FSDPStrategy
 
-    path, _ = write(tmp_path, stage3=True)
+    path, _ = write(tmp_path, state_keys=("momentum_buffer",))
     with pytest.raises(ConfigError) as refused:
         check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 2, {"strategy": "fsdp"})
     assert str(refused.value) == (
-        f"ckpt_path={path!r}: this DeepSpeed checkpoint resumes only under DeepSpeed, not strategy=fsdp: it was saved "
-        "by ZeRO stage 3, whose partitions only DeepSpeed reads back; allowed: strategy=deepspeed_zero, or start from "
-        "its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
+        f"ckpt_path={path!r}: this DeepSpeed checkpoint resumes only under DeepSpeed, not strategy=fsdp: its "
+        "optimizer keeps momentum_buffer, which litscale moves only for Adam and AdamW; allowed: "
+        "strategy=deepspeed_zero, or start from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
     path, _ = write(tmp_path / "movable")
     check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 4, {"strategy": "fsdp"})

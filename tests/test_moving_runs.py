@@ -9,6 +9,7 @@ global batch (16 samples), never the layout under test.
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers.cli import explain, summaries
 from helpers.inprocess import train_on_pool
 from helpers.moving_runs import RUN, SINGLE, STEPS, assert_same_run, train, train_one_process
@@ -102,17 +103,21 @@ MATRIX = {
     "tp2": (("strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=16"), 2),
     "pp2": (("strategy=pipeline", "trainer.devices=2", "data.batch_size=16"), 2),
     "zero2": (("strategy=deepspeed_zero", "trainer.devices=2", "data.batch_size=8"), 2),
-    # ZeRO-1 saves as ZeRO-2 does (DeepSpeed's stage_1_and_2): two cells of it, out of DeepSpeed.
+    # ZeRO-1 saves as ZeRO-2 does (DeepSpeed's stage_1_and_2), ZeRO-3 its own way: two cells of
+    # each, out of DeepSpeed.
     "zero1": (("strategy=deepspeed_zero", "strategy.stage=1", "trainer.devices=2", "data.batch_size=8"), 2),
+    "zero3": (("strategy=deepspeed_zero", "strategy.stage=3", "trainer.devices=2", "data.batch_size=8"), 2),
 }
+OUT_OF_DEEPSPEED_ONLY = ("zero1", "zero3")
 # make test trains these cells (each kind of checkpoint moving into each other kind); make
 # test-full the whole matrix.
 QUICK_CELLS = {("ddp2", "fsdp2"), ("fsdp2", "tp2"), ("tp2", "single"), ("pp2", "ddp2"), ("zero2", "zero2"),
                ("single", "pp2"), ("zero2", "fsdp2")}
 CELLS = [pytest.param(source, target, id=f"{source}-to-{target}",
                       marks=() if (source, target) in QUICK_CELLS else pytest.mark.full)
-         for source in MATRIX for target in MATRIX if "zero1" not in (source, target)] + [
-    pytest.param("zero1", target, id=f"zero1-to-{target}", marks=pytest.mark.full) for target in ("single", "fsdp2")]
+         for source in MATRIX for target in MATRIX if not {source, target} & set(OUT_OF_DEEPSPEED_ONLY)] + [
+    pytest.param(source, target, id=f"{source}-to-{target}", marks=pytest.mark.full)
+    for source in OUT_OF_DEEPSPEED_ONLY for target in ("single", "fsdp2")]
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +162,18 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_uninterrupted_run_or_is
         return
     resumed = train(outputs, name, overrides, ranks, *more)
     assert_same_run(resumed, one_process, steps=range(STEPS // 2, STEPS))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("source", [pytest.param("zero2"), pytest.param("zero3", marks=pytest.mark.full)])
+def test_a_deepspeed_checkpoint_is_read_with_the_weights_deepspeeds_own_reader_recovers(saved_halfway, source):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
+
+    path = saved_halfway(source)["checkpoint"]
+    theirs, ours = get_fp32_state_dict_from_zero_checkpoint(path), deepspeed_as_file_checkpoint(path)["state_dict"]
+    assert theirs and all(torch.equal(ours[name], weight) for name, weight in theirs.items())
 
 
 # --- expert and context parallel: their own models ----------------------------------------------

@@ -9,7 +9,7 @@ position in the saving optimizer's groups, a directory by the parameter's name; 
 conversion assumes the module's parameter order, which is not the groups' order when weight
 decay splits the parameters (``modules.weight_decay_groups``), and so gives a parameter another
 one's moments. Every save therefore records the names of each optimizer's parameters, group by
-group (``OPTIMIZER_PARAM_NAMES``), and the conversions here go by name. A DeepSpeed ZeRO-1/2
+group (``OPTIMIZER_PARAM_NAMES``), and the conversions here go by name. A DeepSpeed
 checkpoint is read whole as a file (``litscale.deepspeed_moves``) and moves as one; nothing
 moves into DeepSpeed (``app.checkpoint_checks``).
 """

@@ -242,7 +242,7 @@ class StrategyContract:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The strategy's own load, or a checkpoint of the other kind moved onto this layout
         (``litscale.checkpoint_moves``): a file into a sharded model, a sharded directory into
-        a replicated one, a DeepSpeed ZeRO-1/2 directory into either."""
+        a replicated one, a DeepSpeed directory into either."""
         from litscale import checkpoint_moves
         from litscale.checkpoints import DCP_METADATA
         from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, is_deepspeed_checkpoint

@@ -1,4 +1,4 @@
-"""A DeepSpeed ZeRO-1/2 checkpoint read whole, as the checkpoint a litscale file strategy saves
+"""A DeepSpeed ZeRO checkpoint (stages 1-3) read whole, as the checkpoint a litscale file strategy saves
 (``litscale.checkpoint_moves`` then carries it onto any layout): the fp32 master weights, the
 optimizer's moments and step by parameter, and Lightning's own state (loops, schedulers,
 callbacks, the data position), which DeepSpeed keeps as its "client state".
@@ -8,7 +8,7 @@ weights only, and its universal checkpoint writes a second copy of everything to
 rank's optimizer file holds its flat partition of every parameter group (weights and each
 moment alike) and, per parameter, where its fragment lies in that partition
 (``param_slice_mappings``); a parameter split over two partitions is its fragments in rank
-order. ZeRO-3's files are laid out otherwise and are refused (``why_not_movable``).
+order. ZeRO-3 cuts each parameter into a padded piece per rank (``_Partitions``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,46 @@ def _files(path: str) -> tuple[str, list[str]]:
     folder = os.path.join(path, tag)
     ranks = sorted(glob.glob(os.path.join(glob.escape(folder), "zero_pp_rank_*_mp_rank_00_optim_states.pt")),
                    key=lambda name: int(os.path.basename(name).split("_")[3]))
-    return os.path.join(folder, "mp_rank_00_model_states.pt"), ranks
+    model = os.path.join(folder, "mp_rank_00_model_states.pt")  # ZeRO-3: each rank writes its own; rank 0's
+    return model if os.path.isfile(model) else os.path.join(folder, "zero_pp_rank_0_mp_rank_00_model_states.pt"), ranks
+
+
+class _Partitions:
+    """Where each rank's flat partition of a parameter group holds a parameter, and those
+    partitions (of the fp32 weights, of each moment) in one rank's optimizer file.
+
+    ZeRO-1/2 flatten a group and cut it into one piece per rank; each parameter's fragments are
+    recorded (``param_slice_mappings``). ZeRO-3 cuts each parameter into one padded piece per rank,
+    its pieces one after the other in each rank's partition (as DeepSpeed's ``zero_to_fp32``
+    reads them back)."""
+
+    def __init__(self, ranks: list[dict[str, Any]], shapes: list[dict[str, Any]]) -> None:
+        self.ranks, self.stage3 = ranks, "param_slice_mappings" not in ranks[0]
+        self.optimizer = ranks[0]["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]
+        self.pieces: list[dict[str, list[tuple[int, int, int]]]] = []
+        for group, group_shapes in enumerate(shapes):
+            pieces, offset = {}, 0
+            for name, shape in group_shapes.items():
+                numel = torch.Size(shape).numel()
+                if self.stage3:
+                    share = -(-numel // len(ranks))
+                    pieces[name] = [(rank, offset, share) for rank in range(len(ranks))]
+                    offset += share
+                else:
+                    pieces[name] = [(rank, fragment.start, fragment.numel) for rank, saved in enumerate(ranks)
+                                    if (fragment := saved["param_slice_mappings"][group].get(name)) is not None]
+            self.pieces.append(pieces)
+
+    def weights(self, rank: dict[str, Any], group: int) -> torch.Tensor:
+        return rank["fp32_flat_groups" if self.stage3 else "single_partition_of_fp32_groups"][group]
+
+    def state(self, rank: dict[str, Any], group: int) -> dict[str, torch.Tensor]:
+        return rank["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]["state"][group]
+
+    def whole(self, group: int, name: str, shape: Any, flat_of) -> torch.Tensor:
+        numel = torch.Size(shape).numel()
+        parts = [flat_of(self.ranks[rank])[start:start + count] for rank, start, count in self.pieces[group][name]]
+        return torch.cat(parts)[:numel].view(shape)
 
 
 def why_not_movable(path: str) -> str | None:
@@ -46,9 +85,8 @@ def why_not_movable(path: str) -> str | None:
     if not ranks:
         return "it holds no ZeRO optimizer partitions"
     saved = torch.load(ranks[0], map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
-    if "param_slice_mappings" not in saved:
-        return "it was saved by ZeRO stage 3, whose partitions only DeepSpeed reads back"
-    kinds = {key for state in saved["base_optimizer_state"]["state"].values() for key in state}
+    optimizer = saved.get("base_optimizer_state") or saved.get("optimizer_state_dict") or {}
+    kinds = {key for state in optimizer.get("state", {}).values() for key in state}
     if not kinds <= MOVABLE_STATE:
         return (f"its optimizer keeps {', '.join(sorted(kinds - MOVABLE_STATE))}, which litscale moves only for "
                 "Adam and AdamW")
@@ -56,29 +94,25 @@ def why_not_movable(path: str) -> str | None:
 
 
 def deepspeed_as_file_checkpoint(path: str) -> dict[str, Any]:
-    """The DeepSpeed ZeRO-1/2 checkpoint at ``path`` as a file strategy's checkpoint: the
-    client state, ``state_dict`` (fp32 master weights, and the module's buffers), one
+    """The DeepSpeed ZeRO checkpoint at ``path`` as a file strategy's checkpoint: the client
+    state, ``state_dict`` (fp32 master weights, and the module's buffers), one
     ``optimizer_states`` entry keyed by position in the saved groups, and the groups' parameter
     names (``OPTIMIZER_PARAM_NAMES``)."""
     model_file, rank_files = _files(path)
     model = torch.load(model_file, map_location="cpu", weights_only=False)
-    ranks = [torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"] for name in rank_files]
+    partitions = _Partitions([torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+                              for name in rank_files], model["param_shapes"])
     names = [list(group) for group in model["param_shapes"]]
-
-    def whole(group: int, name: str, flat_of) -> torch.Tensor:
-        parts = [flat_of(rank)[mapping.start:mapping.start + mapping.numel] for rank in ranks
-                 if (mapping := rank["param_slice_mappings"][group].get(name)) is not None]
-        return torch.cat(parts).view(model["param_shapes"][group][name])
-
     weights, state = {}, {}
-    for group, group_names in enumerate(names):
-        for name in group_names:
-            weights[name] = whole(group, name, lambda rank, g=group: rank["single_partition_of_fp32_groups"][g])
-            state[len(state)] = {key: whole(group, name, lambda rank, g=group, k=key: rank["base_optimizer_state"]["state"][g][k])
-                                 for key in ("exp_avg", "exp_avg_sq")}
-            state[len(state) - 1]["step"] = ranks[0]["base_optimizer_state"]["state"][group]["step"].clone()
+    for group, group_shapes in enumerate(model["param_shapes"]):
+        for name, shape in group_shapes.items():
+            weights[name] = partitions.whole(group, name, shape, lambda rank, g=group: partitions.weights(rank, g))
+            state[len(state)] = {
+                **{key: partitions.whole(group, name, shape, lambda rank, g=group, k=key: partitions.state(rank, g)[k])
+                   for key in ("exp_avg", "exp_avg_sq")},
+                "step": partitions.state(partitions.ranks[0], group)["step"].clone()}
     groups, start = [], 0
-    for group, group_names in zip(ranks[0]["base_optimizer_state"]["param_groups"], names, strict=True):
+    for group, group_names in zip(partitions.optimizer["param_groups"], names, strict=True):
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": list(range(start, start + len(group_names)))})
         start += len(group_names)

@@ -62,7 +62,7 @@ def _model_named(choice: str | None, preset: Any) -> str:
 def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any, world_size: int,
                            choices: dict[str, str]) -> None:
     """A checkpoint resumes on a layout that can read it: files and sharded directories move
-    between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed ZeRO-1/2
+    between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed
     checkpoint of Adam or AdamW moves to them too, read whole (``litscale.deepspeed_moves``),
     and to DeepSpeed on as many ranks (its partitions are per rank)."""
     if not ckpt_path:
