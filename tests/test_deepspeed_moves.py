@@ -127,3 +127,32 @@ def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_st
         "strategy=deepspeed_zero, or start from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
     path, _ = write(tmp_path / "movable")
     check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 4, {"strategy": "fsdp"})
+
+
+@pytest.mark.parametrize(("stage", "optimizer", "refused"), [
+    (3, "adamw", "strategy.stage=3"),
+    (2, "muon", "optimizer=Muon"),
+    (2, "adamw", None),
+], ids=["zero3", "muon", "zero2-adamw"])
+def test_another_strategys_checkpoint_goes_into_zero_1_or_2_with_adam_only(tmp_path, stage, optimizer, refused):
+    from helpers.configs import compose_job
+
+    from litscale.app.build import build_strategy
+    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.errors import ConfigError
+
+    path = str(tmp_path / "last.ckpt")
+    torch.save({"state_dict": {}}, path)
+    cfg, _ = compose_job(["strategy=deepspeed_zero", f"strategy.stage={stage}", f"optimizer={optimizer}",
+                          "trainer.accelerator=cpu", "trainer.devices=2", "trainer.gradient_clip_val=null",
+                          f"ckpt_path={path}"], tmp_path / "job")
+    check = lambda: check_checkpoint_moves(cfg, path, build_strategy(cfg), 2, {"strategy": "deepspeed_zero"})  # noqa: E731
+    if refused is None:
+        check()
+        return
+    with pytest.raises(ConfigError) as error:
+        check()
+    assert str(error.value) == (
+        f"ckpt_path={path!r}: strategy=deepspeed_zero resumes a file of another strategy only at ZeRO stage 1 or 2 "
+        f"with Adam or AdamW, not {refused}; allowed: strategy.stage=1 or 2, resume it with any other strategy, or "
+        "start fresh with ckpt_path=null")

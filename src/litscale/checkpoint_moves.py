@@ -10,12 +10,13 @@ conversion assumes the module's parameter order, which is not the groups' order 
 decay splits the parameters (``modules.weight_decay_groups``), and so gives a parameter another
 one's moments. Every save therefore records the names of each optimizer's parameters, group by
 group (``OPTIMIZER_PARAM_NAMES``), and the conversions here go by name. A DeepSpeed
-checkpoint is read whole as a file (``litscale.deepspeed_moves``) and moves as one; nothing
-moves into DeepSpeed (``app.checkpoint_checks``).
+checkpoint is read whole as a file (``litscale.deepspeed_moves``) and moves as one; a file or a
+directory moves into ZeRO-1/2 through DeepSpeed's own setters (``deepspeed_moves.load_into_zero``).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -53,6 +54,19 @@ def state_by_name(saved: dict[str, Any], saved_names: list[list[str]], wanted_na
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": names}
               for group, names in zip(saved["param_groups"], wanted_names, strict=True)]
     return {"state": {name: state for name, state in by_name.items() if name in wanted}, "param_groups": groups}
+
+
+def named_optimizer_state(checkpoint: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each optimizer's per-parameter state keyed by the parameter's name, from a file's
+    checkpoint (keyed by position, with ``OPTIMIZER_PARAM_NAMES``) or a directory read as one."""
+    if checkpoint.get(BY_NAME):
+        return [saved["state"] for saved in checkpoint["optimizer_states"]]
+    names = checkpoint.get(OPTIMIZER_PARAM_NAMES)
+    if names is None:
+        raise ValueError("ckpt_path: the checkpoint records no names for its optimizer's parameters (saved before "
+                         "they were recorded); resume it with the strategy that saved it")
+    return [state_by_name(saved, saved_names, saved_names)["state"]
+            for saved, saved_names in zip(checkpoint["optimizer_states"], names, strict=True)]
 
 
 def state_by_position(saved: dict[str, Any], wanted_names: list[list[str]]) -> dict[str, Any]:
@@ -101,6 +115,13 @@ def directory_as_file_checkpoint(path: str) -> dict[str, Any]:
     whole["optimizer_states"] = [whole.pop(f"optimizer_{index}") for index in range(count)]
     whole[BY_NAME] = True
     return whole
+
+
+def read_as_file(path: str) -> dict[str, Any]:
+    """A file checkpoint, or a sharded directory read whole as one (``directory_as_file_checkpoint``)."""
+    if os.path.isdir(path):
+        return directory_as_file_checkpoint(path)
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def optimizer_states_by_position(checkpoint: dict[str, Any], module: nn.Module,

@@ -234,6 +234,18 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
 
     @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """DeepSpeed's own directory through its engine; another strategy's checkpoint (a file, or
+        a sharded directory) read whole and written into the built ZeRO-1/2 engine
+        (``litscale.deepspeed_moves.load_into_zero``)."""
+        from litscale.checkpoint_moves import read_as_file
+        from litscale.deepspeed_moves import is_deepspeed_checkpoint, load_into_zero
+
+        path = str(self.broadcast(str(checkpoint_path)))
+        if is_deepspeed_checkpoint(path):
+            return LightningDeepSpeedStrategy.load_checkpoint(self, checkpoint_path, weights_only)
+        return load_into_zero(read_as_file(path), self.lightning_module, self.deepspeed_engine)
+
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         """Lightning's call, with a device rank DeepSpeed accepts on CPU (a CPU device has no
         index; DeepSpeed compares it with 0)."""
