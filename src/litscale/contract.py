@@ -255,7 +255,7 @@ class StrategyContract:
             if not self.saves_shards:
                 return whole
         if self.saves_shards and (whole is not None or os.path.isfile(path)):
-            return checkpoint_moves.load_file_into_sharded(whole or path, self.model, self.optimizers,
+            return checkpoint_moves.load_file_into_sharded(path if whole is None else whole, self.model, self.optimizers,
                                                            strict=self.lightning_module.strict_loading)
         if not self.saves_shards and os.path.isfile(os.path.join(path, DCP_METADATA)):
             return checkpoint_moves.directory_as_file_checkpoint(path)

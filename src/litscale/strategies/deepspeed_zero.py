@@ -246,6 +246,7 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
             return LightningDeepSpeedStrategy.load_checkpoint(self, checkpoint_path, weights_only)
         return load_into_zero(read_as_file(path), self.lightning_module, self.deepspeed_engine)
 
+    @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         """Lightning's call, with a device rank DeepSpeed accepts on CPU (a CPU device has no
         index; DeepSpeed compares it with 0)."""
