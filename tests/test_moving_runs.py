@@ -103,7 +103,7 @@ MATRIX = {
     "pp2": (("strategy=pipeline", "trainer.devices=2", "data.batch_size=16"), 2),
     "zero2": (("strategy=deepspeed_zero", "trainer.devices=2", "data.batch_size=8"), 2),
     # ZeRO-1 saves as ZeRO-2 does (DeepSpeed's stage_1_and_2), ZeRO-3 its own way: two cells of
-    # each, out of DeepSpeed.
+    # each out of DeepSpeed, and two into ZeRO-3.
     "zero1": (("strategy=deepspeed_zero", "strategy.stage=1", "trainer.devices=2", "data.batch_size=8"), 2),
     "zero3": (("strategy=deepspeed_zero", "strategy.stage=3", "trainer.devices=2", "data.batch_size=8"), 2),
 }
@@ -116,7 +116,8 @@ CELLS = [pytest.param(source, target, id=f"{source}-to-{target}",
                       marks=() if (source, target) in QUICK_CELLS else pytest.mark.full)
          for source in MATRIX for target in MATRIX if not {source, target} & set(OUT_OF_DEEPSPEED_ONLY)] + [
     pytest.param(source, target, id=f"{source}-to-{target}", marks=pytest.mark.full)
-    for source in OUT_OF_DEEPSPEED_ONLY for target in ("single", "fsdp2")]
+    for source in OUT_OF_DEEPSPEED_ONLY for target in ("single", "fsdp2")] + [
+    pytest.param(source, "zero3", id=f"{source}-to-zero3", marks=pytest.mark.full) for source in ("single", "fsdp2")]
 
 
 @pytest.fixture(scope="module")

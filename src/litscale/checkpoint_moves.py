@@ -11,7 +11,7 @@ decay splits the parameters (``modules.weight_decay_groups``), and so gives a pa
 one's moments. Every save therefore records the names of each optimizer's parameters, group by
 group (``OPTIMIZER_PARAM_NAMES``), and the conversions here go by name. A DeepSpeed
 checkpoint is read whole as a file (``litscale.deepspeed_moves``) and moves as one; a file or a
-directory moves into ZeRO-1/2 through DeepSpeed's own setters (``deepspeed_moves.load_into_zero``).
+directory moves into a ZeRO engine through DeepSpeed's own setters (``deepspeed_moves.load_into_zero``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ moment alike) and, per parameter, where its fragment lies in that partition
 (``param_slice_mappings``); a parameter split over two partitions is its fragments in rank
 order. ZeRO-3 cuts each parameter into a padded piece per rank (``_Partitions``).
 
-The other way, another strategy's checkpoint goes into a built ZeRO-1/2 engine through
+The other way, another strategy's checkpoint goes into a built ZeRO engine through
 DeepSpeed's own fragment setters (``load_into_zero``).
 """
 
@@ -133,10 +133,11 @@ DEEPSPEED_OWN = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_
 
 
 def load_into_zero(checkpoint: dict[str, Any], module: torch.nn.Module, engine: Any) -> dict[str, Any]:
-    """Load a file strategy's checkpoint (as read: ``checkpoint_moves.as_named_states``) into a
-    built ZeRO-1/2 engine, through DeepSpeed's own fragment setters: each rank writes its part
-    of every parameter's fp32 master copy and moments, and the module's weights, which ZeRO-1/2
-    keep whole on every rank; returns the rest for Lightning to restore."""
+    """Load a file strategy's checkpoint (as read: ``checkpoint_moves.read_as_file``) into a
+    built ZeRO engine through DeepSpeed's own fragment setters: each rank writes its part of
+    every parameter's fp32 master copy and moments; the module's weights follow (whole on every
+    rank at ZeRO-1/2, the rank's partitions at ZeRO-3, copied from the master as its step
+    does); returns the rest for Lightning to restore."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     from litscale.checkpoint_moves import named_optimizer_state
@@ -146,23 +147,31 @@ def load_into_zero(checkpoint: dict[str, Any], module: torch.nn.Module, engine: 
     if len(steps) != 1:
         raise ValueError(f"ckpt_path: the checkpoint's parameters were stepped {sorted(steps)} times; DeepSpeed "
                          "keeps one count per group")
-    # NOTE: torch's Adam makes its state at its first step, and DeepSpeed links each parameter's
+    # NOTE: torch's Adam makes its state at its first step, and ZeRO-1/2 link each parameter's
     # fragment of it after that step: before one there is none to set. The state is made here
     # (the count, and moments the setters then fill) and linked as DeepSpeed links it then.
     zero, (step,) = engine.optimizer, steps
-    for group in zero.optimizer.param_groups:
-        for flat in group["params"]:
-            zero.optimizer.state[flat] = {"step": torch.tensor(step), "exp_avg": torch.zeros_like(flat),
-                                          "exp_avg_sq": torch.zeros_like(flat)}
-    zero._hp_optimizer_states_linked = False
-    zero._lazy_init_hp_params_optimizer_state()
+    stage3 = hasattr(zero, "fp32_partitioned_groups_flat")
+    # ZeRO-3 hands its optimizer each sub-group's partition only for the step: the state is keyed
+    # by the partitions themselves.
+    flats = zero.fp32_partitioned_groups_flat if stage3 else [p for g in zero.optimizer.param_groups for p in g["params"]]
+    for flat in flats:
+        zero.optimizer.state[flat] = {"step": torch.tensor(step), "exp_avg": torch.zeros_like(flat),
+                                      "exp_avg_sq": torch.zeros_like(flat)}
+    if not stage3:
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
     # Each group's hyperparameters as saved (the learning rate the schedule had reached).
     for group, saved in zip(zero.optimizer.param_groups, checkpoint["optimizer_states"][0]["param_groups"], strict=True):
         group.update({key: value for key, value in saved.items() if key != "params"})
     with torch.no_grad():
         for name, param in module.named_parameters():
-            param.copy_(weights[name])
+            if not stage3:
+                param.copy_(weights[name])
             safe_set_full_fp32_param(param, weights[name].float())
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(param, state[name][key].float(), key)
+        if stage3:  # each rank's partitions of the module's weights, from the master copy
+            for low, master in zip(zero.fp16_partitioned_groups_flat, zero.fp32_partitioned_groups_flat, strict=True):
+                low.copy_(master)
     return checkpoint

@@ -64,7 +64,7 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     """A checkpoint resumes on a layout that can read it: files and sharded directories move
     between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed
     checkpoint of Adam or AdamW moves to them too, read whole (``litscale.deepspeed_moves``),
-    and to DeepSpeed on as many ranks (its partitions are per rank); theirs move into ZeRO-1/2
+    and to DeepSpeed on as many ranks (its partitions are per rank); theirs move into DeepSpeed
     with Adam or AdamW."""
     if not ckpt_path:
         return
@@ -87,9 +87,8 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
         reason = into_zero_refusal(cfg, strategy)
         if reason is not None:
             raise ConfigError(
-                f"ckpt_path={shown}: {ours} resumes {kind} of another strategy only at ZeRO stage 1 or 2 with Adam or "
-                f"AdamW, not {reason}; allowed: strategy.stage=1 or 2, resume it with any other strategy, or start "
-                "fresh with ckpt_path=null")
+                f"ckpt_path={shown}: {ours} resumes {kind} of another strategy only with Adam or AdamW, not "
+                f"{reason}; allowed: resume it with any other strategy, or start fresh with ckpt_path=null")
         return
     saved_ranks = _deepspeed_ranks(ckpt_path) if saved_by_deepspeed else world_size
     if saved_ranks != world_size:
@@ -100,12 +99,10 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
 
 def into_zero_refusal(cfg: DictConfig, strategy: Any) -> str | None:
     """What keeps another strategy's checkpoint out of this DeepSpeed run (its setters write
-    Adam's moments into ZeRO-1/2 partitions: ``deepspeed_moves.load_into_zero``); None: nothing."""
+    Adam's moments into ZeRO's partitions: ``deepspeed_moves.load_into_zero``); None: nothing."""
     from litscale.app.safety import locate_target
     from litscale.muon import wants_parameter_roles
 
-    if getattr(strategy, "stage", 2) == 3:
-        return "strategy.stage=3"
     if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
         return f"optimizer={cfg.optimizer._target_.rsplit('.', 1)[-1]}"
     return None

@@ -236,7 +236,7 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """DeepSpeed's own directory through its engine; another strategy's checkpoint (a file, or
-        a sharded directory) read whole and written into the built ZeRO-1/2 engine
+        a sharded directory) read whole and written into the built ZeRO engine
         (``litscale.deepspeed_moves.load_into_zero``)."""
         from litscale.checkpoint_moves import read_as_file
         from litscale.deepspeed_moves import is_deepspeed_checkpoint, load_into_zero
