@@ -54,7 +54,13 @@ def partitions(whole: list[torch.Tensor], ranks: int = 2):
     return flats, mappings
 
 
-def write(tmp_path, *, state_keys=("exp_avg", "exp_avg_sq"), stage3=False) -> tuple[str, dict]:
+def split_first(flats: list[torch.Tensor], at: int = 5) -> list[torch.Tensor]:
+    """ZeRO-3's sub-groups: the first group's partitions cut in two (a group larger than
+    ``sub_group_size``), each rank's sub-group partitions still one after the other."""
+    return [flats[0][:, :at], flats[0][:, at:], *flats[1:]]
+
+
+def write(tmp_path, *, state_keys=("exp_avg", "exp_avg_sq"), stage3=False, sub_groups=False) -> tuple[str, dict]:
     torch.manual_seed(0)
     tensors = {kind: [{name: torch.randn(shape) for name, shape in group.items()} for group in SHAPES]
                for kind in ("fp32", *state_keys)}
@@ -67,12 +73,15 @@ def write(tmp_path, *, state_keys=("exp_avg", "exp_avg_sq"), stage3=False) -> tu
                 "lr_schedulers": [{"last_epoch": 4}]}, folder / "mp_rank_00_model_states.pt")
     flats = {kind: (stage3_partitions if stage3 else lambda g: partitions(g)[0])(groups)
              for kind, groups in tensors.items()}
+    if sub_groups:
+        flats = {kind: split_first(flat) for kind, flat in flats.items()}
+    count = len(flats["fp32"])
     _, mappings = partitions(tensors["fp32"])
     for rank in range(2):
         state = {group: {"step": torch.tensor(4.0), **{k: flats[k][group][rank] for k in state_keys}}
-                 for group in range(len(SHAPES))}
+                 for group in range(count)}
         optimizer = {"state": state, "param_groups": [{"lr": 0.1, "params": [0]}, {"lr": 0.2, "params": [1]}]}
-        weights = [flats["fp32"][group][rank] for group in range(len(SHAPES))]
+        weights = [flats["fp32"][group][rank] for group in range(count)]
         if stage3:
             saved = {"optimizer_state_dict": optimizer, "fp32_flat_groups": weights}
         else:
@@ -84,9 +93,10 @@ def write(tmp_path, *, state_keys=("exp_avg", "exp_avg_sq"), stage3=False) -> tu
     return str(tmp_path / "last.ckpt"), tensors
 
 
-@pytest.mark.parametrize("stage3", [False, True], ids=["zero1_2", "zero3"])
-def test_every_parameter_and_moment_is_put_back_whole_from_its_fragments(tmp_path, stage3):
-    path, tensors = write(tmp_path, stage3=stage3)
+@pytest.mark.parametrize(("stage3", "sub_groups"), [(False, False), (True, False), (True, True)],
+                         ids=["zero1_2", "zero3", "zero3_sub_groups"])
+def test_every_parameter_and_moment_is_put_back_whole_from_its_fragments(tmp_path, stage3, sub_groups):
+    path, tensors = write(tmp_path, stage3=stage3, sub_groups=sub_groups)
     assert why_not_movable(path) is None
     checkpoint = deepspeed_as_file_checkpoint(path)
     names = [name for group in SHAPES for name in group]

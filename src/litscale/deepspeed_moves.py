@@ -45,41 +45,48 @@ def _files(path: str) -> tuple[str, list[str]]:
 
 
 class _Partitions:
-    """Where each rank's flat partition of a parameter group holds a parameter, and those
-    partitions (of the fp32 weights, of each moment) in one rank's optimizer file.
+    """Where each rank's flat partitions hold a parameter, and those partitions (of the fp32
+    weights, of each moment) in one rank's optimizer file.
 
-    ZeRO-1/2 flatten a group and cut it into one piece per rank; each parameter's fragments are
-    recorded (``param_slice_mappings``). ZeRO-3 cuts each parameter into one padded piece per rank,
-    its pieces one after the other in each rank's partition (as DeepSpeed's ``zero_to_fp32``
-    reads them back)."""
+    ZeRO-1/2 flatten each group and cut it into one piece per rank; each parameter's fragments
+    are recorded (``param_slice_mappings``). ZeRO-3 cuts each parameter into one padded piece per
+    rank, each rank's pieces one after the other through all its (sub-)group partitions, which
+    are read as one (as DeepSpeed's ``zero_to_fp32`` reads them back)."""
 
     def __init__(self, ranks: list[dict[str, Any]], shapes: list[dict[str, Any]]) -> None:
         self.ranks, self.stage3 = ranks, "param_slice_mappings" not in ranks[0]
         self.optimizer = ranks[0]["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]
-        self.pieces: list[dict[str, list[tuple[int, int, int]]]] = []
+        self.pieces: dict[str, list[tuple[int, int, int, int]]] = {}  # name -> (rank, group, start, count)
+        self._joined: dict[tuple[int, str], torch.Tensor] = {}
+        offset = 0
         for group, group_shapes in enumerate(shapes):
-            pieces, offset = {}, 0
             for name, shape in group_shapes.items():
-                numel = torch.Size(shape).numel()
-                if self.stage3:
-                    share = -(-numel // len(ranks))
-                    pieces[name] = [(rank, offset, share) for rank in range(len(ranks))]
+                if self.stage3:  # group 0 stands for the partitions read as one
+                    share = -(-torch.Size(shape).numel() // len(ranks))
+                    self.pieces[name] = [(rank, 0, offset, share) for rank in range(len(ranks))]
                     offset += share
                 else:
-                    pieces[name] = [(rank, fragment.start, fragment.numel) for rank, saved in enumerate(ranks)
-                                    if (fragment := saved["param_slice_mappings"][group].get(name)) is not None]
-            self.pieces.append(pieces)
+                    self.pieces[name] = [(rank, group, fragment.start, fragment.numel) for rank, saved in enumerate(ranks)
+                                         if (fragment := saved["param_slice_mappings"][group].get(name)) is not None]
 
-    def weights(self, rank: dict[str, Any], group: int) -> torch.Tensor:
-        return rank["fp32_flat_groups" if self.stage3 else "single_partition_of_fp32_groups"][group]
+    def _flat(self, rank: int, group: int, kind: str) -> torch.Tensor:
+        """One of a rank's partitions: of the fp32 weights (``kind`` "weights") or of a moment."""
+        saved = self.ranks[rank]
+        if not self.stage3:
+            return (saved["single_partition_of_fp32_groups"][group] if kind == "weights"
+                    else saved["base_optimizer_state"]["state"][group][kind])
+        if (rank, kind) not in self._joined:  # once per rank and kind: the partitions read as one
+            states = saved["optimizer_state_dict"]["state"]
+            self._joined[rank, kind] = torch.cat(list(saved["fp32_flat_groups"]) if kind == "weights" else
+                                                 [states[index][kind] for index in sorted(states)])
+        return self._joined[rank, kind]
 
-    def state(self, rank: dict[str, Any], group: int) -> dict[str, torch.Tensor]:
-        return rank["optimizer_state_dict" if self.stage3 else "base_optimizer_state"]["state"][group]
+    def whole(self, name: str, shape: Any, kind: str) -> torch.Tensor:
+        parts = [self._flat(rank, group, kind)[start:start + count] for rank, group, start, count in self.pieces[name]]
+        return torch.cat(parts)[:torch.Size(shape).numel()].view(shape)
 
-    def whole(self, group: int, name: str, shape: Any, flat_of) -> torch.Tensor:
-        numel = torch.Size(shape).numel()
-        parts = [flat_of(self.ranks[rank])[start:start + count] for rank, start, count in self.pieces[group][name]]
-        return torch.cat(parts)[:numel].view(shape)
+    def step(self) -> torch.Tensor:
+        return next(iter(self.optimizer["state"].values()))["step"].clone()
 
 
 def why_not_movable(path: str) -> str | None:
@@ -107,13 +114,11 @@ def deepspeed_as_file_checkpoint(path: str) -> dict[str, Any]:
                               for name in rank_files], model["param_shapes"])
     names = [list(group) for group in model["param_shapes"]]
     weights, state = {}, {}
-    for group, group_shapes in enumerate(model["param_shapes"]):
+    for group_shapes in model["param_shapes"]:
         for name, shape in group_shapes.items():
-            weights[name] = partitions.whole(group, name, shape, lambda rank, g=group: partitions.weights(rank, g))
-            state[len(state)] = {
-                **{key: partitions.whole(group, name, shape, lambda rank, g=group, k=key: partitions.state(rank, g)[k])
-                   for key in ("exp_avg", "exp_avg_sq")},
-                "step": partitions.state(partitions.ranks[0], group)["step"].clone()}
+            weights[name] = partitions.whole(name, shape, "weights")
+            state[len(state)] = {"exp_avg": partitions.whole(name, shape, "exp_avg"),
+                                 "exp_avg_sq": partitions.whole(name, shape, "exp_avg_sq"), "step": partitions.step()}
     groups, start = [], 0
     for group, group_names in zip(partitions.optimizer["param_groups"], names, strict=True):
         groups.append({**{k: v for k, v in group.items() if k != "params"},
