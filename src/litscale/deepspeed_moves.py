@@ -33,7 +33,7 @@ def is_deepspeed_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DEEPSPEED_LATEST))
 
 
-def _files(path: str) -> tuple[str, list[str]]:
+def checkpoint_files(path: str) -> tuple[str, list[str]]:
     """(the model states file, the optimizer files in rank order) of the checkpoint's tag."""
     with open(os.path.join(path, DEEPSPEED_LATEST)) as handle:
         tag = handle.read().strip()
@@ -91,7 +91,7 @@ class _Partitions:
 
 def why_not_movable(path: str) -> str | None:
     """Why the DeepSpeed checkpoint at ``path`` cannot move to another strategy; None: it can."""
-    _, ranks = _files(path)
+    _, ranks = checkpoint_files(path)
     if not ranks:
         return "it holds no ZeRO optimizer partitions"
     saved = torch.load(ranks[0], map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
@@ -108,7 +108,7 @@ def deepspeed_as_file_checkpoint(path: str) -> dict[str, Any]:
     state, ``state_dict`` (fp32 master weights, and the module's buffers), one
     ``optimizer_states`` entry keyed by position in the saved groups, and the groups' parameter
     names (``OPTIMIZER_PARAM_NAMES``)."""
-    model_file, rank_files = _files(path)
+    model_file, rank_files = checkpoint_files(path)
     model = torch.load(model_file, map_location="cpu", weights_only=False)
     partitions = _Partitions([torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"]
                               for name in rank_files], model["param_shapes"])

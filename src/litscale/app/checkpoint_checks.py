@@ -3,14 +3,14 @@ before any rank starts. Part of ``litscale.app.validation``."""
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.checkpoints import DEEPSPEED_LATEST, network_shapes
+from litscale.checkpoints import network_shapes
 from litscale.contract import contract_value
+from litscale.deepspeed_moves import checkpoint_files, is_deepspeed_checkpoint
 from litscale.errors import ConfigError
 
 
@@ -68,7 +68,7 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     with Adam or AdamW."""
     if not ckpt_path:
         return
-    saved_by_deepspeed = os.path.isfile(os.path.join(ckpt_path, DEEPSPEED_LATEST))
+    saved_by_deepspeed = is_deepspeed_checkpoint(ckpt_path)
     to_deepspeed = not contract_value(strategy, "shares_checkpoint_formats")
     shown = repr(ckpt_path) if cfg.ckpt_path == ckpt_path else f"{cfg.ckpt_path} ({ckpt_path})"
     ours = f"strategy={choices.get('strategy', type(strategy).__name__)}"
@@ -90,7 +90,7 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
                 f"ckpt_path={shown}: {ours} resumes {kind} of another strategy only with Adam or AdamW, not "
                 f"{reason}; allowed: resume it with any other strategy, or start fresh with ckpt_path=null")
         return
-    saved_ranks = _deepspeed_ranks(ckpt_path) if saved_by_deepspeed else world_size
+    saved_ranks = len(checkpoint_files(ckpt_path)[1]) or 1 if saved_by_deepspeed else world_size
     if saved_ranks != world_size:
         raise ConfigError(
             f"ckpt_path={shown}: the DeepSpeed checkpoint holds {saved_ranks} ranks' partitions, the run has "
@@ -106,10 +106,3 @@ def into_zero_refusal(cfg: DictConfig, strategy: Any) -> str | None:
     if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
         return f"optimizer={cfg.optimizer._target_.rsplit('.', 1)[-1]}"
     return None
-
-
-def _deepspeed_ranks(path: str) -> int:
-    """How many ranks wrote a DeepSpeed checkpoint: one optimizer partition file each."""
-    with open(os.path.join(path, DEEPSPEED_LATEST)) as file:
-        tag = file.read().strip()
-    return len(glob.glob(os.path.join(glob.escape(path), tag, "*optim_states.pt"))) or 1
