@@ -165,3 +165,21 @@ def test_another_strategys_checkpoint_goes_into_zero_with_adam_only(tmp_path, st
     assert str(error.value) == (
         f"ckpt_path={path!r}: strategy=deepspeed_zero resumes a file of another strategy only with Adam or AdamW, "
         f"not {refused}; allowed: resume it with any other strategy, or start fresh with ckpt_path=null")
+
+
+def test_a_deepspeed_checkpoint_under_deepspeed_resumes_on_as_many_ranks_only(tmp_path):
+    from helpers.configs import compose_job
+
+    from litscale.app.build import build_strategy
+    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.errors import ConfigError
+
+    path, _ = write(tmp_path)
+    cfg, _ = compose_job(["strategy=deepspeed_zero", "trainer.accelerator=cpu", "trainer.devices=4",
+                          "launcher.oversubscribe=true", f"ckpt_path={path}"], tmp_path / "job")
+    with pytest.raises(ConfigError) as refused:
+        check_checkpoint_moves(cfg, path, build_strategy(cfg), 4, {"strategy": "deepspeed_zero"})
+    assert str(refused.value) == (
+        f"ckpt_path={path!r}: the DeepSpeed checkpoint holds 2 ranks' partitions, the run has 4 ranks; allowed: "
+        "resume it on 2 ranks (trainer.devices x trainer.num_nodes)")
+    check_checkpoint_moves(cfg, path, build_strategy(cfg), 2, {"strategy": "deepspeed_zero"})
