@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import statistics
 from pathlib import Path
 
 import pytest
@@ -173,8 +175,6 @@ def test_sweep_writes_report_and_logs_it_to_wandb(sweep):
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_report_shows_the_planners_error_and_calibrate_from_refits_it_from_the_sweep(sweep, tmp_path):
-    import re
-
     _, outputs, sweeps = sweep
     sweep_dir = sweeps[0]
     runs = {(s["choices"]["strategy"], s["world_size"]): s for s in summaries(outputs)}
@@ -188,18 +188,25 @@ def test_the_report_shows_the_planners_error_and_calibrate_from_refits_it_from_t
                         *DESCRIBED_CLUSTER, outputs=tmp_path, timeout=300)
     assert process.returncode == 0, explain(process)
     assert f"litscale: calibrate_from: 4 run(s) on cluster=h100_8x under {sweep_dir}\n" in process.stdout
+    # Whether two constants explain this machine's steps better than the cluster file's depends on
+    # how loaded the machine was during the sweep (a 2-rank CPU step under contention is not half
+    # a 1-rank one, as the planner's model has it); the fit on planted constants is
+    # test_planner_refit's. Here: the decision printed follows the figures printed and recorded.
     found = re.search(r"calibrate_from: held-out MAPE ([\d.]+)% \(the cluster file's\) -> ([\d.]+)% \(4-fold over 4 "
-                      r"runs\); the ranking below uses them; to keep them: cluster.achieved_fraction=(\S+) "
-                      r"cluster.overhead_per_microbatch_s=(\S+)\n", process.stdout)
+                      r"runs\)(; the ranking below uses them; to keep them: cluster.achieved_fraction=(\S+) "
+                      r"cluster.overhead_per_microbatch_s=(\S+)|: no better, so the ranking keeps the cluster "
+                      r"file's constants)\n", process.stdout)
     assert found, process.stdout
-    before, after = float(found[1]), float(found[2])
-    # Lowered, not removed: two constants cannot explain all of a CPU run's step (FSDP's own work
-    # on one rank, gloo under contention: tens of percent left, recorded in docs/planner.md).
-    assert after < before, (before, after)
+    before, after, kept = float(found[1]), float(found[2]), found[4] is not None
+    assert kept == (after < before), process.stdout
     (record_path,) = tmp_path.glob("**/plan/calibration.json")
     record = json.loads(record_path.read_text())
-    assert record["fitted"]["achieved_fraction"] == pytest.approx(float(found[3]), rel=1e-3)
+    if kept:
+        assert record["fitted"]["achieved_fraction"] == pytest.approx(float(found[4]), rel=1e-3)
     assert len(record["runs"]) == 4 and record["mape_held_out"] == pytest.approx(after / 100, abs=5e-4)
+    assert record["mape_given"] == pytest.approx(before / 100, abs=5e-4)
+    fitted_mape = statistics.fmean(abs(run["predicted_fitted_s"] / run["measured_step_s"] - 1) for run in record["runs"])
+    assert fitted_mape <= record["mape_given"] + 1e-12  # on the runs it saw, the fit is never worse
     for run in record["runs"]:  # the runs as their own summaries predicted them, with the cluster file's constants
         summary = json.loads((Path(run["run_dir"]) / "summary.json").read_text())
         assert run["predicted_given_s"] == pytest.approx(summary["plan/predicted_step_s"], rel=1e-9)
