@@ -12,13 +12,18 @@ Hydra's ``run_job``, so a rank that fails reports itself as under torchrun; a wo
 without a word (killed) is named by the driver in one ``error: rank N failed: ...`` line. The
 sweep goes on. With ``max_failures: N``, Ray Train starts a failed job's workers again up to N
 times, each attempt resuming from the newest complete checkpoint of the job's run dir
-(``ckpt_path=here``, unless the job names one). ``ray`` is imported only inside the functions that use it.
+(``ckpt_path=here``, unless the job names one). On a cluster of several hosts the workers get
+the project dir and the ``LITSCALE_*`` variables (``working_dir``), run dirs go to ``storage``
+(a path every node mounts, or a URI), ``min_workers``/``max_workers`` make a data-parallel job
+elastic, and a SIGTERM to a worker saves ``last.ckpt`` first (``ray_settings``, ``ray_worker``).
+``ray`` is imported only inside the functions that use it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +34,7 @@ from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, run_job, setup_globals
 from omegaconf import DictConfig, open_dict
 
+from hydra_plugins.litscale_plugins import ray_worker
 from hydra_plugins.litscale_plugins.jobs import (
     ClusterLauncher,
     described,
@@ -36,9 +42,15 @@ from hydra_plugins.litscale_plugins.jobs import (
     job_return,
     sweep_run_dir,
 )
+from hydra_plugins.litscale_plugins.ray_settings import (
+    JobSettings,
+    checked_settings,
+    relative_cwd,
+    runtime_env,
+    working_dir,
+)
+from hydra_plugins.litscale_plugins.ray_worker import has_preemption_checkpoint
 
-# Forwarded to the workers of a cluster this sweep did not start (a local one inherits them).
-FORWARDED_ENV_PREFIX = "LITSCALE_"
 # NOTE: Ray Train replaces ``print`` in its workers with one that also logs each line through
 # the root logger; litscale copies its printed lines to train.log itself, and Hydra's console
 # handler on the root logger printed every line a second time. Ray passes this variable from
@@ -52,6 +64,7 @@ WAIT_FOR_RESOURCES_S = 7 * 24 * 3600
 # NOTE: an Optuna sweep with n_jobs > 1 launches from several threads; two ``ray.init`` at
 # once would start two clusters, or fail in the second.
 _CONNECTING = threading.Lock()
+WORKER_CALLBACK = "hydra_plugins.litscale_plugins.ray_worker.RayWorkerCallback"
 
 
 class RayLauncher(ClusterLauncher):
@@ -62,23 +75,25 @@ class RayLauncher(ClusterLauncher):
     ) -> Sequence[JobReturn]:
         os.environ.setdefault(RAY_PRINT_PATCH_ENV, "0")
         os.environ.setdefault(RAY_START_TIMEOUT_ENV, str(WAIT_FOR_RESOURCES_S))
-        connect(self.params)
         # Pinned here: ${now:...} in the sweep dir would name another dir in each worker.
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        sweep_dir.mkdir(parents=True, exist_ok=True)
         jobs = []
         for number, job_config, overrides in self.job_configs(job_overrides, initial_job_idx):
             with open_dict(job_config):
                 job_config.hydra.job.id = number
                 job_config.hydra.sweep.dir = str(sweep_dir)
-            jobs.append((job_config, overrides))
+            jobs.append((job_config, overrides, checked_settings(job_config)))  # before any worker starts
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        directory = working_dir(self.params, self.task_function)
+        connect(self.params, runtime_env(directory, dict(os.environ)))
+        self.relative_cwd = relative_cwd(directory, os.getcwd())
         with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
             results = list(pool.map(lambda job: self._run(*job), jobs))
         if any(r.status == JobStatus.FAILED for r in results):
             raise SystemExit(1)  # each failure has had its line; every other job of the batch ran
         return results
 
-    def _run(self, job_config: DictConfig, overrides: list[str]) -> JobReturn:
+    def _run(self, job_config: DictConfig, overrides: list[str], settings: JobSettings) -> JobReturn:
         """One job on the cluster: its return, with its run dir; failed where a rank failed."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
@@ -86,33 +101,35 @@ class RayLauncher(ClusterLauncher):
         params = job_resources(job_config)
         number = int(job_config.hydra.job.num)
         max_failures = int(params.get("max_failures") or 0)
-        if max_failures and job_config.get("ckpt_path") is None:
-            with open_dict(job_config):  # a restarted attempt resumes this job's own last save
-                job_config.ckpt_path = "here"
+        prepare_job_config(job_config, settings, max_failures)
         gpu = use_gpu(params, str(job_config.trainer.get("accelerator")))
         payload = (
             self.hydra_context, self.task_function, job_config, Singleton.get_state(), os.getcwd()
         )
+        worker = {"relative_cwd": self.relative_cwd, "storage_uri": settings.storage_uri,
+                  "elastic": settings.elastic, "number": number, "staging": settings.staging,
+                  "stop_handler": has_preemption_checkpoint(job_config)}
+        workers = settings.elastic or settings.workers
         trainer = TorchTrainer(
             run_rank,
-            train_loop_config={"job": payload},
+            train_loop_config={"job": payload, "worker": worker},
             scaling_config=ScalingConfig(
-                num_workers=int(params["nodes"]) * int(params["processes_per_node"]),
+                num_workers=workers,
                 use_gpu=gpu,
                 resources_per_worker={"CPU": params["cpus_per_worker"]},
             ),
             torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
             run_config=RunConfig(
                 name=f"job{number}",
-                storage_path=str(Path(job_config.hydra.sweep.dir) / ".ray"),
+                storage_path=settings.ray_storage_path,
                 failure_config=FailureConfig(max_failures=max_failures),
             ),
         )
         print(f"litscale: job {number} on Ray: {' '.join(overrides)}", flush=True)
-        run_dir = sweep_run_dir(job_config)
-        workers = int(params["nodes"]) * int(params["processes_per_node"])
-        needed = {"CPU": workers * float(params["cpus_per_worker"]), **({"GPU": float(workers)} if gpu else {})}
-        line = resources_line(number, workers, needed, cluster_resources())
+        run_dir = sweep_run_dir(job_config) if settings.storage_uri is None else settings.local_run_dir
+        fewest = settings.elastic[0] if settings.elastic else settings.workers
+        needed = {"CPU": fewest * float(params["cpus_per_worker"]), **({"GPU": float(fewest)} if gpu else {})}
+        line = resources_line(number, fewest, needed, cluster_resources())
         if line is not None:
             print(line, file=sys.stderr if line.startswith("error:") else sys.stdout, flush=True)
             if line.startswith("error:"):
@@ -120,21 +137,28 @@ class RayLauncher(ClusterLauncher):
         try:
             trainer.fit()
         except Exception as error:  # noqa: BLE001 - Ray's several failure types
+            fetch_results(settings)
             return job_return(job_config, overrides, run_dir, error=reported(error, number))
+        fetch_results(settings)
         return job_return(job_config, overrides, run_dir)
 
 
-def connect(params: dict[str, Any]) -> None:
-    """Join the cluster at ``params['address']`` (``auto``, ``ray://...``), or start a local one;
-    once per process, whichever thread asks first."""
+def connect(params: dict[str, Any], environment: dict[str, Any] | None = None) -> None:
+    """Join the cluster at ``params['address']`` (``auto``, ``ray://...``) with the sweep's
+    ``runtime_env`` (its working dir, the ``LITSCALE_*`` variables), or start a local one (whose
+    workers inherit this process's environment and share its disk); once per process,
+    whichever thread asks first."""
     import ray
 
+    environment = environment or {}
     with _CONNECTING:
         if ray.is_initialized():
             return
-        forwarded = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIX)}
         if params.get("address"):
-            ray.init(address=params["address"], runtime_env={"env_vars": forwarded})
+            ray.init(address=params["address"], runtime_env=environment)
+        elif "working_dir" in environment:  # sent even to a local cluster where it is named
+            ray.init(num_cpus=params.get("num_cpus"), num_gpus=params.get("num_gpus"),
+                     include_dashboard=False, runtime_env=environment)
         else:
             ray.init(
                 num_cpus=params.get("num_cpus"),
@@ -205,28 +229,95 @@ def unwrapped(cause: BaseException) -> BaseException:
     return getattr(cause, "_base_exc", None) or cause
 
 
+def prepare_job_config(job_config: DictConfig, settings: JobSettings, max_failures: int) -> None:
+    """What the driver adds to a job's config for Ray: its run dir's place, ``ckpt_path=here``
+    where Ray may restart it, and the callback that hands it a worker's SIGTERM."""
+    with open_dict(job_config):
+        job_config.hydra.sweep.dir = settings.run_sweep_dir
+        if max_failures and job_config.get("ckpt_path") is None:
+            job_config.ckpt_path = "here"  # a restarted attempt resumes this job's own last save
+        if job_config.get("callbacks") is None:
+            job_config.callbacks = {}
+        job_config.callbacks.ray_worker = {"_target_": WORKER_CALLBACK}
+        job_config.allowed_targets = [*(job_config.get("allowed_targets") or []), WORKER_CALLBACK]
+
+
+def fetch_results(settings: JobSettings) -> None:
+    """A job's run dir in URI storage, less its checkpoints, copied into the sweep dir (where
+    the sweep reads its summary); where storage cannot be read, one line says so."""
+    if settings.storage_uri is None:
+        return
+    from hydra_plugins.litscale_plugins.ray_storage import CHECKPOINTS, StoredRunDir
+
+    try:
+        StoredRunDir(settings.storage_uri, settings.local_run_dir).download(skip=(CHECKPOINTS,))
+    except Exception as error:  # noqa: BLE001 - pyarrow's file systems raise several types
+        print(f"error: could not copy {settings.storage_uri} to {settings.local_run_dir}: {described(error)}",
+              file=sys.stderr, flush=True)
+
+
 def run_rank(config: dict[str, Any]) -> None:
     """On each Ray Train worker: this rank of the Hydra job, through Hydra's ``run_job`` and the
     job's own task function (rank 0 alone writes ``.hydra/``)."""
     hydra_context, task_function, job_config, singleton_state, cwd = config["job"]
-    os.chdir(cwd)  # relative paths in the config mean what they meant to the sweep
+    worker = config.get("worker") or {}
+    enter_working_dir(cwd, worker.get("relative_cwd"))
+    if worker.get("storage_uri"):  # while Ray's process group is up: its barrier
+        with open_dict(job_config):
+            job_config.hydra.sweep.dir = os.path.join(tempfile.gettempdir(), "litscale-ray", worker["staging"])
+        ray_worker.start_stored_run_dir(worker["storage_uri"], sweep_run_dir(job_config))
     leave_rays_process_group()
     # Lightning recognises a torchrun-style launch by GROUP_RANK (Ray names it NODE_RANK).
     os.environ.setdefault("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    if worker.get("elastic"):
+        take_elastic_size(job_config, worker["number"], tuple(worker["elastic"]))
     Singleton.set_state(singleton_state)
     setup_globals()
     if int(os.environ["RANK"]) != 0:
         with open_dict(job_config):
             job_config.hydra.output_subdir = None
-    result = run_job(
-        hydra_context=hydra_context,
-        task_function=task_function,
-        config=job_config,
-        job_dir_key="hydra.sweep.dir",
-        job_subdir_key="hydra.sweep.subdir",
-    )
+    ray_worker.state.stopped_at_step = None
+    if worker.get("stop_handler"):
+        ray_worker.on_main_thread(ray_worker.install_stop_handler)
+    try:
+        result = run_job(
+            hydra_context=hydra_context,
+            task_function=task_function,
+            config=job_config,
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
+    finally:
+        if worker.get("stop_handler"):
+            ray_worker.on_main_thread(ray_worker.restore_stop_handler)
+        ray_worker.finish_stored_run_dir()
     if result.status == JobStatus.FAILED:
         raise result._return_value
+    if ray_worker.state.stopped_at_step is not None:
+        raise ray_worker.RayWorkerPreempted(
+            f"rank {os.environ['RANK']} stopped at step {ray_worker.state.stopped_at_step} on SIGTERM and saved "
+            "last.ckpt; the job resumes from it where hydra.launcher.max_failures allows")
+
+
+def enter_working_dir(driver_cwd: str, relative: str | None) -> None:
+    """Where relative paths in the config mean what they meant to the sweep: the driver's own
+    cwd, or, in a working dir Ray sent to this worker (which starts in it), its counterpart."""
+    os.chdir(driver_cwd if relative is None else os.path.join(os.getcwd(), relative))
+
+
+def take_elastic_size(job_config: DictConfig, number: int, bounds: tuple[int, int]) -> None:
+    """An elastic job runs on the workers Ray gave it: ``trainer.devices x trainer.num_nodes``
+    becomes their count (the per-device batch stays, so the global batch follows it)."""
+    world = int(os.environ["WORLD_SIZE"])
+    devices, nodes = ray_worker.elastic_trainer_shape(world, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+    with open_dict(job_config):
+        job_config.trainer.devices, job_config.trainer.num_nodes = devices, nodes
+    if int(os.environ["RANK"]) == 0:
+        choices = job_config.hydra.runtime.get("choices") or {}
+        print(ray_worker.elastic_line(
+            number, world, bounds, int(job_config.data.batch_size),
+            int(job_config.trainer.get("accumulate_grad_batches") or 1), str(choices.get("lr_scaling", "none"))),
+            flush=True)
 
 
 def leave_rays_process_group() -> None:

@@ -1,0 +1,132 @@
+"""The Ray launcher's settings for clusters of several hosts, without a cluster: storage,
+the working dir and environment sent to the workers, elastic worker counts, each refused in
+one line; a run dir's round trip through URI storage; the stop signal handed to the loop."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from hydra_plugins.litscale_plugins import ray_settings, ray_worker
+from hydra_plugins.litscale_plugins.ray_storage import StoredRunDir
+from litscale.errors import ConfigError
+
+DDP = "litscale.strategies.ddp.DDPStrategy"
+FSDP = "litscale.strategies.fsdp.FSDPStrategy"
+ALLOWED = ("allowed: null (the sweep dir), an absolute path every node mounts, or a URI (s3://, gs://, "
+           "gcs://, abfs://, abfss://, hdfs://, viewfs://, file://)")
+
+
+def refusal(function, *args) -> str:
+    with pytest.raises(ConfigError) as error:
+        function(*args)
+    return str(error.value)
+
+
+def test_storage_is_refused_in_one_line_where_a_node_could_not_reach_it():
+    ray_settings.check_storage(None, None)
+    ray_settings.check_storage("/shared/runs", "ray://head:10001")
+    ray_settings.check_storage("s3://bucket/prefix", "ray://head:10001")
+    assert refusal(ray_settings.check_storage, None, "ray://head:10001") == (
+        "hydra.launcher.storage=null leaves run dirs, checkpoints and summary.json on the disks of the hosts "
+        f"of hydra.launcher.address=ray://head:10001, where this driver cannot read them; {ALLOWED}")
+    assert refusal(ray_settings.check_storage, "runs", None) == (
+        f"hydra.launcher.storage='runs' is a relative path, which names another dir on each node; {ALLOWED}")
+    assert refusal(ray_settings.check_storage, "ftp://host/x", None) == (
+        f"hydra.launcher.storage='ftp://host/x' is not a storage URI pyarrow opens; {ALLOWED}")
+    assert refusal(ray_settings.check_storage, "s3://", None).startswith("hydra.launcher.storage='s3://' is not")
+
+
+def test_uri_storage_holds_rank_zeros_saves_alone():
+    ray_settings.check_uri_storage_strategy("s3://b/p", DDP)
+    ray_settings.check_uri_storage_strategy("/shared", FSDP)
+    assert refusal(ray_settings.check_uri_storage_strategy, "s3://b/p", FSDP) == (
+        "hydra.launcher.storage=s3://b/p copies each rank's run dir to the URI after every save, which holds the "
+        f"checkpoints that rank 0 writes alone; strategy {FSDP} saves a part from every rank into one "
+        "directory; allowed: a data-parallel strategy (ddp, local_sgd), or an absolute path every node mounts")
+
+
+def test_elastic_workers_need_a_range_and_a_data_parallel_strategy():
+    assert ray_settings.elastic_workers({}, FSDP) is None
+    assert ray_settings.elastic_workers({"min_workers": 1, "max_workers": 4}, DDP) == (1, 4)
+    assert ray_settings.elastic_workers(
+        {"min_workers": 1, "max_workers": 2}, "litscale.strategies.local_sgd.LocalSGDStrategy") == (1, 2)
+    assert refusal(ray_settings.elastic_workers, {"min_workers": 3, "max_workers": 2}, DDP) == (
+        "hydra.launcher.min_workers=3 / max_workers=2 is not an elastic range; allowed: both null (a fixed "
+        "count from trainer.devices x trainer.num_nodes), or two integers with 1 <= min_workers <= max_workers")
+    assert refusal(ray_settings.elastic_workers, {"min_workers": 1, "max_workers": None}, DDP).startswith(
+        "hydra.launcher.min_workers=1 / max_workers=None is not an elastic range")
+    assert refusal(ray_settings.elastic_workers, {"min_workers": 1, "max_workers": 2}, FSDP) == (
+        "hydra.launcher.min_workers=1 / max_workers=2 runs the job on however many workers the cluster has, "
+        f"which needs a replica of the whole model on each; strategy {FSDP} splits it; allowed: a "
+        "data-parallel strategy (ddp, local_sgd), or min_workers=null max_workers=null")
+    federated = "litscale.strategies.federated.FederatedStrategy"
+    assert "strategy litscale.strategies.federated" in refusal(
+        ray_settings.elastic_workers, {"min_workers": 1, "max_workers": 2}, federated)
+
+
+def test_the_elastic_line_states_the_batch_and_lr_rules():
+    assert ray_worker.elastic_line(3, 2, (1, 4), 16, 1, "linear") == (
+        "litscale: job 3 runs on 2 Ray workers (elastic, 1-4): data.batch_size=16 per device is fixed, so the "
+        "global batch is 32; lr_scaling=linear rescales optimizer.lr to it")
+    assert ray_worker.elastic_line(0, 1, (1, 2), 8, 2, "none").endswith(
+        "global batch is 16; optimizer.lr stays as given (lr_scaling=none)")
+    assert ray_worker.elastic_trainer_shape(4, 2) == (2, 2)
+    assert ray_worker.elastic_trainer_shape(3, 2) == (3, 1)
+
+
+def test_the_workers_get_the_project_dir_less_what_they_never_run_and_the_litscale_environment(tmp_path):
+    def task(cfg):
+        return None
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    assert ray_settings.working_dir({"working_dir": "auto", "address": "auto"}, task) == here
+    assert ray_settings.working_dir({"working_dir": "auto", "address": None}, task) is None
+    assert ray_settings.working_dir({"working_dir": None, "address": "auto"}, task) is None
+    assert ray_settings.working_dir({"working_dir": str(tmp_path)}, task) == str(tmp_path)
+    assert refusal(ray_settings.working_dir, {"working_dir": "/nowhere"}, task) == (
+        "hydra.launcher.working_dir='/nowhere' is not a directory; allowed: auto (the dir of train.py when "
+        "joining a cluster), null, or a directory to send to every worker")
+    env = ray_settings.runtime_env("/repo", {"LITSCALE_OUTPUTS": "/o", "HOME": "/h"})
+    assert env["env_vars"] == {"LITSCALE_OUTPUTS": "/o"} and env["working_dir"] == "/repo"
+    assert {".venv", ".git", "outputs", "multiruns"} <= set(env["excludes"])
+    assert ray_settings.runtime_env(None, {}) == {"env_vars": {}}
+    assert ray_settings.relative_cwd("/repo", "/repo/sub") == "sub"
+    assert ray_settings.relative_cwd("/repo", "/elsewhere") == "."
+    assert ray_settings.storage_run_root("s3://b/p/", "/x/outputs/default/multiruns/t", "/x/outputs") == (
+        "s3://b/p/default/multiruns/t")
+
+
+def test_a_run_dir_goes_to_uri_storage_and_back_with_its_write_times(tmp_path):
+    local, back = tmp_path / "run", tmp_path / "back"
+    (local / "checkpoints").mkdir(parents=True)
+    (local / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    (local / "checkpoints" / ".last.ckpt.saving").write_bytes(b"half")  # a save in progress
+    (local / "summary.json").write_text("{}")
+    stored = StoredRunDir(f"file://{tmp_path / 'storage'}", str(local))
+    assert stored.upload_changed("checkpoints") == 1 and stored.upload_changed() == 1
+    assert stored.upload_changed() == 0  # nothing new
+    copy = StoredRunDir(f"file://{tmp_path / 'storage'}", str(back))
+    assert copy.download(skip=("checkpoints",)) == 1 and (back / "summary.json").is_file()
+    assert copy.download() == 2
+    # storage's own write time (the resume search picks the newest checkpoint by it)
+    written = (tmp_path / "storage" / "checkpoints" / "last.ckpt").stat().st_mtime_ns
+    assert (back / "checkpoints" / "last.ckpt").stat().st_mtime_ns == written
+
+
+def test_sigterm_on_the_worker_is_handed_to_the_loop_and_a_second_one_exits():
+    previous = signal.getsignal(signal.SIGTERM)
+    exits = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: exits.append(signum))
+    try:
+        ray_worker.on_main_thread(ray_worker.install_stop_handler)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ray_worker.state.stop_requested.is_set() and exits == []
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits == [signal.SIGTERM]  # the handler there before: Ray's, which exits
+        ray_worker.on_main_thread(ray_worker.restore_stop_handler)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        ray_worker.state.stop_requested.clear()
