@@ -82,7 +82,10 @@ class RayWorkerCallback(Callback):
         if state.stored_run_dir is not None and trainer.is_global_zero:
             state.stored_run_dir.upload_changed(CHECKPOINTS)
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # NOTE: here, not in teardown: Lightning ends a run its stop flag ended (SIGTERMException)
+        # through on_exception, and calls no callback's teardown then. This callback comes after
+        # the job's PreemptionCheckpoint, whose on_exception has saved by now.
         if any(callback.saved_path for callback in preemption_callbacks(trainer)):
             state.stopped_at_step = trainer.global_step
 
