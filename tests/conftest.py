@@ -39,7 +39,7 @@ def outputs_root(tmp_path, monkeypatch) -> Path:
 # modules per worker (`--dist loadfile`), one long module left to the end runs on one core
 # while the other idles.
 LONGEST_FIRST = ("test_combinations.py", "test_parity.py", "test_watchdog.py", "test_docs.py", "test_reliability.py",
-                 "test_determinism.py", "test_ray.py", "test_planner.py", "test_compression_ddp.py",
+                 "test_determinism.py", "test_ray.py", "test_ray_cluster.py", "test_planner.py", "test_compression_ddp.py",
                  "test_optuna.py", "test_pipeline.py", "test_checkpoints.py", "test_doctor.py",
                  "test_rank_pool.py", "test_torchrun_reliability.py", "test_ddp.py", "test_scaling.py")
 

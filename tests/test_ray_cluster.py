@@ -33,6 +33,17 @@ JOB = (
 )
 KILL = ("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.kind=sigkill",
         "+callbacks.fault.rank=1", f"+callbacks.fault.at_step={KILLED_AT_STEP}")
+# SIGTERM to rank 1's worker at step 2, as a node drained: the ranks agree at the next step
+# (check_every_n_steps=1), save last.ckpt there and Ray starts the job again from it.
+SIGTERM = ("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.kind=sigterm",
+           "+callbacks.fault.rank=1", "+callbacks.fault.at_step=2",
+           "+callbacks.preemption._target_=litscale.callbacks.preemption.PreemptionCheckpoint",
+           "+callbacks.preemption.dirpath=${paths.output_dir}/checkpoints",
+           "+callbacks.preemption.check_every_n_steps=1")
+# The reference, elastic: up to 3 workers on a cluster with room for 2 runs on 2.
+ELASTIC = ("hydra.launcher.min_workers=1", "hydra.launcher.max_workers=3")
+# Each job prints this once per attempt (rank 0's first line).
+ATTEMPT_LINE = "litscale: gpt-nano"
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +61,10 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def runs(cluster, tmp_path_factory):
-    """The job killed and restarted, and the same job uninterrupted: (summary, seconds, process)."""
+    """The job killed, the job preempted (SIGTERM), and the same job uninterrupted (elastic):
+    name -> (summary, seconds, process, outputs)."""
     results = {}
-    for name, extra in (("killed", KILL), ("uninterrupted", ())):
+    for name, extra in (("killed", KILL), ("preempted", SIGTERM), ("uninterrupted", ELASTIC)):
         outputs = tmp_path_factory.mktemp(name)
         storage = f"file://{outputs / 'storage'}"
         started = time.monotonic()
@@ -60,28 +72,58 @@ def runs(cluster, tmp_path_factory):
                             f"hydra.launcher.storage={storage}", outputs=outputs, timeout=600)
         seconds = time.monotonic() - started
         assert process.returncode == 0, explain(process)
-        (summary,) = (outputs / "default" / "multiruns").glob("*/0/summary.json")
-        results[name] = (json.loads(summary.read_text()), seconds, process, outputs)
+        results[name] = (json.loads((run_dir(outputs) / "summary.json").read_text()), seconds, process, outputs)
     return results
+
+
+def run_dir(outputs: Path) -> Path:
+    """The job's run dir in the driver's sweep dir (where the sweep reads summary.json)."""
+    (found,) = (outputs / "default" / "multiruns").glob("*/0")
+    return found
+
+
+def assert_trains_as_uninterrupted(runs, name: str) -> None:
+    (summary, _, process, outputs), (reference, _, _, reference_outputs) = runs[name], runs["uninterrupted"]
+    assert summary["steps"] == reference["steps"] == STEPS and summary["world_size"] == 2
+    assert (process.stdout + process.stderr).count(ATTEMPT_LINE) == 2, explain(process)  # Ray restarted it once
+    losses, expected = train_losses(run_dir(outputs)), train_losses(run_dir(reference_outputs))
+    assert STEPS - 1 in losses, losses
+    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)]),
+                               torch.tensor([expected[s] for s in sorted(losses)]), rtol=1.3e-6, atol=1e-5)
+    torch.testing.assert_close(summary["val/loss"], reference["val/loss"], rtol=1.3e-6, atol=1e-5)
 
 
 @pytest.mark.slow
 @pytest.mark.full
 @pytest.mark.timeout(1500)
 def test_a_worker_killed_on_a_two_node_cluster_is_restarted_from_storage_and_trains_as_uninterrupted(runs):
-    (killed, killed_s, _, outputs), (reference, reference_s, _, _) = runs["killed"], runs["uninterrupted"]
-    assert killed["steps"] == reference["steps"] == STEPS and killed["world_size"] == 2
+    assert_trains_as_uninterrupted(runs, "killed")
+    _, _, _, outputs = runs["killed"]
     # the driver read summary.json from storage; the checkpoints stayed there
     (stored,) = (outputs / "storage" / "default" / "multiruns").glob("*/0")
     assert (stored / "summary.json").is_file() and (stored / "checkpoints" / "last.ckpt").is_file()
-    losses, expected = train_losses(_local_run_dir(outputs)), train_losses(_local_run_dir(runs["uninterrupted"][3]))
-    assert STEPS - 1 in losses, losses
-    torch.testing.assert_close(torch.tensor([losses[s] for s in sorted(losses)]),
-                               torch.tensor([expected[s] for s in sorted(losses)]), rtol=1.3e-6, atol=1e-5)
-    torch.testing.assert_close(killed["val/loss"], reference["val/loss"], rtol=1.3e-6, atol=1e-5)
-    print(f"killed job {killed_s:.1f} s, uninterrupted {reference_s:.1f} s")
+    assert not (run_dir(outputs) / "checkpoints").exists()
+    print(f"killed job {runs['killed'][1]:.1f} s, uninterrupted {runs['uninterrupted'][1]:.1f} s")
 
 
-def _local_run_dir(outputs: Path) -> Path:
-    (run_dir,) = (outputs / "default" / "multiruns").glob("*/0")
-    return run_dir
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(1500)
+def test_sigterm_to_a_ray_worker_saves_at_a_step_every_rank_agrees_on_and_the_job_resumes_there(runs):
+    assert_trains_as_uninterrupted(runs, "preempted")
+    _, seconds, process, _ = runs["preempted"]
+    printed = process.stdout + process.stderr
+    assert "litscale: stopping at step 3 on a termination signal; saved " in printed, explain(process)
+    assert ("litscale: job 0 stopped at step 3 on SIGTERM and saved last.ckpt; Ray starts it again from there "
+            "while hydra.launcher.max_failures allows") in printed, explain(process)
+    print(f"preempted job {seconds:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(1500)
+def test_an_elastic_job_runs_on_the_workers_the_cluster_has_and_says_what_that_does_to_its_batch(runs):
+    summary, _, process, _ = runs["uninterrupted"]
+    assert summary["world_size"] == 2 and summary["global_batch"] == 32
+    assert ("litscale: job 0 runs on 2 Ray workers (elastic, 1-3): data.batch_size=16 per device is fixed, "
+            "so the global batch is 32; optimizer.lr stays as given (lr_scaling=none)") in process.stdout, explain(process)

@@ -40,12 +40,14 @@ def test_storage_is_refused_in_one_line_where_a_node_could_not_reach_it():
 
 
 def test_uri_storage_holds_rank_zeros_saves_alone():
-    ray_settings.check_uri_storage_strategy("s3://b/p", DDP)
-    ray_settings.check_uri_storage_strategy("/shared", FSDP)
-    assert refusal(ray_settings.check_uri_storage_strategy, "s3://b/p", FSDP) == (
+    ray_settings.check_uri_storage_strategy("s3://b/p", DDP, 8)
+    ray_settings.check_uri_storage_strategy("/shared", FSDP, 8)
+    ray_settings.check_uri_storage_strategy("s3://b/p", "litscale.strategies.single.SingleStrategy", 1)
+    assert refusal(ray_settings.check_uri_storage_strategy, "s3://b/p", FSDP, 2) == (
         "hydra.launcher.storage=s3://b/p copies each rank's run dir to the URI after every save, which holds the "
         f"checkpoints that rank 0 writes alone; strategy {FSDP} saves a part from every rank into one "
-        "directory; allowed: a data-parallel strategy (ddp, local_sgd), or an absolute path every node mounts")
+        "directory; allowed: a data-parallel strategy (ddp, local_sgd), one rank, or an absolute path every "
+        "node mounts")
 
 
 def test_elastic_workers_need_a_range_and_a_data_parallel_strategy():
@@ -130,3 +132,50 @@ def test_sigterm_on_the_worker_is_handed_to_the_loop_and_a_second_one_exits():
     finally:
         signal.signal(signal.SIGTERM, previous)
         ray_worker.state.stop_requested.clear()
+
+
+def job_config(tmp_path, *overrides):
+    from helpers.configs import compose_full
+    from omegaconf import OmegaConf
+
+    config = compose_full(["hydra/launcher=ray", f"paths.root_dir={tmp_path}/outputs",
+                           f"hydra.sweep.dir={tmp_path}/outputs/default/multiruns/t", *overrides])
+    OmegaConf.set_struct(config, False)
+    config.hydra.job.num = 0
+    return config
+
+
+def test_a_jobs_run_dir_is_in_its_storage_and_the_sweep_reads_it_there_or_from_its_copy(tmp_path):
+    from hydra_plugins.litscale_plugins.ray_launcher import prepare_job_config
+
+    sweep = f"{tmp_path}/outputs/default/multiruns/t"
+    plain = ray_settings.checked_settings(job_config(tmp_path))
+    assert (plain.run_sweep_dir, plain.local_run_dir, plain.storage_uri) == (sweep, f"{sweep}/0", None)
+    shared = ray_settings.checked_settings(job_config(tmp_path, "hydra.launcher.storage=/shared"))
+    assert shared.run_sweep_dir == "/shared/default/multiruns/t" and shared.local_run_dir == f"{shared.run_sweep_dir}/0"
+    assert shared.ray_storage_path == "/shared/default/multiruns/t/.ray"
+    uri = ray_settings.checked_settings(job_config(tmp_path, "hydra.launcher.storage=s3://bucket/runs"))
+    assert uri.storage_uri == "s3://bucket/runs/default/multiruns/t/0" and uri.staging == "default/multiruns/t"
+    assert (uri.run_sweep_dir, uri.local_run_dir) == (sweep, f"{sweep}/0")  # the driver's copy
+    config = job_config(tmp_path, "hydra.launcher.max_failures=1", "callbacks=none")
+    prepare_job_config(config, shared, max_failures=1)
+    assert config.ckpt_path == "here" and config.hydra.sweep.dir == shared.run_sweep_dir
+    target = "hydra_plugins.litscale_plugins.ray_worker.RayWorkerCallback"
+    assert config.callbacks.ray_worker._target_ == target and list(config.allowed_targets) == [target]
+    with pytest.raises(ConfigError, match="^hydra.launcher.min_workers=1 / max_workers=2 runs the job"):
+        ray_settings.checked_settings(job_config(tmp_path, "strategy=fsdp", "hydra.launcher.min_workers=1",
+                                                 "hydra.launcher.max_workers=2"))
+
+
+def test_a_rank_stopped_on_sigterm_fails_on_purpose_and_rank_zero_says_why(monkeypatch, capsys):
+    from hydra_plugins.litscale_plugins.ray_launcher import raise_preempted
+
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ray_worker.RayWorkerPreempted, match="^rank 0 stopped at step 3 on SIGTERM and saved last.ckpt$"):
+        raise_preempted(2, 3)
+    assert capsys.readouterr().out == ("litscale: job 2 stopped at step 3 on SIGTERM and saved last.ckpt; Ray starts "
+                                       "it again from there while hydra.launcher.max_failures allows\n")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ray_worker.RayWorkerPreempted):
+        raise_preempted(2, 3)
+    assert capsys.readouterr().out == ""

@@ -294,9 +294,17 @@ def run_rank(config: dict[str, Any]) -> None:
     if result.status == JobStatus.FAILED:
         raise result._return_value
     if ray_worker.state.stopped_at_step is not None:
-        raise ray_worker.RayWorkerPreempted(
-            f"rank {os.environ['RANK']} stopped at step {ray_worker.state.stopped_at_step} on SIGTERM and saved "
-            "last.ckpt; the job resumes from it where hydra.launcher.max_failures allows")
+        raise_preempted(worker.get("number"), ray_worker.state.stopped_at_step)
+
+
+def raise_preempted(number: Any, step: int) -> None:
+    """A rank stopped by SIGTERM fails on purpose once its ``last.ckpt`` is saved: Ray Train then
+    starts the job again (``max_failures``) and it resumes there. Rank 0 says so in one line."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"litscale: job {number} stopped at step {step} on SIGTERM and saved last.ckpt; Ray starts "
+              "it again from there while hydra.launcher.max_failures allows", flush=True)
+    raise ray_worker.RayWorkerPreempted(f"rank {os.environ.get('RANK', '0')} stopped at step {step} on SIGTERM "
+                                        "and saved last.ckpt")
 
 
 def enter_working_dir(driver_cwd: str, relative: str | None) -> None:

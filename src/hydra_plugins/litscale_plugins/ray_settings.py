@@ -53,16 +53,18 @@ def check_storage(storage: Any, address: Any) -> None:
                           f"allowed: {STORAGE_ALLOWED}")
 
 
-def check_uri_storage_strategy(storage: Any, strategy_target: str) -> None:
-    """A URI storage holds what rank 0 writes alone: a sharded strategy's save, one part from
-    each rank into one directory, needs a path every node mounts."""
-    if storage is None or storage_uri_scheme(str(storage)) is None or is_data_parallel(strategy_target):
+def check_uri_storage_strategy(storage: Any, strategy_target: str, workers: int) -> None:
+    """A URI storage holds what rank 0 writes alone (one rank's job, or a data-parallel one's):
+    a sharded strategy's save, one part from each rank into one directory, needs a path every
+    node mounts."""
+    if (storage is None or storage_uri_scheme(str(storage)) is None or workers == 1
+            or is_data_parallel(strategy_target)):
         return
     raise ConfigError(
         f"hydra.launcher.storage={storage} copies each rank's run dir to the URI after every save, which "
         f"holds the checkpoints that rank 0 writes alone; strategy {strategy_target} saves a part from every "
-        "rank into one directory; allowed: a data-parallel strategy (ddp, local_sgd), or an absolute "
-        "path every node mounts")
+        "rank into one directory; allowed: a data-parallel strategy (ddp, local_sgd), one rank, or an "
+        "absolute path every node mounts")
 
 
 def is_data_parallel(strategy_target: str) -> bool:
@@ -174,10 +176,10 @@ def checked_settings(job_config: Any) -> JobSettings:
     strategy = str((job_config.get("strategy") or {}).get("_target_", ""))
     storage = params.get("storage")
     check_storage(storage, params.get("address"))
-    check_uri_storage_strategy(storage, strategy)
+    workers = int(params["nodes"]) * int(params["processes_per_node"])
+    check_uri_storage_strategy(storage, strategy, workers)
     elastic = elastic_workers(params, strategy)
     sweep_dir, subdir = str(job_config.hydra.sweep.dir), str(job_config.hydra.sweep.subdir)
-    workers = int(params["nodes"]) * int(params["processes_per_node"])
     local_run_dir = sweep_run_dir(job_config)
     if storage is None:
         return JobSettings(workers, elastic, sweep_dir, str(Path(sweep_dir) / ".ray"), local_run_dir)
