@@ -16,7 +16,9 @@ import pytest
 import torch
 from helpers.cli import explain, run_train, train_losses
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
+# Each test reads the module's 3 runs on its cluster (about 5 min on 2 cores): `make test-full`.
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
+              pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(1500)]
 
 STEPS = 5
 KILLED_AT_STEP = 3
@@ -93,9 +95,6 @@ def assert_trains_as_uninterrupted(runs, name: str) -> None:
     torch.testing.assert_close(summary["val/loss"], reference["val/loss"], rtol=1.3e-6, atol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.full
-@pytest.mark.timeout(1500)
 def test_a_worker_killed_on_a_two_node_cluster_is_restarted_from_storage_and_trains_as_uninterrupted(runs):
     assert_trains_as_uninterrupted(runs, "killed")
     _, _, _, outputs = runs["killed"]
@@ -106,9 +105,6 @@ def test_a_worker_killed_on_a_two_node_cluster_is_restarted_from_storage_and_tra
     print(f"killed job {runs['killed'][1]:.1f} s, uninterrupted {runs['uninterrupted'][1]:.1f} s")
 
 
-@pytest.mark.slow
-@pytest.mark.full
-@pytest.mark.timeout(1500)
 def test_sigterm_to_a_ray_worker_saves_at_a_step_every_rank_agrees_on_and_the_job_resumes_there(runs):
     assert_trains_as_uninterrupted(runs, "preempted")
     _, seconds, process, _ = runs["preempted"]
@@ -119,9 +115,6 @@ def test_sigterm_to_a_ray_worker_saves_at_a_step_every_rank_agrees_on_and_the_jo
     print(f"preempted job {seconds:.1f} s")
 
 
-@pytest.mark.slow
-@pytest.mark.full
-@pytest.mark.timeout(1500)
 def test_an_elastic_job_runs_on_the_workers_the_cluster_has_and_says_what_that_does_to_its_batch(runs):
     summary, _, process, _ = runs["uninterrupted"]
     assert summary["world_size"] == 2 and summary["global_batch"] == 32
