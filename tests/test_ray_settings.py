@@ -110,9 +110,12 @@ def test_a_run_dir_goes_to_uri_storage_and_back_with_its_write_times(tmp_path):
     stored = StoredRunDir(f"file://{tmp_path / 'storage'}", str(local))
     assert stored.upload_changed("checkpoints") == 1 and stored.upload_changed() == 1
     assert stored.upload_changed() == 0  # nothing new
+    (local / "summary.json").write_text('{"other": "node"}')  # another node's file of the same name
+    (local / "rank1.json").write_text("{}")
+    assert stored.upload_changed(only_new=True) == 1 and (tmp_path / "storage" / "summary.json").read_text() == "{}"
     copy = StoredRunDir(f"file://{tmp_path / 'storage'}", str(back))
-    assert copy.download(skip=("checkpoints",)) == 1 and (back / "summary.json").is_file()
-    assert copy.download() == 2
+    assert copy.download(skip=("checkpoints",)) == 2 and (back / "summary.json").is_file()
+    assert copy.download() == 3
     # storage's own write time (the resume search picks the newest checkpoint by it)
     written = (tmp_path / "storage" / "checkpoints" / "last.ckpt").stat().st_mtime_ns
     assert (back / "checkpoints" / "last.ckpt").stat().st_mtime_ns == written
@@ -179,3 +182,17 @@ def test_a_rank_stopped_on_sigterm_fails_on_purpose_and_rank_zero_says_why(monke
     with pytest.raises(ray_worker.RayWorkerPreempted):
         raise_preempted(2, 3)
     assert capsys.readouterr().out == ""
+
+
+def test_a_ray_setting_that_cannot_work_stops_the_sweep_in_one_line_before_it_starts(capsys):
+    from helpers.cli import check_command
+
+    code, _, err = check_command(["-m", "hydra/launcher=ray", "strategy=ddp", "trainer.accelerator=cpu",
+                                  "trainer.devices=2", "hydra.launcher.storage=runs"], capsys)
+    assert code != 0 and err == (f"error: hydra.launcher.storage='runs' is a relative path, which names another "
+                                 f"dir on each node; {ALLOWED}\n")
+    code, _, err = check_command(["-m", "hydra/launcher=ray", "strategy=fsdp", "trainer.accelerator=cpu",
+                                  "trainer.devices=2", "hydra.launcher.min_workers=1",
+                                  "hydra.launcher.max_workers=2"], capsys)
+    assert code != 0 and err.startswith("error: hydra.launcher.min_workers=1 / max_workers=2 runs the job") and \
+        err.count("\n") == 1

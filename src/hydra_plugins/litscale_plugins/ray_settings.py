@@ -99,6 +99,22 @@ def elastic_workers(params: dict[str, Any], strategy_target: str) -> tuple[int, 
     return low, high
 
 
+def check_settings(params: dict[str, Any], strategy_target: str) -> None:
+    """Every setting here, for one job (``litscale.app.preflight`` asks before the sweep, the
+    launcher again per job): one ``ConfigError`` line for the first that cannot work."""
+    storage = params.get("storage")
+    check_storage(storage, params.get("address"))
+    check_uri_storage_strategy(storage, strategy_target, int(params["nodes"]) * int(params["processes_per_node"]))
+    elastic_workers(params, strategy_target)
+    check_working_dir(params.get("working_dir", "auto"))
+
+
+def check_working_dir(value: Any) -> None:
+    if value not in ("auto", None) and not os.path.isdir(str(value)):
+        raise ConfigError(f"hydra.launcher.working_dir={value!r} is not a directory; allowed: auto (the dir "
+                          "of train.py when joining a cluster), null, or a directory to send to every worker")
+
+
 def project_dir(task_function: Any) -> str:
     """The dir of the script whose task function the sweep runs (``train.py``'s: the project)."""
     import inspect
@@ -118,9 +134,7 @@ def working_dir(params: dict[str, Any], task_function: Any) -> str | None:
         return project_dir(task_function) if params.get("address") else None
     if value is None:
         return None
-    if not os.path.isdir(str(value)):
-        raise ConfigError(f"hydra.launcher.working_dir={value!r} is not a directory; allowed: auto (the dir "
-                          "of train.py when joining a cluster), null, or a directory to send to every worker")
+    check_working_dir(value)
     return os.path.abspath(str(value))
 
 
@@ -175,9 +189,8 @@ def checked_settings(job_config: Any) -> JobSettings:
     params = job_resources(job_config)
     strategy = str((job_config.get("strategy") or {}).get("_target_", ""))
     storage = params.get("storage")
-    check_storage(storage, params.get("address"))
+    check_settings(params, strategy)
     workers = int(params["nodes"]) * int(params["processes_per_node"])
-    check_uri_storage_strategy(storage, strategy, workers)
     elastic = elastic_workers(params, strategy)
     sweep_dir, subdir = str(job_config.hydra.sweep.dir), str(job_config.hydra.sweep.subdir)
     local_run_dir = sweep_run_dir(job_config)

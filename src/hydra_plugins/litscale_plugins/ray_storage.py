@@ -2,7 +2,8 @@
 ``file://``, ... through ``pyarrow.fs``, which Ray brings).
 
 Workers write the run dir on their node's disk, as any run does, and copy it to storage: the
-checkpoints rank 0 publishes as they appear, everything else when the rank ends. A restarted
+checkpoints rank 0 publishes as they appear, everything else when the rank ends (a file that
+rank 0's node writes too, such as ``train.log``, is its copy). A restarted
 attempt starts from the storage copy (so every node resumes from the same newest complete
 checkpoint), and the driver takes the copy less its checkpoints back into the sweep dir, where
 the sweep reads ``summary.json``. Write times are kept on the way back: the resume search picks
@@ -65,12 +66,18 @@ class StoredRunDir:
         self.copied = snapshot(self.local)
         return copied
 
-    def upload_changed(self, under: str = "") -> int:
+    def upload_changed(self, under: str = "", *, only_new: bool = False) -> int:
         """Copy the files under ``under`` written since the last copy, oldest first (storage
-        stamps them in that order); the number copied."""
+        stamps them in that order); with ``only_new``, those storage does not hold yet. The
+        number copied."""
+        from pyarrow import fs
+
         current = snapshot(self.local, under)
         changed = sorted((path for path, stamp in current.items() if self.copied.get(path) != stamp),
                          key=lambda path: current[path][1])
+        if only_new:
+            changed = [path for path in changed
+                       if self.filesystem.get_file_info(f"{self.remote}/{path}").type == fs.FileType.NotFound]
         for relative in changed:
             target = f"{self.remote}/{relative}"
             self.filesystem.create_dir(target.rsplit("/", 1)[0], recursive=True)

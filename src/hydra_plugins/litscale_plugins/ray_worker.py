@@ -115,7 +115,9 @@ def start_stored_run_dir(uri: str, local_dir: str) -> None:
 def finish_stored_run_dir() -> None:
     """After the job, ended or failed: what this node's first rank wrote goes to storage."""
     if state.stored_run_dir is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        state.stored_run_dir.upload_changed()
+        # NOTE: each node's copy of the run dir has its own train.log (its ranks' lines): the
+        # other nodes add only what storage lacks (their ranks' records), not rank 0's files.
+        state.stored_run_dir.upload_changed(only_new=int(os.environ.get("NODE_RANK", "0")) != 0)
     state.stored_run_dir = None
 
 

@@ -215,6 +215,10 @@ def check_cluster_resources(cfg) -> None:
         problem = outputs_problem(params)
         if problem:
             raise ConfigError(problem)
+    if option == "ray":
+        from hydra_plugins.litscale_plugins.ray_settings import check_settings
+
+        check_settings(params, str(OmegaConf.select(cfg, "strategy._target_") or ""))
 
 
 def _as_job_config(cfg):
