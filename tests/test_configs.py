@@ -261,6 +261,12 @@ def check_determinism(cfg, choices, tmp_path):
         assert len(cfg.determinism) == 0 and determinism is None
 
 
+def check_fault_tolerance(cfg, choices, tmp_path):
+    layout = validate(cfg, choices=choices)
+    assert cfg.fault_tolerance.mode == choices["fault_tolerance"]
+    assert layout.replica_groups == (cfg.fault_tolerance.groups if choices["fault_tolerance"] == "replicas" else 1)
+
+
 GROUP_CHECKS = {
     "trainer": check_trainer,
     "model": check_model,
@@ -277,6 +283,7 @@ GROUP_CHECKS = {
     "cluster": check_cluster,
     "plan": check_plan,
     "determinism": check_determinism,
+    "fault_tolerance": check_fault_tolerance,
     "hydra": None,  # checked on the composed hydra node, see test_option
     "experiment": None,  # see test_experiment
     "sweeps": None,  # +sweeps=<option> beside hydra/sweeper=optuna: see test_optuna.py

@@ -13,6 +13,7 @@ from typing import Annotated
 from annotated_types import Ge, Gt, Interval
 
 PositiveInt = Annotated[int, Ge(1)]
+AtLeastTwo = Annotated[int, Ge(2)]  # replica groups: one group is no redundancy
 NonNegativeInt = Annotated[int, Ge(0)]
 PositiveFloat = Annotated[float, Gt(0)]
 NonNegativeFloat = Annotated[float, Ge(0)]

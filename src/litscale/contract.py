@@ -53,6 +53,7 @@ class Option(StrEnum):
     ASYNC_SAVE = "checkpoint.async_save=true"
     MATRIX_OPTIMIZER = "optimizer=muon"
     WIDTH_SCALING = "lr_scaling=mup"
+    REPLICA_GROUPS = "fault_tolerance=replicas"
 
 
 # An option a strategy takes through a keyword of its constructor: the keyword.
@@ -77,6 +78,7 @@ ALTERNATIVES = {
     Option.ASYNC_SAVE: "checkpoint.async_save=false, or any strategy but deepspeed_zero",
     Option.MATRIX_OPTIMIZER: "optimizer=adamw, or any strategy but deepspeed_zero stage 3",
     Option.WIDTH_SCALING: "lr_scaling=none, linear or sqrt",
+    Option.REPLICA_GROUPS: "fault_tolerance=none, or strategy=ddp or single inside each group",
 }
 # Why a strategy that is not a StrategyContract cannot save in the background: the background
 # save is the contract's own ``save_checkpoint``.
@@ -123,6 +125,10 @@ class StrategyContract:
     refuses: ClassVar[dict[Option, str]] = {
         Option.LAYOUT_INVARIANT: "the strategy does not state how it reduces gradients, so their order cannot be fixed",
     }
+    # fault_tolerance=replicas averages whole gradients between a step's backward and its
+    # update, across groups of this strategy's ranks: only a strategy whose every rank holds
+    # them there (and steps on them) says so. Subclasses that replace ``refuses`` keep this.
+    averages_across_replica_groups: ClassVar[bool] = False
     # Option -> what the strategy needs beside an option it takes (a clause, no full stop), as
     # ``why_not_with`` checks it: a footnote of ``docs/compatibility.md``.
     conditions: ClassVar[dict[Option, str]] = {}
@@ -276,7 +282,7 @@ class StrategyContract:
         """Why this strategy, as configured, refuses ``option``; ``None`` if it takes it."""
         if option in self.refuses:
             return self.refuses[option]
-        return _lacks_keyword(self, option)
+        return _no_replica_groups(self, option) or _lacks_keyword(self, option)
 
     def why_not_with(self, option: Option, settings: Mapping[str, Any]) -> SettingRefusal | None:
         """Why this strategy takes ``option`` but not with one of these ``settings`` (dotted
@@ -292,7 +298,13 @@ def why_not(strategy: Any, option: Option) -> str | None:
         return strategy.why_not(option)
     if option is Option.ASYNC_SAVE:
         return NO_CONTRACT_SAVE
-    return StrategyContract.refuses.get(option) or _lacks_keyword(strategy, option)
+    return StrategyContract.refuses.get(option) or _no_replica_groups(strategy, option) or _lacks_keyword(strategy, option)
+
+
+def _no_replica_groups(strategy: Any, option: Option) -> str | None:
+    if option is Option.REPLICA_GROUPS and not contract_value(strategy, "averages_across_replica_groups"):
+        return "its ranks do not each hold whole gradients of one model replica, to average across groups, before the update"
+    return None
 
 
 def why_not_with(strategy: Any, option: Option, settings: Mapping[str, Any]) -> SettingRefusal | None:

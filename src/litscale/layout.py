@@ -132,9 +132,10 @@ class RunLayout:
     accumulation: int = 1
     ckpt_path: str | None = None
     strong_scaling: bool = False  # the micro batch was derived from a fixed global batch
+    replica_groups: int = 1  # fault_tolerance=replicas: copies of this layout, averaged together
 
     def __post_init__(self) -> None:
-        for name in ("num_nodes", "processes_per_node", "micro_batch", "accumulation"):
+        for name in ("num_nodes", "processes_per_node", "micro_batch", "accumulation", "replica_groups"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunLayout.{name}={getattr(self, name)} is not valid: expected >= 1")
         if self.mesh.world_size != self.world_size:
@@ -152,14 +153,16 @@ class RunLayout:
 
     @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.data_parallel_size * self.accumulation
+        return self.micro_batch * self.data_parallel_size * self.accumulation * self.replica_groups
 
     def describe(self) -> str:
         """One line for the start of a run."""
         return (f"{self.num_nodes} node(s) x {self.processes_per_node} process(es) = world "
                 f"{self.world_size} | mesh {self.mesh.describe()} | batch: micro "
                 f"{self.micro_batch} x data-parallel {self.data_parallel_size} x accumulation "
-                f"{self.accumulation} = global {self.global_batch}"
+                f"{self.accumulation}"
+                + (f" x replica groups {self.replica_groups}" if self.replica_groups > 1 else "")
+                + f" = global {self.global_batch}"
                 + (" (strong scaling)" if self.strong_scaling else ""))
 
     def as_dict(self) -> dict[str, Any]:

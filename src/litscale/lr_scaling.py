@@ -159,8 +159,9 @@ class LRScaling(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self.layout is not None:
-            micro, dp, accumulation = (self.layout.micro_batch, self.layout.data_parallel_size,
+        if self.layout is not None:  # replica groups (fault_tolerance=replicas) are data parallel too
+            micro, dp, accumulation = (self.layout.micro_batch,
+                                       self.layout.data_parallel_size * self.layout.replica_groups,
                                        self.layout.accumulation)
         else:
             micro, dp = self._micro_batch(trainer), data_parallel_size(trainer)

@@ -4,7 +4,7 @@ A combination is one choice per dimension (strategy with its mesh sizes, precisi
 determinism, model family, compression, optimizer (LARS, LAMB and Muon among them), devices,
 accumulation, Hydra launcher and sweeper, checkpoints: none, or saved every step on the
 training thread or in the background, the LR rule across widths: none, or µP, and gradient
-clipping: the default norm clipping, or none),
+clipping: the default norm clipping, or none, and fault tolerance: none, or replica groups),
 turned into the overrides a user would type. ``tests/test_combinations.py`` checks that each
 is either refused in one line before any rank starts, or accepted and trains right.
 """
@@ -58,6 +58,9 @@ LR_SCALINGS = ("none", "mup")
 # norm: the default clipping (trainer.gradient_clip_val=1.0); none: no clipping (what Muon
 # under ZeRO, stepped by DeepSpeed's ZeRO Muon, needs).
 CLIPPINGS = ("norm", "none")
+# fault_tolerance=replicas: replica groups of the layout (trained by tests/test_fault_tolerance.py:
+# the rank pool runs one group of ranks, not a lighthouse and its groups).
+FAULT_TOLERANCE = ("none", "replicas")
 # What every combination shares: a CPU run of 2 steps with a micro batch that 4 microbatches split.
 BASE = ["trainer.accelerator=cpu", "trainer.max_steps=2", "launcher.oversubscribe=true",
         "data.batch_size=8", "logger=none", "callbacks=none"]
@@ -79,6 +82,7 @@ class Combination:
     checkpoint: str = "none"
     lr_scaling: str = "none"
     clipping: str = "norm"
+    fault_tolerance: str = "none"
 
     def job_overrides(self) -> list[str]:
         """What the job sees: everything but the Hydra launcher and sweeper."""
@@ -90,7 +94,7 @@ class Combination:
                 f"determinism={self.determinism}", *MODELS[self.model], f"compression={self.compression}",
                 f"optimizer={self.optimizer}",
                 f"trainer.devices={self.devices}", f"trainer.accumulate_grad_batches={self.accumulation}", *saves,
-                *widths, *clipping]
+                *widths, *clipping, f"fault_tolerance={self.fault_tolerance}"]
 
     def overrides(self) -> list[str]:
         """The command line: the job's overrides and the engines that launch and sweep it."""
@@ -109,7 +113,7 @@ class Combination:
 
 
 DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRESSIONS, OPTIMIZERS, DEVICES,
-              ACCUMULATIONS, LAUNCHERS, SWEEPERS, CHECKPOINTS, LR_SCALINGS, CLIPPINGS)
+              ACCUMULATIONS, LAUNCHERS, SWEEPERS, CHECKPOINTS, LR_SCALINGS, CLIPPINGS, FAULT_TOLERANCE)
 
 
 # How often each value is drawn, by dimension (None: evenly). Most options refuse only a few
@@ -117,7 +121,7 @@ DIMENSIONS = (tuple(STRATEGIES), PRECISIONS, DETERMINISM, tuple(MODELS), COMPRES
 # determinism mode) is drawn more often: a sample with as many accepted combinations to train
 # as refused ones to read.
 WEIGHTS = (None, (5, 2, 1, 2), (3, 1), None, (6, 1, 1, 1), (4, 2, 1, 1, 1), None, None, (3, 1, 1), (3, 1), None,
-           (3, 1), (3, 1))
+           (3, 1), (3, 1), (5, 1))
 
 
 def cross_product_size() -> int:

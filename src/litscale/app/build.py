@@ -164,6 +164,17 @@ def never_validates(trainer: DictConfig, ckpt_path: str | None) -> bool:
             and isinstance(interval, int) and not isinstance(interval, bool) and steps < interval)
 
 
+def _replica_groups(cfg: DictConfig, datamodule: LightningDataModule, layout: RunLayout) -> Any:
+    """``fault_tolerance=replicas`` on a rank of one group: the callback that averages across
+    groups, and the group's block of the data order."""
+    from litscale.fault_tolerance import ReplicaFaultTolerance, replica_group
+
+    datamodule.replica_group = replica_group() or (0, layout.replica_groups)
+    ft = cfg.fault_tolerance
+    return ReplicaFaultTolerance(run_dir=cfg.paths.output_dir, min_replicas=ft.min_replicas,
+                                 timeout_s=ft.timeout_s, quorum_timeout_s=ft.quorum_timeout_s)
+
+
 def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
               loggable_config: dict | None = None, sweep_dir: str | None = None) -> BuiltRun:
     cfg = OmegaConf.create(config)
@@ -191,6 +202,8 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
         from litscale.callbacks.float8 import Float8Training
 
         callbacks.append(Float8Training(recipe=cfg.precision.float8))
+    if layout.replica_groups > 1:
+        callbacks.append(_replica_groups(cfg, datamodule, layout))
     if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
         from litscale.loggers import WandbRunId
 

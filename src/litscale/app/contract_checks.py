@@ -39,6 +39,8 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
     if base_width_of(cfg) is not None:
         chosen[Option.WIDTH_SCALING] = width_rule(choices)
+    if (cfg.get("fault_tolerance") or {}).get("mode", "none") == "replicas":
+        chosen[Option.REPLICA_GROUPS] = f"fault_tolerance={choices.get('fault_tolerance', 'replicas')}"
     return chosen
 
 

@@ -145,10 +145,14 @@ def _run_rank(entrypoint: Callable[[Any], Any], payload: Any) -> Any:
     return result
 
 
-def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, num_nodes: int = 1) -> Any:
-    """Run ``entrypoint(payload)`` on every rank of this node; return rank 0's result."""
+def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, num_nodes: int = 1,
+           max_restarts: int = 0, agent: bool = False) -> Any:
+    """Run ``entrypoint(payload)`` on every rank of this node; return rank 0's result.
+
+    ``max_restarts``: times the agent starts all ranks again after one fails (a replica group of
+    ``fault_tolerance=replicas``); ``agent``: under the agent even with one process (to restart it)."""
     check_launchable(processes, num_nodes)
-    if launched_externally() or processes == 1:
+    if launched_externally() or (processes == 1 and not agent):
         return entrypoint(payload)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -164,7 +168,7 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",  # a free port, as `torchrun --standalone` does
         run_id=uuid.uuid4().hex,
-        max_restarts=0,
+        max_restarts=max_restarts,
         # NOTE: the agent polls its workers this often; at 0.1 s (torchrun's default) its
         # polling took 2% of a 2-rank CPU DDP step on a fully loaded 2-core machine
         # (experiments/bench). A failure is still seen within a second.

@@ -48,6 +48,13 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
         return run_plan(cfg, layout, choices)
     spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,
                    loggable_config=config_without_environment(cfg), scaling=job_context(cfg))
+    if layout.replica_groups > 1:
+        from litscale.app.replica_launch import launch_replica_groups
+
+        ft = cfg.fault_tolerance
+        return launch_replica_groups(run_rank, spec, groups=layout.replica_groups, processes=layout.processes_per_node,
+                                     min_replicas=ft.min_replicas, max_restarts=ft.max_restarts,
+                                     lighthouse=ft.lighthouse, straggler_timeout_s=ft.straggler_timeout_s)
     result = launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
     if result.get("preempted"):
         check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)

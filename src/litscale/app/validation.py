@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from litscale.app.checkpoint_checks import check_checkpoint_moves, check_checkpoint_network
 from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.devices import check_devices
+from litscale.app.fault_tolerance_checks import check_fault_tolerance, replica_groups
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.app.schemas import (
     CheckpointSchema,
@@ -104,6 +105,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     check_data_paths(cfg)
     layout = run_layout(cfg, processes, strategy, choices=choices)
     check_determinism(cfg, choices, layout)
+    check_fault_tolerance(cfg, choices, layout)
     check_baseline(cfg)
     check_warmup(cfg)
     check_declared_widths(cfg, choices)
@@ -266,7 +268,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
     check_checkpoint_moves(cfg, ckpt_path, strategy, world_size, choices or {})
     return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
                      micro_batch=micro_batch, accumulation=accumulation, ckpt_path=ckpt_path,
-                     strong_scaling=bool(global_batch))
+                     strong_scaling=bool(global_batch), replica_groups=replica_groups(cfg))
 
 
 def check_baseline(cfg: DictConfig) -> None:

@@ -60,6 +60,7 @@ class InjectFault(Callback):
         kind: Literal["exception", "sigterm", "sigusr1", "sigkill", "nan_weights", "hang",
                       "skip_collective", "wrong_shape", "slow", "freeze", "ctrl_c", "ctrl_c_twice"] = "exception",
         rank: NonNegativeInt | None = None,
+        replica_group: NonNegativeInt | None = None,
         during: Literal["train", "validation", "save", "export", "summary"] = "train",
         after_resume: bool = False,
         delay_s: PositiveFloat = 1.0,
@@ -68,6 +69,7 @@ class InjectFault(Callback):
         self.at_step = at_step
         self.kind = kind
         self.rank = rank
+        self.replica_group = replica_group
         self.during = during
         self.after_resume = after_resume
         self.delay_s = delay_s
@@ -83,6 +85,11 @@ class InjectFault(Callback):
             self._fired = True
 
     def _on_this_rank(self, trainer: Trainer) -> bool:
+        """``rank`` (within its replica group under ``fault_tolerance=replicas``) of ``replica_group``."""
+        from litscale.fault_tolerance import replica_group
+
+        if self.replica_group is not None and (replica_group() or (0, 1))[0] != self.replica_group:
+            return False
         return self.rank is None or trainer.global_rank == self.rank
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,

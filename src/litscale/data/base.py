@@ -98,6 +98,8 @@ class ShardedDataModule(LightningDataModule):
     #: Set for ``determinism=layout_invariant``: the samples a rank takes per optimizer step
     #: (micro batch x accumulation), drawn as one contiguous block (``ContiguousBlockSampler``).
     rank_block: int | None = None
+    #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.fault_tolerance``).
+    replica_group: tuple[int, int] = (0, 1)
 
     #: ``"causal_lm"`` (batches ``(x, y)`` of int64 ``[B, T]``, ``y`` = ``x`` shifted by one)
     #: or ``"classification"`` (``x`` float32 ``[B, C, H, W]``, ``y`` int64 ``[B]``).
@@ -140,6 +142,14 @@ class ShardedDataModule(LightningDataModule):
             return 1, 0
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
+    def train_replicas(self) -> tuple[int, int]:
+        """``replicas()`` over every replica group of ``fault_tolerance=replicas``: group ``g``'s
+        ranks take the ``g``-th block of ranks, so the groups together read what one
+        data-parallel job of all their ranks reads (validation stays within each group)."""
+        num_replicas, rank = self.replicas()
+        group, groups = self.replica_group
+        return num_replicas * groups, group * num_replicas + rank
+
     def _require(self, dataset: Dataset | None, split: str) -> Dataset:
         if dataset is None:
             raise RuntimeError(
@@ -154,7 +164,7 @@ class ShardedDataModule(LightningDataModule):
 
     def train_sampler(self) -> Sampler:
         """The training sampler for this rank (Lightning calls ``set_epoch`` on it)."""
-        num_replicas, rank = self.replicas()
+        num_replicas, rank = self.train_replicas()
         dataset = self._require(self.train_dataset, "train")
         if self.rank_block is not None:
             return ContiguousBlockSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
@@ -234,7 +244,7 @@ class ShardedDataModule(LightningDataModule):
             return dict(self._restored_state or {"epoch": 0, "samples_drawn": 0, "seed": self.seed,
                                                  "dataset_samples": len(self.train_dataset or ())})
         epoch, skipped, batches_then = self._epoch_start
-        drawn = (batches_drawn(self.trainer) - batches_then) * self.batch_size * self.replicas()[0]
+        drawn = (batches_drawn(self.trainer) - batches_then) * self.batch_size * self.train_replicas()[0]
         return {"epoch": epoch, "samples_drawn": skipped + drawn, "seed": self.seed,
                 "dataset_samples": len(self._require(self.train_dataset, "train"))}
 
@@ -278,12 +288,12 @@ class ShardedDataModule(LightningDataModule):
             self.seed = int(restored["seed"])
 
     def _epoch_began(self, epoch: int, skipped: int) -> None:
-        self._epoch_start = (epoch, skipped * self.replicas()[0], batches_drawn(self.trainer))
+        self._epoch_start = (epoch, skipped * self.train_replicas()[0], batches_drawn(self.trainer))
 
     def train_dataloader(self) -> DataLoader:
         self._continue_restored_order()
         sampler = self.train_sampler()
-        num_replicas = self.replicas()[0]
+        num_replicas = self.train_replicas()[0]
         point = self._resume_point(sampler, num_replicas)
         if point is not None:
             sampler.resume_at(*point)

@@ -214,7 +214,7 @@ class TokenDataModule(ShardedDataModule):
     def train_sampler(self) -> Sampler:
         if self.partition != "source":
             return super().train_sampler()
-        num_replicas, rank = self.replicas()
+        num_replicas, rank = self.train_replicas()
         parts, labels = self._source_parts(num_replicas)
         if self.partition_facts is None:
             self._record_partition(labels, parts)

@@ -26,6 +26,7 @@ class DDPStrategy(StrategyContract, LightningDDPStrategy):
     """
 
     refuses = {}
+    averages_across_replica_groups = True
     phase_collectives = {"backward": "gradient all-reduce"}
 
     @checked_arguments("strategy")

@@ -154,6 +154,7 @@ class FederatedStrategy(DDPStrategy):
     client's samples, FedProx (``proximal_mu``), FedOpt (``outer_optimizer``) and client
     sampling (``clients_per_round``). See the module's docstring."""
 
+    averages_across_replica_groups = False  # each rank steps on its own gradients
     refuses = {Option.LAYOUT_INVARIANT: "each client's optimizer steps on its own data before the models are "
                "averaged, so the model depends on the number of clients by design",
                Option.COMPRESSION: "its rounds' averaging already is its communication hook"}

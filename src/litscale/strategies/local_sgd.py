@@ -45,6 +45,7 @@ class LocalSGDStrategy(DDPStrategy):
     # Where a rank waits for its peers, by phase (litscale.callbacks.watchdog).
     # Local SGD's math, not its code: each rank's optimizer steps on that rank's share of the
     # batch and only then are parameters averaged (AdamW's update is not linear in the gradient).
+    averages_across_replica_groups = False  # each rank steps on its own gradients
     refuses = {Option.LAYOUT_INVARIANT: "each rank's optimizer steps on its own share of the batch before the "
                "parameters are averaged, so the model depends on the number of ranks by design (at sync_every=1 too)",
                Option.COMPRESSION: "its synchronisation already is its communication hook"}

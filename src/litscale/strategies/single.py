@@ -25,6 +25,7 @@ class SingleStrategy(StrategyContract, SingleDeviceStrategy):
     """
 
     refuses = {}  # one process: every option that runs on one device
+    averages_across_replica_groups = True
 
     @checked_arguments("strategy")
     def __init__(self, *, device_index: NonNegativeInt = 0) -> None:

@@ -1,0 +1,59 @@
+"""``fault_tolerance=replicas`` against the rest of the config: each refusal one line, before
+any rank starts (the strategy's own answer is the contract's, ``Option.REPLICA_GROUPS``)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from omegaconf import DictConfig
+
+from litscale.errors import ConfigError
+from litscale.layout import RunLayout
+
+KEY = "fault_tolerance"
+
+
+def replicas_chosen(cfg: DictConfig) -> bool:
+    return (cfg.get(KEY) or {}).get("mode", "none") == "replicas"
+
+
+def replica_groups(cfg: DictConfig) -> int:
+    """How many copies of the layout train together (1 without replica groups)."""
+    return int(cfg[KEY].groups) if replicas_chosen(cfg) else 1
+
+
+def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:
+    """Replica groups are asked for where they can run and average what they claim to."""
+    from litscale.app.launch import launched_externally
+    from litscale.app.schemas import FaultToleranceSchema
+    from litscale.app.validation import check_schema  # validation imports this module
+
+    if cfg.get(KEY) is None:
+        return
+    check_schema(KEY, cfg[KEY], FaultToleranceSchema)
+    if not replicas_chosen(cfg):
+        return
+    typed = f"{KEY}={choices.get(KEY, 'replicas')}"
+    ft = cfg[KEY]
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"{typed} needs the torchft package, which is not installed; install it with: "
+                          "pip install 'litscale[ft]'")
+    if ft.min_replicas > ft.groups:
+        raise ConfigError(f"{KEY}.min_replicas={ft.min_replicas} is more than the {ft.groups} groups "
+                          f"({KEY}.groups); allowed: 1 to {ft.groups}")
+    if layout.num_nodes > 1 or launched_externally():
+        raise ConfigError(f"{typed} starts its groups' ranks on this machine itself; trainer.num_nodes="
+                          f"{layout.num_nodes}{' under an external launcher' if launched_externally() else ''} "
+                          "is not supported; allowed: trainer.num_nodes=1 with litscale's own launcher "
+                          "(python train.py, no torchrun or srun)")
+    for group, why in (("compression", "the groups average the gradients uncompressed, so the compression "
+                                        "would stop at a group's edge"),
+                       ("determinism", "the groups' average is a reduction outside the fixed order the "
+                                       "mode proves")):
+        if "_target_" in (cfg.get(group) or {}):
+            raise ConfigError(f"{group}={choices.get(group, cfg[group]._target_)} is not supported with {typed}: "
+                              f"{why}; allowed: {group}=none, or fault_tolerance=none")
+    if cfg.precision.lightning == "16-mixed":
+        raise ConfigError(f"precision={choices.get('precision', 'fp16_mixed')} is not supported with {typed}: "
+                          "each group's loss scaler would skip steps the others take; allowed: "
+                          "precision=fp32, bf16_mixed or bf16_true")

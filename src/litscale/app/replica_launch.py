@@ -1,0 +1,262 @@
+"""Starting a ``fault_tolerance=replicas`` job: a lighthouse and one elastic agent per replica group.
+
+This process hosts torchft's lighthouse (the service that tells the groups, step by step, which
+of them are alive), unless ``fault_tolerance.lighthouse`` names one that is running. Each
+replica group is one process here running torch's elastic agent, as ``torchrun
+--max-restarts`` would for it: the agent starts the group's ``trainer.devices`` ranks and, when
+one of them dies, stops the group's other ranks and starts the whole group again (up to
+``fault_tolerance.max_restarts`` times), while the other groups train on
+(``litscale.fault_tolerance``). Each group writes to ``<run dir>/replicas/<group>/``; the job's
+``summary.json`` is the first finished group's, with what the faults cost added under
+``fault_tolerance``.
+
+A group still starting again when another group has finished the run is told the run is over
+(``finished_marker``) and stops before its first step; one that does not stop within
+``FINISH_GRACE_S`` is ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import multiprocessing
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from litscale.app.launch import RankFailure, launch
+from litscale.fault_tolerance import (
+    GROUP_ENV,
+    GROUPS_ENV,
+    LIGHTHOUSE_ENV,
+    START_STORE_ENV,
+    finished_marker,
+    steps_log_path,
+)
+
+FINISH_GRACE_S = 60.0
+STOP_GRACE_S = 30.0  # a group's agent stopping its ranks (they may be saving)
+SIGNALLED_EXIT_S = 2.0  # time for the groups to stop on a signal they got themselves
+# The lighthouse counts a group lost once its heartbeats (from a thread of torchft's own, in the
+# group's rank 0) have stopped for this long: a killed or frozen group is left out of the next
+# quorum after this.
+HEARTBEAT_TIMEOUT_MS = 2000
+POLL_S = 0.2
+
+
+def replicas_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "replicas")
+
+
+def group_dir(run_dir: str, group: int) -> str:
+    return os.path.join(replicas_dir(run_dir), str(group))
+
+
+def launch_replica_groups(entrypoint: Callable[[Any], Any], spec: Any, *, groups: int, processes: int,
+                          min_replicas: int, max_restarts: int, lighthouse: str | None,
+                          straggler_timeout_s: float) -> dict:
+    """Run ``entrypoint`` on ``groups`` replica groups of ``processes`` ranks; return the job's summary."""
+    run_dir = spec.config["paths"]["output_dir"]
+    os.makedirs(replicas_dir(run_dir), exist_ok=True)
+    server = None
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's services log every quorum at info
+    if lighthouse is None:
+        from torchft.coordination import LighthouseServer
+
+        # NOTE: the join timeout is how long a quorum waits for a group that still heartbeats but
+        # has not asked yet (a slow step): at torchft's second, the groups' steps on a loaded
+        # 2-core machine, seconds apart, left one group out of a quorum every few steps, and it
+        # then had to heal from a peer.
+        server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
+                                  join_timeout_ms=int(straggler_timeout_s * 1000),
+                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+        lighthouse = server.address()
+    from torch.distributed import TCPStore
+
+    start_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = multiprocessing.get_context("spawn")
+    processes_by_group = {}
+    try:
+        for group in range(groups):
+            group_spec = _spec_of_group(spec, run_dir, group)
+            process = context.Process(target=_run_group, name=f"replica-group-{group}",
+                                      args=(entrypoint, group_spec, group, groups, lighthouse,
+                                            f"127.0.0.1:{start_store.port}", processes, max_restarts))
+            process.start()
+            processes_by_group[group] = process
+        exit_codes = _wait(processes_by_group, run_dir)
+    finally:
+        _stop(processes_by_group.values())
+        if server is not None:
+            server.shutdown()
+    return _job_summary(run_dir, groups, exit_codes)
+
+
+def _spec_of_group(spec: Any, run_dir: str, group: int) -> Any:
+    """The job's resolved config with every path under the run dir moved to the group's own
+    (checkpoints, loggers, exports: groups never write the same file)."""
+    ours = group_dir(run_dir, group)
+
+    def moved(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: moved(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [moved(item) for item in value]
+        if isinstance(value, str) and (value == run_dir or value.startswith(run_dir + os.sep)):
+            return ours + value[len(run_dir):]
+        return value
+
+    return dataclasses.replace(spec, config=moved(spec.config))
+
+
+def _run_group(entrypoint: Callable[[Any], Any], spec: Any, group: int, groups: int, lighthouse: str,
+               start_store: str, processes: int, max_restarts: int) -> None:
+    """One replica group: its ranks under an elastic agent that starts them again when one dies."""
+    os.environ.update({GROUP_ENV: str(group), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: lighthouse,
+                       START_STORE_ENV: start_store})
+    _end_with_parent()
+    output_dir = spec.config["paths"]["output_dir"]
+    os.makedirs(output_dir, exist_ok=True)
+    try:
+        result = launch(entrypoint, spec, processes=processes, max_restarts=max_restarts, agent=True)
+    except RankFailure as error:
+        _write_result(output_dir, {"error": str(error)})
+        raise SystemExit(1) from None
+    record = _read_steps(steps_log_path(output_dir))
+    result["stopped_as_finished"] = bool(record and record[-1].get("stopped_as_finished"))
+    _write_result(output_dir, result)
+    if not result["stopped_as_finished"] and not result.get("preempted"):
+        with open(finished_marker(output_dir), "w") as handle:
+            handle.write(str(group))
+
+
+def _end_with_parent() -> None:
+    """SIGTERM to this group's agent when the job's process dies (Linux), so that no group
+    outlives a job killed from outside; the agent then stops its ranks."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the job's own exit path stops the groups (``_stop``)
+
+
+def _write_result(output_dir: str, result: dict) -> None:
+    path = os.path.join(output_dir, "group_result.json")
+    with open(path + ".tmp", "w") as handle:
+        json.dump(result, handle, default=str)
+    os.replace(path + ".tmp", path)
+
+
+def _wait(processes: dict[int, Any], run_dir: str) -> dict[int, int | None]:
+    """Each group's exit code once all have ended; a group still running ``FINISH_GRACE_S`` after
+    the run finished elsewhere is ended (``None``)."""
+    finished_at = None
+    while any(process.is_alive() for process in processes.values()):
+        time.sleep(POLL_S)
+        if finished_at is None and os.path.exists(finished_marker(group_dir(run_dir, 0))):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+            break
+    still_running = [process for process in processes.values() if process.is_alive()]
+    _stop(still_running)
+    return {group: None if process in still_running else process.exitcode for group, process in processes.items()}
+
+
+def _stop(processes: Any) -> None:
+    """SIGTERM to each group's agent still running (it stops its ranks, which save on it), SIGKILL
+    to one still there after ``STOP_GRACE_S``.
+
+    NOTE: first a moment's wait: after a Ctrl-C the agents got the terminal's SIGINT too, and a
+    SIGTERM on top interrupted their own shutdown (a traceback from inside their logging)."""
+    alive = [process for process in processes if process.is_alive()]
+    for process in alive:
+        process.join(max(0.0, SIGNALLED_EXIT_S / len(alive)))
+    alive = [process for process in alive if process.is_alive()]
+    for process in alive:
+        process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in alive:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _job_summary(run_dir: str, groups: int, exit_codes: dict[int, int | None]) -> dict:
+    """The first finished group's summary, with what the faults cost; raise ``RankFailure`` when
+    no group finished."""
+    results = {}
+    for group in range(groups):
+        path = os.path.join(group_dir(run_dir, group), "group_result.json")
+        if os.path.exists(path):
+            with open(path) as handle:
+                results[group] = json.load(handle)
+    finished = [g for g, r in results.items()
+                if "error" not in r and not r.get("stopped_as_finished") and not r.get("preempted")]
+    if not finished and any(r.get("preempted") for r in results.values()):
+        # Stopped (SIGTERM, Ctrl-C): each group saved its last.ckpt; ckpt_path=auto resumes
+        # every group from the newest of them (the groups hold the same weights).
+        return {"preempted": True, "output_dir": run_dir}
+    if not finished:
+        errors = "; ".join(f"group {g}: {r['error']}" for g, r in results.items() if "error" in r)
+        raise RankFailure(f"no replica group finished the run ({errors or f'exit codes {exit_codes}'})")
+    summary = dict(results[finished[0]])
+    summary["fault_tolerance"] = costs(run_dir, groups, finished)
+    summary["output_dir"] = run_dir
+    with open(os.path.join(run_dir, "summary.json"), "w") as handle:
+        json.dump(summary, handle, indent=2, default=str)
+    print(f"litscale: fault tolerance: {describe(summary['fault_tolerance'])}", flush=True)
+    return summary
+
+
+def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
+    """What the faults cost, from each group's step record: the longest time between two
+    steps of a group that never stopped (and the median: a step's own time), the steps taken with fewer groups, the steps dropped,
+    and each group's lives (a restarted group rejoins at a later step)."""
+    records = {g: _read_steps(steps_log_path(group_dir(run_dir, g))) for g in range(groups)}
+    survivors = [g for g in finished if _lives(records[g]) == 1]
+    pauses = [b["time"] - a["time"] for g in survivors for a, b in itertools.pairwise(records[g])]
+    reference = [row for row in (records[survivors[0]] if survivors else records[finished[0]])
+                 if "committed" in row]
+    return {
+        "groups": groups,
+        "finished": sorted(finished),
+        "restarted": sorted(g for g in range(groups) if _lives(records[g]) > 1),
+        "rejoined_at_step": {str(g): _rejoined_at(records[g]) for g in range(groups) if _lives(records[g]) > 1},
+        "longest_pause_s": max(pauses, default=0.0),
+        "median_step_s": statistics.median(pauses) if pauses else 0.0,
+        "steps_with_fewer_groups": sum(1 for row in reference if row["groups"] < groups),
+        "steps_dropped": sum(1 for row in reference if not row["committed"]),
+        "final_step": reference[-1]["step"] if reference else 0,
+    }
+
+
+def describe(cost: dict) -> str:
+    lost = (f"group(s) {', '.join(map(str, cost['restarted']))} restarted and rejoined at step(s) "
+            f"{', '.join(str(s) for s in cost['rejoined_at_step'].values())}" if cost["restarted"] else "no group lost")
+    return (f"{cost['groups']} replica groups, {len(cost['finished'])} finished at step {cost['final_step']}; "
+            f"{lost}; the longest step of a group that never stopped: {cost['longest_pause_s']:.2f} s "
+            f"(median {cost['median_step_s']:.2f} s); "
+            f"{cost['steps_with_fewer_groups']} step(s) with fewer groups, {cost['steps_dropped']} dropped")
+
+
+def _read_steps(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _lives(record: list[dict]) -> int:
+    """How many times the group started (a start writes a row with ``"started"``)."""
+    return max(1, sum(1 for row in record if row.get("started")))
+
+
+def _rejoined_at(record: list[dict]) -> int | None:
+    starts = [i for i, row in enumerate(record) if row.get("started")]
+    return record[starts[-1]]["step"] if len(starts) > 1 else None

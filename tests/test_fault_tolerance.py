@@ -1,0 +1,196 @@
+"""``fault_tolerance=replicas``: replica groups that train on while one of them restarts.
+
+Refusals are checked against the exact line a user sees; the step record's arithmetic against
+records written by hand; the groups' data against one data-parallel job of all their ranks.
+The end-to-end runs (``full``): 3 groups of 1 rank train 60 steps while group 2 is SIGKILLed at
+step 30, and 3 groups without a fault match one process with the same global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.cli import explain, final_weights, run_in_own_group
+from helpers.configs import compose_job
+
+from litscale.app.replica_launch import _spec_of_group, costs, describe, group_dir
+from litscale.app.validation import validate
+from litscale.errors import ConfigError
+from litscale.fault_tolerance import steps_log_path
+
+RUN = ["trainer.accelerator=cpu", "data.batch_size=8", "data.seq_len=32", "data.max_bytes=400000",
+       "trainer.limit_val_batches=6", "trainer.enable_progress_bar=false"]
+# One process with the 3 groups' global batch, validated on the same 48 held-out samples.
+ONE_PROCESS = ["strategy=single", "trainer.devices=1", *RUN[:1], "data.batch_size=24", *RUN[2:4],
+               "trainer.limit_val_batches=2", *RUN[5:], "logger=csv"]
+
+
+def refusal(tmp_path: Path, *overrides: str) -> str:
+    cfg, choices = compose_job(["fault_tolerance=replicas", *RUN, *overrides], tmp_path)
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, choices=choices, this_machine=False)
+    return str(error.value)
+
+
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("strategy=fsdp", "trainer.devices=2"),
+     "fault_tolerance=replicas is not supported with strategy=fsdp: its ranks do not each hold whole gradients "
+     "of one model replica, to average across groups, before the update; allowed: fault_tolerance=none, or "
+     "strategy=ddp or single inside each group"),
+    (("strategy=local_sgd", "trainer.devices=2"),
+     "fault_tolerance=replicas is not supported with strategy=local_sgd: its ranks do not each hold whole "
+     "gradients of one model replica, to average across groups, before the update; allowed: "
+     "fault_tolerance=none, or strategy=ddp or single inside each group"),
+    (("fault_tolerance.groups=1",), "fault_tolerance.groups=1"),
+    (("fault_tolerance.min_replicas=4",),
+     "fault_tolerance.min_replicas=4 is more than the 3 groups (fault_tolerance.groups); allowed: 1 to 3"),
+    (("strategy=ddp", "trainer.num_nodes=2", "trainer.devices=1"),
+     "fault_tolerance=replicas starts its groups' ranks on this machine itself; trainer.num_nodes=2 is not "
+     "supported; allowed: trainer.num_nodes=1 with litscale's own launcher (python train.py, no torchrun or srun)"),
+])
+def test_a_replica_setting_that_cannot_train_right_is_refused_in_one_line(tmp_path, overrides, line):
+    message = refusal(tmp_path, *overrides)
+    assert "\n" not in message
+    assert message == line if " " in line else message.startswith(line + " "), message
+
+
+def test_the_layout_counts_every_group_in_the_global_batch(tmp_path):
+    cfg, choices = compose_job(["fault_tolerance=replicas", "strategy=ddp", "trainer.devices=2", *RUN], tmp_path)
+    layout = validate(cfg, choices=choices, this_machine=False)
+    assert (layout.replica_groups, layout.global_batch) == (3, 8 * 2 * 3)
+    assert "x replica groups 3 = global 48" in layout.describe()
+
+
+def test_the_groups_together_read_what_one_job_of_all_their_ranks_reads():
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from litscale.data.base import ShardedDataModule
+
+    dataset = TensorDataset(torch.arange(96))
+    ranks_per_group, groups = 2, 3
+
+    def order(num_replicas: int, rank: int, group: tuple[int, int]) -> list[int]:
+        module = ShardedDataModule(batch_size=4)
+        module.train_dataset = dataset
+        module.replica_group = group
+        module.replicas = lambda: (num_replicas, rank)  # what the strategy inside a group says
+        return list(module.train_sampler())
+
+    one_job = [order(ranks_per_group * groups, rank, (0, 1)) for rank in range(ranks_per_group * groups)]
+    by_groups = [order(ranks_per_group, rank, (group, groups)) for group in range(groups)
+                 for rank in range(ranks_per_group)]
+    assert by_groups == one_job and len({i for part in one_job for i in part}) == 96
+
+
+def test_each_group_writes_under_its_own_dir(tmp_path):
+    from litscale.app.run import RunSpec
+    from litscale.layout import RunLayout
+
+    run_dir = str(tmp_path / "run")
+    spec = RunSpec(config={"paths": {"output_dir": run_dir, "root_dir": str(tmp_path)},
+                           "callbacks": {"model_checkpoint": {"dirpath": f"{run_dir}/checkpoints"}},
+                           "logger": {"csv": {"save_dir": run_dir, "name": "csv"}}, "name": "run"},
+                   layout=RunLayout())
+    moved = _spec_of_group(spec, run_dir, 2).config
+    assert moved["paths"] == {"output_dir": f"{run_dir}/replicas/2", "root_dir": str(tmp_path)}
+    assert moved["callbacks"]["model_checkpoint"]["dirpath"] == f"{run_dir}/replicas/2/checkpoints"
+    assert moved["logger"]["csv"] == {"save_dir": f"{run_dir}/replicas/2", "name": "csv"}
+    assert spec.config["paths"]["output_dir"] == run_dir  # the job's own spec is left as it was
+
+
+def write_record(run_dir: Path, group: int, rows: list[dict]) -> None:
+    path = Path(steps_log_path(group_dir(str(run_dir), group)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
+    def steps(first: int, last: int, start: float, groups_at) -> list[dict]:
+        return [{"step": s, "time": start + s, "groups": groups_at(s), "committed": s != 31} for s in range(first, last + 1)]
+
+    survivor = [{"step": 0, "started": True, "time": 0.0, "groups": 3},
+                *steps(1, 30, 0.0, lambda s: 3), {"step": 31, "time": 34.5, "groups": 2, "committed": False},
+                *steps(32, 40, 3.5, lambda s: 2 if s < 38 else 3)]
+    write_record(tmp_path, 0, survivor)
+    write_record(tmp_path, 1, survivor)
+    write_record(tmp_path, 2, [{"step": 0, "started": True, "time": 0.0, "groups": 3}, *steps(1, 29, 0.0, lambda s: 3),
+                               {"step": 38, "started": True, "time": 41.0, "groups": 3},
+                               *steps(38, 40, 3.5, lambda s: 3)])
+    cost = costs(str(tmp_path), 3, [0, 1, 2])
+    assert cost == {"groups": 3, "finished": [0, 1, 2], "restarted": [2], "rejoined_at_step": {"2": 38},
+                    "longest_pause_s": pytest.approx(4.5), "median_step_s": pytest.approx(1.0),
+                    "steps_with_fewer_groups": 7, "steps_dropped": 1,
+                    "final_step": 40}
+    assert describe(cost) == ("3 replica groups, 3 finished at step 40; group(s) 2 restarted and rejoined at step(s) "
+                              "38; the longest step of a group that never stopped: 4.50 s (median 1.00 s); 7 step(s) "
+                              "with fewer groups, 1 dropped")
+
+
+TRAIN = ["python", "train.py", "fault_tolerance=replicas", "strategy=single", "trainer.devices=1", *RUN,
+         "logger=csv"]
+
+
+def job_summary(outputs: Path) -> dict:
+    (path,) = [p for p in outputs.glob("**/summary.json") if p.parent.name != "replicas" and
+               "replicas" not in p.parts]
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(600)
+def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tmp_path):
+    import sys
+
+    command = [sys.executable, *TRAIN[1:], "trainer.max_steps=60", "trainer.val_check_interval=60",
+               "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.at_step=30",
+               "+callbacks.fault.kind=sigkill", "+callbacks.fault.replica_group=2"]
+    process, _, stray = run_in_own_group(command, outputs=tmp_path / "killed", timeout=540)
+    assert process.returncode == 0, explain(process)
+    assert stray == []
+    summary = job_summary(tmp_path / "killed")
+    cost = summary["fault_tolerance"]
+    assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 60, cost  # every group ends the run
+    assert cost["restarted"] == [2] and cost["rejoined_at_step"]["2"] > 30, cost
+    # The survivors never stopped for long: their longest step, less a step's own time (a loaded
+    # 2-core machine runs 3 processes at seconds a step), under 10 s.
+    assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost
+    assert 0 < cost["steps_with_fewer_groups"] < 60, cost
+    assert "litscale: fault tolerance: replica group 2 rejoined at step" in process.stdout + process.stderr
+
+    reference, _, _ = run_in_own_group([sys.executable, "train.py", *ONE_PROCESS, "trainer.max_steps=60",
+                                        "trainer.val_check_interval=60"], outputs=tmp_path / "reference", timeout=300)
+    assert reference.returncode == 0, explain(reference)
+    expected = job_summary(tmp_path / "reference")["val/loss"]
+    # The tolerance the study states (experiments/reliability/replica_loss.py): the steps with
+    # 2 of 3 groups train on a smaller global batch, so the result is close, not equal.
+    assert math.isclose(summary["val/loss"], expected, rel_tol=0.03), (summary["val/loss"], expected)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(400)
+def test_three_groups_without_a_fault_match_one_process_with_their_global_batch(tmp_path):
+    import sys
+
+    steps = ["trainer.max_steps=6", "trainer.val_check_interval=6"]
+    process, _, stray = run_in_own_group([sys.executable, *TRAIN[1:], *steps], outputs=tmp_path / "groups", timeout=300)
+    assert process.returncode == 0, explain(process)
+    assert stray == []
+    reference, _, _ = run_in_own_group([sys.executable, "train.py", *ONE_PROCESS, *steps],
+                                       outputs=tmp_path / "reference", timeout=300)
+    assert reference.returncode == 0, explain(reference)
+    ours, theirs = job_summary(tmp_path / "groups"), job_summary(tmp_path / "reference")
+    assert ours["fault_tolerance"]["steps_with_fewer_groups"] == 0
+    expected = final_weights(theirs)
+    for group in range(3):  # every group ends with the one process's weights
+        weights = final_weights(json.loads((Path(ours["output_dir"]) / "replicas" / str(group) /
+                                            "summary.json").read_text()))
+        torch.testing.assert_close(weights, expected, rtol=1.3e-6, atol=1e-5)
+    assert math.isclose(ours["val/loss"], theirs["val/loss"], rel_tol=1.3e-6, abs_tol=1e-5), (ours["val/loss"],
+                                                                                            theirs["val/loss"])
