@@ -37,14 +37,18 @@ def refusal(tmp_path: Path, *overrides: str) -> str:
 
 
 @pytest.mark.parametrize(("overrides", "line"), [
-    (("strategy=fsdp", "trainer.devices=2"),
-     "fault_tolerance=replicas is not supported with strategy=fsdp: its ranks do not each hold whole gradients "
-     "of one model replica, to average across groups, before the update; allowed: fault_tolerance=none, or "
-     "strategy=ddp or single inside each group"),
+    (("strategy=tensor_parallel", "trainer.devices=2"),
+     "fault_tolerance=replicas is not supported with strategy=tensor_parallel: averaging its ranks' gradients "
+     "across groups before the update is not proven to train right (parity with one process); allowed: "
+     "fault_tolerance=none, or strategy=single, ddp or fsdp inside each group"),
     (("strategy=local_sgd", "trainer.devices=2"),
-     "fault_tolerance=replicas is not supported with strategy=local_sgd: its ranks do not each hold whole "
-     "gradients of one model replica, to average across groups, before the update; allowed: "
-     "fault_tolerance=none, or strategy=ddp or single inside each group"),
+     "fault_tolerance=replicas is not supported with strategy=local_sgd: averaging its ranks' gradients "
+     "across groups before the update is not proven to train right (parity with one process); allowed: "
+     "fault_tolerance=none, or strategy=single, ddp or fsdp inside each group"),
+    (("strategy=ddp", "compression=powersgd", "trainer.devices=2"),
+     "compression=powersgd is not supported with fault_tolerance=replicas: the groups average the gradients "
+     "uncompressed, so the compression would stop at a group's edge; allowed: compression=none, or "
+     "fault_tolerance=none"),
     (("fault_tolerance.groups=1",), "fault_tolerance.groups=1"),
     (("fault_tolerance.min_replicas=4",),
      "fault_tolerance.min_replicas=4 is more than the 3 groups (fault_tolerance.groups); allowed: 1 to 3"),
@@ -123,11 +127,12 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
                                *steps(38, 40, 3.5, lambda s: 3)])
     cost = costs(str(tmp_path), 3, [0, 1, 2])
     assert cost == {"groups": 3, "finished": [0, 1, 2], "restarted": [2], "rejoined_at_step": {"2": 38},
+                    "seconds_to_rejoin": {"2": pytest.approx(12.0)},
                     "longest_pause_s": pytest.approx(4.5), "median_step_s": pytest.approx(1.0),
                     "steps_with_fewer_groups": 7, "steps_dropped": 1,
                     "final_step": 40}
     assert describe(cost) == ("3 replica groups, 3 finished at step 40; group(s) 2 restarted and rejoined at step(s) "
-                              "38; the longest step of a group that never stopped: 4.50 s (median 1.00 s); 7 step(s) "
+                              "38 after 12.0 s; the longest step of a group that never stopped: 4.50 s (median 1.00 s); 7 step(s) "
                               "with fewer groups, 1 dropped")
 
 
@@ -192,5 +197,32 @@ def test_three_groups_without_a_fault_match_one_process_with_their_global_batch(
         weights = final_weights(json.loads((Path(ours["output_dir"]) / "replicas" / str(group) /
                                             "summary.json").read_text()))
         torch.testing.assert_close(weights, expected, rtol=1.3e-6, atol=1e-5)
+    assert math.isclose(ours["val/loss"], theirs["val/loss"], rel_tol=1.3e-6, abs_tol=1e-5), (ours["val/loss"],
+                                                                                            theirs["val/loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(500)
+def test_two_fsdp_groups_form_an_outer_replicate_axis_that_matches_one_process(tmp_path):
+    """HSDP's replicate axis as replica groups: 2 groups of 2 FSDP ranks, each rank's gradient
+    shards averaged with the same rank's of the other group."""
+    import sys
+
+    steps = ["trainer.max_steps=6", "trainer.val_check_interval=6"]
+    # 4 validation batches of 8 on each of a group's 2 ranks: the 64 samples one process takes in 2 of 32.
+    groups = [sys.executable, "train.py", "fault_tolerance=replicas", "fault_tolerance.groups=2", "strategy=fsdp",
+              "trainer.devices=2", *[o for o in RUN if "limit_val" not in o], "trainer.limit_val_batches=4",
+              "logger=csv", *steps]
+    process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=400)
+    assert process.returncode == 0, explain(process)
+    assert stray == []
+    one = [o if o != "data.batch_size=24" else "data.batch_size=32" for o in ONE_PROCESS]
+    reference, _, _ = run_in_own_group([sys.executable, "train.py", *one, *steps], outputs=tmp_path / "reference",
+                                       timeout=300)
+    assert reference.returncode == 0, explain(reference)
+    ours, theirs = job_summary(tmp_path / "groups"), job_summary(tmp_path / "reference")
+    assert ours["global_batch"] == theirs["global_batch"] == 32
+    assert ours["fault_tolerance"]["steps_with_fewer_groups"] == 0
     assert math.isclose(ours["val/loss"], theirs["val/loss"], rel_tol=1.3e-6, abs_tol=1e-5), (ours["val/loss"],
                                                                                             theirs["val/loss"])

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.cli import explain, run_train, train_losses
+from helpers.cli import REPO, cli_env, explain, run_train, train_losses
 
 # Each test reads the module's 3 runs on its cluster (about 5 min on 2 cores): `make test-full`.
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed"),
@@ -44,6 +46,12 @@ SIGTERM = ("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+
            "+callbacks.preemption.check_every_n_steps=1")
 # The reference, elastic: up to 3 workers on a cluster with room for 2 runs on 2.
 ELASTIC = ("hydra.launcher.min_workers=1", "hydra.launcher.max_workers=3")
+# Up to 2 workers, 2 s a step (long enough to remove a node mid-run), Ray may restart it twice:
+# the worker on the lost node, and a start on 2 workers that Ray's view of the cluster still
+# counted, which times out (60 s) before it starts on the 1 that is left.
+ELASTIC_SHRUNK = ("hydra.launcher.min_workers=1", "hydra.launcher.max_workers=2", "hydra.launcher.max_failures=2",
+                  "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.kind=slow",
+                  "+callbacks.fault.at_step=0", "+callbacks.fault.delay_s=2")
 # Each job prints this once per attempt (rank 0's first line).
 ATTEMPT_LINE = "litscale: gpt-nano"
 
@@ -54,7 +62,7 @@ def cluster():
 
     nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     try:
-        nodes.add_node(num_cpus=1)
+        nodes.second = nodes.add_node(num_cpus=1)
         nodes.wait_for_nodes(timeout=120)
         yield nodes
     finally:
@@ -76,6 +84,29 @@ def runs(cluster, tmp_path_factory):
         assert process.returncode == 0, explain(process)
         results[name] = (json.loads((run_dir(outputs) / "summary.json").read_text()), seconds, process, outputs)
     return results
+
+
+@pytest.fixture(scope="module")
+def shrunk(cluster, runs, tmp_path_factory):
+    """An elastic job (1-2 workers, 2 s a step) whose second node is removed once it has saved
+    a checkpoint (after the other runs: the cluster keeps one node): (summary, process)."""
+    outputs = tmp_path_factory.mktemp("shrunk")
+    storage = outputs / "storage"
+    command = [sys.executable, "train.py", "-m", *JOB, *ELASTIC_SHRUNK, f"hydra.launcher.address={cluster.address}",
+               f"hydra.launcher.storage=file://{storage}"]
+    with open(outputs / "output.txt", "w") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=cli_env(outputs), stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not list(storage.glob("default/multiruns/*/0/checkpoints/last.ckpt")) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            cluster.remove_node(cluster.second)
+            process.wait(timeout=600)
+        finally:
+            process.kill()
+    printed = (outputs / "output.txt").read_text()
+    assert process.returncode == 0, printed[-5000:]
+    return json.loads((run_dir(outputs) / "summary.json").read_text()), printed
 
 
 def run_dir(outputs: Path) -> Path:
@@ -120,3 +151,12 @@ def test_an_elastic_job_runs_on_the_workers_the_cluster_has_and_says_what_that_d
     assert summary["world_size"] == 2 and summary["global_batch"] == 32
     assert ("litscale: job 0 runs on 2 Ray workers (elastic, 1-3): data.batch_size=16 per device is fixed, "
             "so the global batch is 32; optimizer.lr stays as given (lr_scaling=none)") in process.stdout, explain(process)
+
+
+def test_an_elastic_job_that_loses_a_node_goes_on_with_the_workers_left_from_its_checkpoint(shrunk):
+    summary, printed = shrunk
+    assert summary["steps"] == STEPS and summary["world_size"] == 1 and summary["global_batch"] == 16, printed[-3000:]
+    for workers, batch in ((2, 32), (1, 16)):
+        assert (f"litscale: job 0 runs on {workers} Ray workers (elastic, 1-2): data.batch_size=16 per device is "
+                f"fixed, so the global batch is {batch}") in printed, printed[-3000:]
+    assert "Restored all states from the checkpoint" in printed, printed[-3000:]

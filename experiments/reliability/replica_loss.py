@@ -115,7 +115,18 @@ def main() -> None:
                                                             f"--every {args.every}",
               "one_process_val_loss": reference, "tolerance": TOLERANCE, "rows": rows}
     (HERE / "replica_loss.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_readme(table(record))
     print(table(record))
+
+
+def write_readme(text: str) -> None:
+    """The table between this script's markers in README.md."""
+    readme = HERE / "README.md"
+    start, end = "<!-- replica_loss: written by replica_loss.py -->", "<!-- end replica_loss -->"
+    content = readme.read_text()
+    before, _, rest = content.partition(start)
+    _, _, after = rest.partition(end)
+    readme.write_text(f"{before}{start}\n{text}\n{end}{after}")
 
 
 def table(record: dict) -> str:

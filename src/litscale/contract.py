@@ -78,7 +78,7 @@ ALTERNATIVES = {
     Option.ASYNC_SAVE: "checkpoint.async_save=false, or any strategy but deepspeed_zero",
     Option.MATRIX_OPTIMIZER: "optimizer=adamw, or any strategy but deepspeed_zero stage 3",
     Option.WIDTH_SCALING: "lr_scaling=none, linear or sqrt",
-    Option.REPLICA_GROUPS: "fault_tolerance=none, or strategy=ddp or single inside each group",
+    Option.REPLICA_GROUPS: "fault_tolerance=none, or strategy=single, ddp or fsdp inside each group",
 }
 # Why a strategy that is not a StrategyContract cannot save in the background: the background
 # save is the contract's own ``save_checkpoint``.
@@ -125,9 +125,11 @@ class StrategyContract:
     refuses: ClassVar[dict[Option, str]] = {
         Option.LAYOUT_INVARIANT: "the strategy does not state how it reduces gradients, so their order cannot be fixed",
     }
-    # fault_tolerance=replicas averages whole gradients between a step's backward and its
-    # update, across groups of this strategy's ranks: only a strategy whose every rank holds
-    # them there (and steps on them) says so. Subclasses that replace ``refuses`` keep this.
+    # fault_tolerance=replicas averages each rank's gradients, between the step's backward and
+    # its update, with the same rank's in the other groups (same layout, same shards): right
+    # where every rank then holds its parameters' final gradients and the optimizer steps on
+    # them. A strategy says so once parity with one process proves it. Subclasses that
+    # replace ``refuses`` keep this.
     averages_across_replica_groups: ClassVar[bool] = False
     # Option -> what the strategy needs beside an option it takes (a clause, no full stop), as
     # ``why_not_with`` checks it: a footnote of ``docs/compatibility.md``.
@@ -303,7 +305,8 @@ def why_not(strategy: Any, option: Option) -> str | None:
 
 def _no_replica_groups(strategy: Any, option: Option) -> str | None:
     if option is Option.REPLICA_GROUPS and not contract_value(strategy, "averages_across_replica_groups"):
-        return "its ranks do not each hold whole gradients of one model replica, to average across groups, before the update"
+        return ("averaging its ranks' gradients across groups before the update is not proven to train right "
+                "(parity with one process)")
     return None
 
 

@@ -153,7 +153,7 @@ class ReplicaFaultTolerance(Callback):
             self._quorum(trainer)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -225,19 +225,56 @@ class ReplicaFaultTolerance(Callback):
                            f"{self.participants}/{self.groups} of the configured one)")
 
     def _state(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
-        return {"module": pl_module.state_dict(),
-                "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
+        """What a rejoining group's rank takes from the same rank of a live group: this rank's
+        shards as plain tensors (the groups share one layout, so shards match rank for rank)."""
+        return {"module": {name: _local(tensor) for name, tensor in pl_module.state_dict().items()},
+                "optimizers": [_local_tree(optimizer.state_dict()) for optimizer in trainer.optimizers],
                 "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
 
     def _load(self, trainer: Trainer, pl_module: LightningModule, state: dict[str, Any]) -> None:
-        pl_module.load_state_dict(state["module"])
+        with torch.no_grad():
+            for name, tensor in pl_module.state_dict().items():  # into the parameters' own storage
+                _local(tensor).copy_(state["module"][name])
         for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
+            optimizer.load_state_dict(_as_parameters_are(optimizer, saved))
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         step = self.manager.current_step()
         _set_global_step(trainer, step)
         self._healed_at = step
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor's shard on this rank (FSDP's parameters and gradients); any other value as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_tree(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _local_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_local_tree(item) for item in value]
+    return _local(value)
+
+
+def _as_parameters_are(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """A received optimizer state with each state tensor shaped like its parameter's shard made
+    a DTensor like the parameter again (the optimizer steps DTensor parameters with DTensor state)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entries in saved["state"].items():
+        parameter = parameters[int(index)]
+        if isinstance(parameter, DTensor):
+            entries = {key: DTensor.from_local(value, parameter.device_mesh, parameter.placements, run_check=False,
+                                               shape=parameter.shape, stride=parameter.stride())
+                       if torch.is_tensor(value) and value.shape == parameter.to_local().shape else value
+                       for key, value in entries.items()}
+        state[index] = entries
+    return {**saved, "state": state}
 
 
 def _quiet_torchft() -> None:

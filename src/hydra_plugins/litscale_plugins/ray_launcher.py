@@ -74,7 +74,6 @@ class RayLauncher(ClusterLauncher):
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
     ) -> Sequence[JobReturn]:
         os.environ.setdefault(RAY_PRINT_PATCH_ENV, "0")
-        os.environ.setdefault(RAY_START_TIMEOUT_ENV, str(WAIT_FOR_RESOURCES_S))
         # Pinned here: ${now:...} in the sweep dir would name another dir in each worker.
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         jobs = []
@@ -83,6 +82,11 @@ class RayLauncher(ClusterLauncher):
                 job_config.hydra.job.id = number
                 job_config.hydra.sweep.dir = str(sweep_dir)
             jobs.append((job_config, overrides, checked_settings(job_config)))  # before any worker starts
+        if not any(settings.elastic for _, _, settings in jobs):
+            # NOTE: an elastic job keeps Ray's start timeout: after a node is lost, Ray's view of
+            # the cluster still counted its CPUs, and the job waited for them (seen: for good)
+            # instead of starting again on the workers that are left.
+            os.environ.setdefault(RAY_START_TIMEOUT_ENV, str(WAIT_FOR_RESOURCES_S))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         directory = working_dir(self.params, self.task_function)
         connect(self.params, runtime_env(directory, dict(os.environ)))

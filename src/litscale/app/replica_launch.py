@@ -228,6 +228,7 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
         "finished": sorted(finished),
         "restarted": sorted(g for g in range(groups) if _lives(records[g]) > 1),
         "rejoined_at_step": {str(g): _rejoined_at(records[g]) for g in range(groups) if _lives(records[g]) > 1},
+        "seconds_to_rejoin": {str(g): _seconds_to_rejoin(records[g]) for g in range(groups) if _lives(records[g]) > 1},
         "longest_pause_s": max(pauses, default=0.0),
         "median_step_s": statistics.median(pauses) if pauses else 0.0,
         "steps_with_fewer_groups": sum(1 for row in reference if row["groups"] < groups),
@@ -238,7 +239,9 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
 
 def describe(cost: dict) -> str:
     lost = (f"group(s) {', '.join(map(str, cost['restarted']))} restarted and rejoined at step(s) "
-            f"{', '.join(str(s) for s in cost['rejoined_at_step'].values())}" if cost["restarted"] else "no group lost")
+            f"{', '.join(str(s) for s in cost['rejoined_at_step'].values())} after "
+            f"{', '.join(f'{s:.1f}' for s in cost['seconds_to_rejoin'].values())} s" if cost["restarted"]
+            else "no group lost")
     return (f"{cost['groups']} replica groups, {len(cost['finished'])} finished at step {cost['final_step']}; "
             f"{lost}; the longest step of a group that never stopped: {cost['longest_pause_s']:.2f} s "
             f"(median {cost['median_step_s']:.2f} s); "
@@ -255,6 +258,12 @@ def _read_steps(path: str) -> list[dict]:
 def _lives(record: list[dict]) -> int:
     """How many times the group started (a start writes a row with ``"started"``)."""
     return max(1, sum(1 for row in record if row.get("started")))
+
+
+def _seconds_to_rejoin(record: list[dict]) -> float | None:
+    """From the group's last row before its last start (about when it was lost) to that start."""
+    starts = [i for i, row in enumerate(record) if row.get("started")]
+    return record[starts[-1]]["time"] - record[starts[-1] - 1]["time"] if len(starts) > 1 else None
 
 
 def _rejoined_at(record: list[dict]) -> int | None:

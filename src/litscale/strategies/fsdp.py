@@ -84,6 +84,9 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
     """
 
     refuses = {Option.FP16_MIXED: NO_SHARDED_LOSS_SCALER}
+    # Replica groups of FSDP (or HSDP) form an outer replicate axis: each rank's gradient shards,
+    # reduced within its group, are averaged with the same rank's in the other groups.
+    averages_across_replica_groups = True
     phase_collectives = {"forward": "parameter all-gather", "backward": "all-gather / gradient reduce-scatter"}
     mesh_layout = staticmethod(fsdp_mesh_layout)
 
