@@ -17,7 +17,7 @@ import torch
 from helpers.cli import explain, final_weights, run_in_own_group
 from helpers.configs import compose_job
 
-from litscale.app.replica_launch import _spec_of_group, costs, describe, group_dir
+from litscale.app.replica_launch import _spec_of_group, costs, describe, group_dir, job_throughput
 from litscale.app.validation import validate
 from litscale.errors import ConfigError
 from litscale.fault_tolerance import steps_log_path
@@ -36,6 +36,7 @@ def refusal(tmp_path: Path, *overrides: str) -> str:
     return str(error.value)
 
 
+@pytest.mark.slow  # a Hydra composition and a validation each: 1-3 s
 @pytest.mark.parametrize(("overrides", "line"), [
     (("strategy=tensor_parallel", "trainer.devices=2"),
      "fault_tolerance=replicas is not supported with strategy=tensor_parallel: averaging its ranks' gradients "
@@ -62,6 +63,7 @@ def test_a_replica_setting_that_cannot_train_right_is_refused_in_one_line(tmp_pa
     assert message == line if " " in line else message.startswith(line + " "), message
 
 
+@pytest.mark.slow  # a Hydra composition and a validation: 1-3 s
 def test_the_layout_counts_every_group_in_the_global_batch(tmp_path):
     cfg, choices = compose_job(["fault_tolerance=replicas", "strategy=ddp", "trainer.devices=2", *RUN], tmp_path)
     layout = validate(cfg, choices=choices, this_machine=False)
@@ -131,6 +133,12 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
                     "longest_pause_s": pytest.approx(4.5), "median_step_s": pytest.approx(1.0),
                     "steps_with_fewer_groups": 7, "steps_dropped": 1,
                     "final_step": 40}
+    # committed steps after the first: 29 with 3 groups, 6 with 2, 3 with 3, of 8 samples a group
+    summary = {"micro_batch": 8, "data_parallel_size": 1, "accumulate_grad_batches": 1,
+               "perf/samples_per_sec": 10.0, "perf/tokens_per_sec": 320.0}
+    rate = (29 * 3 + 6 * 2 + 3 * 3) * 8 / (43.5 - 1.0)
+    assert job_throughput(summary, str(tmp_path), [0, 1, 2]) == {"perf/samples_per_sec": pytest.approx(rate),
+                                                                 "perf/tokens_per_sec": pytest.approx(rate * 32)}
     assert describe(cost) == ("3 replica groups, 3 finished at step 40; group(s) 2 restarted and rejoined at step(s) "
                               "38 after 12.0 s; the longest step of a group that never stopped: 4.50 s (median 1.00 s); 7 step(s) "
                               "with fewer groups, 1 dropped")

@@ -207,10 +207,12 @@ def _job_summary(run_dir: str, groups: int, exit_codes: dict[int, int | None]) -
         raise RankFailure(f"no replica group finished the run ({errors or f'exit codes {exit_codes}'})")
     summary = dict(results[finished[0]])
     summary["fault_tolerance"] = costs(run_dir, groups, finished)
+    summary.update(job_throughput(summary, run_dir, finished))
     summary["output_dir"] = run_dir
     with open(os.path.join(run_dir, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=2, default=str)
     print(f"litscale: fault tolerance: {describe(summary['fault_tolerance'])}", flush=True)
+    print(f"litscale: job outputs: {run_dir} (summary.json; each group's run under replicas/<group>/)", flush=True)
     return summary
 
 
@@ -235,6 +237,25 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
         "steps_dropped": sum(1 for row in reference if not row["committed"]),
         "final_step": reference[-1]["step"] if reference else 0,
     }
+
+
+def job_throughput(summary: dict, run_dir: str, finished: list[int]) -> dict:
+    """The job's samples (and tokens) per second: each committed step's samples, counted for the
+    groups in its quorum, over the seconds from the first step to the last of a group that never
+    stopped (a group's own figure counts its share alone, over its own life)."""
+    survivors = [g for g in finished if _lives(_read_steps(steps_log_path(group_dir(run_dir, g)))) == 1]
+    rows = [row for row in _read_steps(steps_log_path(group_dir(run_dir, (survivors or finished)[0])))
+            if "committed" in row]
+    per_group = summary.get("micro_batch", 0) * summary.get("data_parallel_size", 0) * summary.get(
+        "accumulate_grad_batches", 1)
+    if len(rows) < 2 or not per_group:
+        return {}
+    samples = sum(row["groups"] * per_group for row in rows[1:] if row["committed"])
+    rate = samples / (rows[-1]["time"] - rows[0]["time"])
+    found = {"perf/samples_per_sec": rate}
+    if summary.get("perf/samples_per_sec"):  # the group's own ratio of tokens to samples
+        found["perf/tokens_per_sec"] = rate * summary["perf/tokens_per_sec"] / summary["perf/samples_per_sec"]
+    return found
 
 
 def describe(cost: dict) -> str:

@@ -38,11 +38,21 @@ def _say(line: str) -> None:
     print(f"litscale: {line}", flush=True)
 
 
+def _speaks_for_the_job() -> bool:
+    """Whether this run's start and end are printed: under ``fault_tolerance=replicas`` only
+    replica group 0's (the groups run the same layout; each writes its own summary.json)."""
+    from litscale.fault_tolerance import replica_group
+
+    return (replica_group() or (0, 1))[0] == 0
+
+
 @rank_zero_only
 def print_start(built: BuiltRun) -> None:
     """Derived numbers, computed once and printed: model size, strategy, devices, precision,
     and the run layout (processes, mesh, batch). The LR the global batch implies is the
     LR-scaling callback's line."""
+    if not _speaks_for_the_job():
+        return
     trainer, choices = built.trainer, built.choices
     net = built.config.model.get("net", {})
     model = choices.get("model", "model") + (f"-{net.preset}" if "preset" in net else "")
@@ -110,7 +120,8 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         with open(path + ".tmp", "w") as handle:
             json.dump(summary, handle, indent=2)
         os.replace(path + ".tmp", path)  # never a half-written summary
-        _print_end(summary)
+        if _speaks_for_the_job():
+            _print_end(summary)
     return summary
 
 
