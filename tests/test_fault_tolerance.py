@@ -64,6 +64,25 @@ def test_a_replica_setting_that_cannot_train_right_is_refused_in_one_line(tmp_pa
 
 
 @pytest.mark.slow  # a Hydra composition and a validation: 1-3 s
+@pytest.mark.slow  # a Hydra composition: 1-3 s
+def test_the_groups_ranks_together_must_fit_the_machine(tmp_path):
+    from litscale.app.fault_tolerance_checks import check_every_group_fits
+    from litscale.layout import MeshSizes, RunLayout
+    from litscale.planner.machine import cores
+
+    cfg, _ = compose_job(["fault_tolerance=replicas", "strategy=ddp", f"trainer.devices={cores()}", *RUN], tmp_path)
+    layout = RunLayout(processes_per_node=cores(), mesh=MeshSizes(data_replicate=cores()), replica_groups=3)
+    with pytest.raises(ConfigError) as error:
+        check_every_group_fits(cfg, layout, "fault_tolerance=replicas")
+    assert str(error.value) == (
+        f"fault_tolerance=replicas runs 3 groups x trainer.devices={cores()} = {3 * cores()} ranks, more than this "
+        f"machine's {cores()} CPU cores; allowed: fault_tolerance.groups x trainer.devices <= {cores()}, or add "
+        "launcher.oversubscribe=true (CPU ranks of one thread each)")
+    cfg.launcher.oversubscribe = True
+    check_every_group_fits(cfg, layout, "fault_tolerance=replicas")  # asked for: accepted
+
+
+@pytest.mark.slow  # a Hydra composition and a validation: 1-3 s
 def test_the_layout_counts_every_group_in_the_global_batch(tmp_path):
     cfg, choices = compose_job(["fault_tolerance=replicas", "strategy=ddp", "trainer.devices=2", *RUN], tmp_path)
     layout = validate(cfg, choices=choices, this_machine=False)
@@ -144,8 +163,9 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
                               "with fewer groups, 1 dropped")
 
 
+# 3 ranks on 2 cores: one thread each (the groups share the cores).
 TRAIN = ["python", "train.py", "fault_tolerance=replicas", "strategy=single", "trainer.devices=1", *RUN,
-         "logger=csv"]
+         "logger=csv", "launcher.oversubscribe=true"]
 
 
 def job_summary(outputs: Path) -> dict:
@@ -221,7 +241,7 @@ def test_two_fsdp_groups_form_an_outer_replicate_axis_that_matches_one_process(t
     # 4 validation batches of 8 on each of a group's 2 ranks: the 64 samples one process takes in 2 of 32.
     groups = [sys.executable, "train.py", "fault_tolerance=replicas", "fault_tolerance.groups=2", "strategy=fsdp",
               "trainer.devices=2", *[o for o in RUN if "limit_val" not in o], "trainer.limit_val_batches=4",
-              "logger=csv", *steps]
+              "logger=csv", "launcher.oversubscribe=true", *steps]
     process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=400)
     assert process.returncode == 0, explain(process)
     assert stray == []
@@ -234,3 +254,25 @@ def test_two_fsdp_groups_form_an_outer_replicate_axis_that_matches_one_process(t
     assert ours["fault_tolerance"]["steps_with_fewer_groups"] == 0
     assert math.isclose(ours["val/loss"], theirs["val/loss"], rel_tol=1.3e-6, abs_tol=1e-5), (ours["val/loss"],
                                                                                             theirs["val/loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_a_rank_killed_in_a_ddp_group_of_two_restarts_its_group_alone(tmp_path):
+    """3 groups of 2 DDP ranks (6 ranks on 2 cores): rank 1 of group 1 is SIGKILLed at step 10
+    of 24; its agent stops rank 0 of the group and starts both again, and they rejoin while
+    groups 0 and 2 train on."""
+    import sys
+
+    command = [sys.executable, "train.py", "fault_tolerance=replicas", "strategy=ddp", "trainer.devices=2", *RUN,
+               "logger=csv", "launcher.oversubscribe=true", "trainer.max_steps=24", "trainer.val_check_interval=24",
+               "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.at_step=10",
+               "+callbacks.fault.kind=sigkill", "+callbacks.fault.replica_group=1", "+callbacks.fault.rank=1"]
+    process, _, stray = run_in_own_group(command, outputs=tmp_path, timeout=840)
+    assert process.returncode == 0, explain(process)
+    assert stray == []
+    cost = job_summary(tmp_path)["fault_tolerance"]
+    assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 24, cost
+    assert cost["restarted"] == [1] and cost["rejoined_at_step"]["1"] > 10, cost
+    assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost

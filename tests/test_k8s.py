@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.cli import REPO, explain, run_train
+from helpers.cli import REPO, check_command, explain, run_train
 from helpers.configs import compose_full
 
 from hydra_plugins.litscale_plugins.k8s import (
@@ -26,6 +26,7 @@ from hydra_plugins.litscale_plugins.k8s import (
     submit_and_wait,
 )
 from hydra_plugins.litscale_plugins.k8s_manifests import SCHEMAS, manifest_problems
+from litscale.errors import ConfigError
 
 
 def manifest_for(tmp_path: Path, *overrides: str) -> dict:
@@ -377,3 +378,44 @@ def test_every_plugin_module_imports_without_its_engine():
     plugin_packages = [p.name for p in Path(__file__).parents[1].joinpath("src", "hydra_plugins").iterdir()
                        if p.is_dir() and not p.name.startswith("__")]
     assert plugin_packages == ["litscale_plugins"]
+
+
+# --- an elastic PyTorchJob ------------------------------------------------------------------------
+
+ELASTIC = ("hydra.launcher.api=pytorchjob", "hydra.launcher.min_nodes=1", "hydra.launcher.max_nodes=4",
+           "trainer.num_nodes=2", "trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp")
+
+
+def test_an_elastic_pytorchjob_has_workers_only_and_an_elastic_policy(tmp_path):
+    manifest = manifest_for(tmp_path, *ELASTIC)
+    assert manifest_problems(manifest) == []
+    spec = manifest["spec"]
+    assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 4, "maxRestarts": 3}
+    assert list(spec["pytorchReplicaSpecs"]) == ["Worker"] and spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    (container,) = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    # torchrun takes its node range and rendezvous from the operator's PET_* variables
+    assert container["command"] == ["torchrun", "train.py", *ELASTIC,
+                                    "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3", "ckpt_path=here"]
+    fixed = manifest_for(tmp_path, *ELASTIC[:1], *ELASTIC[3:])
+    assert "elasticPolicy" not in fixed["spec"] and list(fixed["spec"]["pytorchReplicaSpecs"]) == ["Master", "Worker"]
+
+
+@pytest.mark.parametrize(("overrides", "refusal"), [
+    (("hydra.launcher.api=trainjob",),
+     "hydra.launcher.min_nodes=1 / max_nodes=4 needs an elastic policy, which a Kubeflow TrainJob "
+     "(hydra.launcher.api=trainjob) does not have; allowed: hydra.launcher.api=pytorchjob, or min_nodes=null "
+     "max_nodes=null"),
+    (("trainer.num_nodes=5",),
+     "hydra.launcher.min_nodes=1 / max_nodes=4 is not an elastic range around the job's 5 nodes (trainer.num_nodes); "
+     "allowed: both null, or two integers with 1 <= min_nodes <= trainer.num_nodes <= max_nodes"),
+    (("strategy=fsdp",),
+     "hydra.launcher.min_nodes=1 / max_nodes=4 runs the job on however many pods are up, which needs a replica of the "
+     "whole model on each; strategy litscale.strategies.fsdp.FSDPStrategy splits it; allowed: a data-parallel "
+     "strategy (ddp, local_sgd), or min_nodes=null max_nodes=null"),
+])
+def test_an_elastic_job_that_cannot_work_is_refused_in_one_line_before_the_sweep(overrides, refusal, tmp_path, capsys):
+    code, _, err = check_command(["-m", "hydra/launcher=k8s", *ELASTIC, *overrides], capsys)
+    assert (code, err) == (2, f"error: {refusal}\n")
+    with pytest.raises(ConfigError) as refused:  # and by the launcher, per job
+        manifest_for(tmp_path, *ELASTIC, *overrides)
+    assert str(refused.value) == refusal

@@ -48,12 +48,14 @@ FAULT = ["+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+ca
 
 
 def run(command: list[str], outputs: Path, env: dict | None = None) -> tuple[float, subprocess.CompletedProcess]:
+    print(f"running: {outputs.name} ...", end="", flush=True)  # each job takes 1-5 minutes
     started = time.monotonic()
     process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800,
                              env={**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1",
                                   **(env or {})})
     if process.returncode != 0:
         raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n{process.stderr[-2000:]}")
+    print(f" {time.monotonic() - started:.0f} s", flush=True)
     return time.monotonic() - started, process
 
 
@@ -64,7 +66,7 @@ def job_summary(outputs: Path) -> dict:
 
 def replica_groups(outputs: Path, fault: bool) -> dict:
     seconds, process = run([sys.executable, "train.py", "fault_tolerance=replicas", "strategy=single",
-                            "trainer.devices=1", *COMMON, *(FAULT + ["+callbacks.fault.replica_group=2"] if fault else [])],
+                            "trainer.devices=1", "launcher.oversubscribe=true", *COMMON, *(FAULT + ["+callbacks.fault.replica_group=2"] if fault else [])],
                            outputs)
     summary = job_summary(outputs)
     cost = summary["fault_tolerance"]

@@ -33,6 +33,7 @@ from hydra_plugins.litscale_plugins.jobs import (
 from hydra_plugins.litscale_plugins.k8s_manifests import (
     api_of,
     default_image,
+    elastic_nodes,
     manifest_problems,
     pytorchjob,
     trainjob,
@@ -100,6 +101,7 @@ class KubernetesLauncher(ClusterLauncher):
         """Job ``number``'s manifest, its resolved launcher settings, and its run dir on the
         shared outputs volume."""
         params = job_resources(job_config)
+        elastic_nodes(params, str((job_config.get("strategy") or {}).get("_target_", "")))
         cpu = str(job_config.trainer.get("accelerator")) == "cpu"
         if cpu:
             params["gpus_per_node"] = None

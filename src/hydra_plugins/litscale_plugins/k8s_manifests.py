@@ -7,6 +7,10 @@ node's container ``PET_NNODES``, ``PET_NPROC_PER_NODE``, ``PET_NODE_RANK`` and
 counts and ``MASTER_ADDR``/``MASTER_PORT``, which torchrun is given explicitly. Either way the
 ranks are torchrun's, which litscale already runs under. Outputs go to a shared volume.
 
+An elastic PyTorchJob (``hydra.launcher.min_nodes`` / ``max_nodes``) has Workers only and an
+``elasticPolicy``: the operator sets ``PET_NNODES=<min>:<max>`` and a c10d rendezvous endpoint,
+torchrun reads them, and the job trains on the pods that are up. A TrainJob has no such policy.
+
 The schemas in ``schemas/`` are the CRDs' published OpenAPI schemas (see each header);
 ``check_manifest`` validates as the API server does with strict field validation (unknown
 fields refused). The CEL rules (``x-kubernetes-validations``) are not evaluated here.
@@ -19,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from litscale.errors import ConfigError
 
 SCHEMAS = Path(__file__).with_name("schemas")
 TRAINJOB = ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob")
@@ -120,21 +126,56 @@ def trainjob(name: str, args: list[str], params: dict[str, Any]) -> dict[str, An
     }
 
 
+def elastic_nodes(params: dict[str, Any], strategy_target: str) -> tuple[int, int] | None:
+    """``(min_nodes, max_nodes)`` of an elastic PyTorchJob; None where both are null (the job
+    has ``nodes`` pods). One ``ConfigError`` line for a range that cannot work."""
+    low, high = params.get("min_nodes"), params.get("max_nodes")
+    if low is None and high is None:
+        return None
+    named = f"hydra.launcher.min_nodes={low} / max_nodes={high}"
+    api, nodes = params.get("api"), params.get("nodes")
+    if api != "pytorchjob":
+        raise ConfigError(f"{named} needs an elastic policy, which a Kubeflow TrainJob (hydra.launcher.api={api}) "
+                          "does not have; allowed: hydra.launcher.api=pytorchjob, or min_nodes=null max_nodes=null")
+    counts = (low, high, nodes)
+    if not (all(isinstance(n, int) and not isinstance(n, bool) for n in counts) and 1 <= low <= nodes <= high):
+        raise ConfigError(f"{named} is not an elastic range around the job's {nodes} nodes (trainer.num_nodes); "
+                          "allowed: both null, or two integers with 1 <= min_nodes <= trainer.num_nodes <= max_nodes")
+    from hydra_plugins.litscale_plugins.ray_settings import is_data_parallel
+
+    if not is_data_parallel(strategy_target):
+        raise ConfigError(f"{named} runs the job on however many pods are up, which needs a replica of the whole "
+                          f"model on each; strategy {strategy_target} splits it; allowed: a data-parallel strategy "
+                          "(ddp, local_sgd), or min_nodes=null max_nodes=null")
+    return low, high
+
+
+def _replica_specs(template: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A Master and ``nodes - 1`` Workers; an elastic job's ``nodes`` are all Workers (the
+    operator's elastic mode rendezvouses them through the first Worker)."""
+    nodes = int(params["nodes"])
+    spec = {"restartPolicy": "OnFailure", "template": template}
+    if params.get("min_nodes") is not None:
+        return {"Worker": {"replicas": nodes, **spec}}
+    replicas = {"Master": {"replicas": 1, **spec}}
+    if nodes > 1:
+        replicas["Worker"] = {"replicas": nodes - 1, **spec}
+    return replicas
+
+
 def pytorchjob(name: str, args: list[str], params: dict[str, Any]) -> dict[str, Any]:
-    """A Training Operator v1 PyTorchJob: a Master replica and ``nodes - 1`` Workers."""
+    """A Training Operator v1 PyTorchJob: a Master replica and ``nodes - 1`` Workers, or with
+    ``min_nodes`` / ``max_nodes`` (checked by ``elastic_nodes``) an elastic job of Workers."""
     group, version, _, kind = PYTORCHJOB
+    elastic = params.get("min_nodes") is not None
+    # $(VAR): expanded by Kubernetes from the environment the operator sets. An elastic job's
+    # torchrun reads its node range and rendezvous from the operator's PET_* variables.
+    rendezvous = [] if elastic else ["--master-addr=$(MASTER_ADDR)", "--master-port=$(MASTER_PORT)"]
     container = {
         "name": "pytorch",
         "image": params["image"],
         "workingDir": params["working_dir"],
-        # $(VAR): expanded by Kubernetes from the environment the operator sets.
-        "command": [
-            "torchrun",
-            "--master-addr=$(MASTER_ADDR)",
-            "--master-port=$(MASTER_PORT)",
-            "train.py",
-            *args,
-        ],
+        "command": ["torchrun", *rendezvous, "train.py", *args],
         "env": environment(params),
         "volumeMounts": [{"name": OUTPUTS_VOLUME, "mountPath": params["outputs_mount"]}],
     }
@@ -152,24 +193,23 @@ def pytorchjob(name: str, args: list[str], params: dict[str, Any]) -> dict[str, 
             ],
         }
     }
-    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
-    if int(params["nodes"]) > 1:
-        replicas["Worker"] = {
-            "replicas": int(params["nodes"]) - 1,
-            "restartPolicy": "OnFailure",
-            "template": template,
-        }
+    restarts = int(params.get("max_restarts") or 0)
+    spec: dict[str, Any] = {
+        "nprocPerNode": str(params["processes_per_node"]),
+        "pytorchReplicaSpecs": _replica_specs(template, params),
+        # The operator restarts a failed pod in place this many times; the job's
+        # ckpt_path=here resumes it from its run dir on the volume.
+        "runPolicy": {"backoffLimit": restarts},
+    }
+    if elastic:
+        # maxRestarts: torchrun's --max-restarts, the restarts of every worker when a pod goes or comes
+        spec["elasticPolicy"] = {"rdzvBackend": "c10d", "minReplicas": int(params["min_nodes"]),
+                                 "maxReplicas": int(params["max_nodes"]), "maxRestarts": restarts}
     return {
         "apiVersion": f"{group}/{version}",
         "kind": kind,
         "metadata": _metadata(name, params),
-        "spec": {
-            "nprocPerNode": str(params["processes_per_node"]),
-            "pytorchReplicaSpecs": replicas,
-            # The operator restarts a failed pod in place this many times; the job's
-            # ckpt_path=here resumes it from its run dir on the volume.
-            "runPolicy": {"backoffLimit": int(params.get("max_restarts") or 0)},
-        },
+        "spec": spec,
     }
 
 

@@ -22,7 +22,8 @@ def replica_groups(cfg: DictConfig) -> int:
     return int(cfg[KEY].groups) if replicas_chosen(cfg) else 1
 
 
-def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:
+def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, *,
+                          this_machine: bool = True) -> None:
     """Replica groups are asked for where they can run and average what they claim to."""
     from litscale.app.launch import launched_externally
     from litscale.app.schemas import FaultToleranceSchema
@@ -53,7 +54,25 @@ def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunL
         if "_target_" in (cfg.get(group) or {}):
             raise ConfigError(f"{group}={choices.get(group, cfg[group]._target_)} is not supported with {typed}: "
                               f"{why}; allowed: {group}=none, or fault_tolerance=none")
+    if this_machine:
+        check_every_group_fits(cfg, layout, typed)
     if cfg.precision.lightning == "16-mixed":
         raise ConfigError(f"precision={choices.get('precision', 'fp16_mixed')} is not supported with {typed}: "
                           "each group's loss scaler would skip steps the others take; allowed: "
                           "precision=fp32, bf16_mixed or bf16_true")
+
+
+def check_every_group_fits(cfg: DictConfig, layout: RunLayout, typed: str) -> None:
+    """Every group has devices of its own on this machine (GPUs are split between the groups;
+    CPU ranks beyond the cores only with launcher.oversubscribe=true, as for one job)."""
+    from litscale.app.devices import machine_device_count, resolve_accelerator
+
+    accelerator = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
+    available, ranks = machine_device_count(accelerator), layout.replica_groups * layout.processes_per_node
+    oversubscribe = accelerator == "cpu" and bool((cfg.get("launcher") or {}).get("oversubscribe"))
+    if ranks > available and not oversubscribe:
+        unit = "GPUs" if accelerator == "gpu" else "CPU cores"
+        opt_in = ", or add launcher.oversubscribe=true (CPU ranks of one thread each)" if accelerator == "cpu" else ""
+        raise ConfigError(f"{typed} runs {layout.replica_groups} groups x trainer.devices={layout.processes_per_node} "
+                          f"= {ranks} ranks, more than this machine's {available} {unit}; allowed: "
+                          f"{KEY}.groups x trainer.devices <= {available}{opt_in}")

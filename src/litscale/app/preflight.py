@@ -219,6 +219,10 @@ def check_cluster_resources(cfg) -> None:
         from hydra_plugins.litscale_plugins.ray_settings import check_settings
 
         check_settings(params, str(OmegaConf.select(cfg, "strategy._target_") or ""))
+    if option == "k8s":
+        from hydra_plugins.litscale_plugins.k8s_manifests import elastic_nodes
+
+        elastic_nodes(params, str(OmegaConf.select(cfg, "strategy._target_") or ""))
 
 
 def _as_job_config(cfg):

@@ -117,6 +117,7 @@ def _run_group(entrypoint: Callable[[Any], Any], spec: Any, group: int, groups: 
     """One replica group: its ranks under an elastic agent that starts them again when one dies."""
     os.environ.update({GROUP_ENV: str(group), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: lighthouse,
                        START_STORE_ENV: start_store})
+    _share_the_machine(group, groups, processes)
     _end_with_parent()
     output_dir = spec.config["paths"]["output_dir"]
     os.makedirs(output_dir, exist_ok=True)
@@ -131,6 +132,21 @@ def _run_group(entrypoint: Callable[[Any], Any], spec: Any, group: int, groups: 
     if not result["stopped_as_finished"] and not result.get("preempted"):
         with open(finished_marker(output_dir), "w") as handle:
             handle.write(str(group))
+
+
+def _share_the_machine(group: int, groups: int, processes: int) -> None:
+    """Group ``group``'s own block of GPUs (each group's ranks count their GPUs from 0), and of
+    CPU threads: the cores shared by every rank of every group (``app.build`` reads it)."""
+    from litscale.app.scaling_study import THREADS_ENV
+    from litscale.planner.machine import cores
+
+    os.environ.setdefault(THREADS_ENV, str(max(1, cores() // (groups * processes))))
+    import torch
+
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices[group * processes:(group + 1) * processes])
 
 
 def _end_with_parent() -> None:

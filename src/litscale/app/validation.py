@@ -105,7 +105,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     check_data_paths(cfg)
     layout = run_layout(cfg, processes, strategy, choices=choices)
     check_determinism(cfg, choices, layout)
-    check_fault_tolerance(cfg, choices, layout)
+    check_fault_tolerance(cfg, choices, layout, this_machine=this_machine)
     check_baseline(cfg)
     check_warmup(cfg)
     check_declared_widths(cfg, choices)

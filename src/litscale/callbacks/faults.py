@@ -23,10 +23,15 @@ fault provokes (``torchrun --max-restarts``, a requeued job, the same command ag
 past it. ``+callbacks.fault.after_resume=true`` fires in resumed runs too. A restart that
 finds no checkpoint starts afresh and meets the fault again, so checkpoint before
 ``at_step`` (``trainer.val_check_interval`` smaller than it).
+
+``+callbacks.fault.record=<file>``: the rank the fault acts on writes, as it acts, a line of JSON
+with its kind, step, rank and wall-clock time (``experiments/reliability/faults.py`` times
+from it how long the job takes to say what happened).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -65,6 +70,7 @@ class InjectFault(Callback):
         after_resume: bool = False,
         delay_s: PositiveFloat = 1.0,
         for_steps: PositiveInt | None = None,
+        record: str | None = None,
     ) -> None:
         self.at_step = at_step
         self.kind = kind
@@ -74,6 +80,8 @@ class InjectFault(Callback):
         self.after_resume = after_resume
         self.delay_s = delay_s
         self.for_steps = for_steps
+        self.record = record
+        self._recorded = False
         self._fired = False
         self._skipped_at: int | None = None
         self._wait_from_step: int | None = None  # this rank's next collective would pair wrongly
@@ -103,12 +111,16 @@ class InjectFault(Callback):
             return
         if self.kind == "slow" and step >= self.at_step and (
                 self.for_steps is None or step < self.at_step + self.for_steps):
+            self._record_firing(trainer)
             time.sleep(self.delay_s)
         elif self.kind == "hang" and step == self.at_step:
+            self._record_firing(trainer)
             time.sleep(HANG_S)
         elif self.kind == "freeze" and step == self.at_step:
+            self._record_firing(trainer)
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.kind == "skip_collective" and step == self.at_step:
+            self._record_firing(trainer)
             # DDP reads this flag in forward: the backward that follows reduces nothing here,
             # while the other ranks' gradient all-reduce waits for this rank.
             ddp_model(trainer).require_backward_grad_sync = False
@@ -122,6 +134,8 @@ class InjectFault(Callback):
         import torch.distributed as dist
 
         wrong = self._on_this_rank(trainer)
+        if wrong:
+            self._record_firing(trainer)
         dist.all_reduce(torch.zeros(0 if wrong else METRIC_SIZE))
         if wrong:
             self._wait_from_step = trainer.global_step
@@ -131,6 +145,7 @@ class InjectFault(Callback):
         with ``during`` that work hangs there."""
         if self.kind == "hang" and self.during == work and not self._fired and self._on_this_rank(trainer):
             self._fired = True
+            self._record_firing(trainer)
             time.sleep(HANG_S)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
@@ -151,6 +166,7 @@ class InjectFault(Callback):
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
         if (self.kind == "slow" and self.during == "validation" and not trainer.sanity_checking
                 and trainer.global_step >= self.at_step and self._on_this_rank(trainer)):
+            self._record_firing(trainer)
             time.sleep(self.delay_s)
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
@@ -169,6 +185,7 @@ class InjectFault(Callback):
         if self._fired or not self._on_this_rank(trainer):
             return
         self._fired = True
+        self._record_firing(trainer)
         if self.kind == "exception":
             raise InjectedFault(f"injected fault{where} at step {trainer.global_step} on rank "
                                 f"{trainer.global_rank}")
@@ -192,6 +209,16 @@ class InjectFault(Callback):
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ
         stop_signal = signal.SIGUSR1 if self.kind == "sigusr1" else signal.SIGTERM
         os.kill(os.getppid() if under_agent else os.getpid(), stop_signal)
+
+    def _record_firing(self, trainer: Trainer) -> None:
+        """The first time the fault acts: its line in ``record`` (written before a fault that
+        ends or stops this process)."""
+        if self.record is None or self._recorded:
+            return
+        self._recorded = True
+        line = {"kind": self.kind, "step": trainer.global_step, "rank": trainer.global_rank, "time": time.time()}
+        with open(self.record, "a") as handle:
+            handle.write(json.dumps(line) + "\n")
 
 
 # The values of the metric ``kind=wrong_shape`` all-reduces.
