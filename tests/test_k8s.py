@@ -25,7 +25,7 @@ from hydra_plugins.litscale_plugins.k8s import (
     launch_token,
     submit_and_wait,
 )
-from hydra_plugins.litscale_plugins.k8s_manifests import SCHEMAS, manifest_problems
+from hydra_plugins.litscale_plugins.k8s_manifests import SCHEMAS, elastic_args, manifest_problems
 from litscale.errors import ConfigError
 
 
@@ -372,9 +372,9 @@ def test_every_plugin_module_imports_without_its_engine():
     process = subprocess.run([sys.executable, "-c", IMPORT_EVERY_PLUGIN],
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 0 and process.stderr == "", explain(process)
-    assert process.stdout.split() == ["jobs", "k8s", "k8s_manifests", "optuna_space", "optuna_study",
-                                      "optuna_sweeper", "ray_launcher", "skypilot", "skypilot_outputs", "slurm",
-                                      "sweeper"]
+    assert process.stdout.split() == ["_ray_worker_state", "jobs", "k8s", "k8s_manifests", "optuna_space",
+                                      "optuna_study", "optuna_sweeper", "ray_launcher", "ray_settings", "ray_storage",
+                                      "ray_worker", "skypilot", "skypilot_outputs", "slurm", "sweeper"]
     plugin_packages = [p.name for p in Path(__file__).parents[1].joinpath("src", "hydra_plugins").iterdir()
                        if p.is_dir() and not p.name.startswith("__")]
     assert plugin_packages == ["litscale_plugins"]
@@ -393,11 +393,21 @@ def test_an_elastic_pytorchjob_has_workers_only_and_an_elastic_policy(tmp_path):
     assert spec["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 1, "maxReplicas": 4, "maxRestarts": 3}
     assert list(spec["pytorchReplicaSpecs"]) == ["Worker"] and spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
     (container,) = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
-    # torchrun takes its node range and rendezvous from the operator's PET_* variables
-    assert container["command"] == ["torchrun", "train.py", *ELASTIC,
-                                    "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3", "ckpt_path=here"]
+    # torchrun takes its node range and rendezvous from the operator's PET_* variables; the run,
+    # its node count from the pods that met (torchrun's GROUP_WORLD_SIZE), at every start
+    without_nodes = [o for o in ELASTIC if not o.startswith("trainer.num_nodes=")]
+    assert container["command"] == ["torchrun", "train.py", *without_nodes,
+                                    "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3", "ckpt_path=here",
+                                    "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'"]
     fixed = manifest_for(tmp_path, *ELASTIC[:1], *ELASTIC[3:])
     assert "elasticPolicy" not in fixed["spec"] and list(fixed["spec"]["pytorchReplicaSpecs"]) == ["Master", "Worker"]
+
+
+def test_an_elastic_jobs_node_count_is_the_pods_that_met_at_the_rendezvous(monkeypatch):
+    """The pods' argument composes to torchrun's count of nodes, whatever the manifest asked for."""
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
+    (nodes,) = [a for a in elastic_args(["trainer.num_nodes=2", "strategy=ddp"]) if a.startswith("trainer.num_nodes")]
+    assert compose_full([nodes, "strategy=ddp"]).trainer.num_nodes == 3
 
 
 @pytest.mark.parametrize(("overrides", "refusal"), [

@@ -33,6 +33,7 @@ from hydra_plugins.litscale_plugins.jobs import (
 from hydra_plugins.litscale_plugins.k8s_manifests import (
     api_of,
     default_image,
+    elastic_args,
     elastic_nodes,
     manifest_problems,
     pytorchjob,
@@ -101,7 +102,7 @@ class KubernetesLauncher(ClusterLauncher):
         """Job ``number``'s manifest, its resolved launcher settings, and its run dir on the
         shared outputs volume."""
         params = job_resources(job_config)
-        elastic_nodes(params, str((job_config.get("strategy") or {}).get("_target_", "")))
+        elastic = elastic_nodes(params, str((job_config.get("strategy") or {}).get("_target_", "")))
         cpu = str(job_config.trainer.get("accelerator")) == "cpu"
         if cpu:
             params["gpus_per_node"] = None
@@ -110,6 +111,8 @@ class KubernetesLauncher(ClusterLauncher):
         build = {"trainjob": trainjob, "pytorchjob": pytorchjob}[params["api"]]
         name = job_name(params["name_prefix"], sweep_dir, number, launch)
         args = resuming_in_run_dir([*overrides, f"hydra.run.dir={run_dir}"])
+        if elastic:
+            args = elastic_args(args)
         return build(name, args, params), params, run_dir
 
 

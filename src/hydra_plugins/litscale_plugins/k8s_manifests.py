@@ -150,6 +150,16 @@ def elastic_nodes(params: dict[str, Any], strategy_target: str) -> tuple[int, in
     return low, high
 
 
+# An elastic job's node count is the pods that met at the rendezvous, which torchrun gives its
+# ranks as GROUP_WORLD_SIZE (a fixed trainer.num_nodes would refuse any other count).
+NODES_AT_RENDEZVOUS = "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'"
+
+
+def elastic_args(args: list[str]) -> list[str]:
+    """An elastic job's arguments: its node count read at each start, not fixed."""
+    return [a for a in args if a.split("=", 1)[0].lstrip("+~") != "trainer.num_nodes"] + [NODES_AT_RENDEZVOUS]
+
+
 def _replica_specs(template: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """A Master and ``nodes - 1`` Workers; an elastic job's ``nodes`` are all Workers (the
     operator's elastic mode rendezvouses them through the first Worker)."""
