@@ -27,7 +27,12 @@ from helpers.cli import (
 )
 from helpers.inprocess import train_on_pool
 
-from litscale.checkpoints import is_complete_checkpoint, newest_last_checkpoint, resolve_ckpt_path
+from litscale.checkpoints import (
+    is_complete_checkpoint,
+    newest_last_checkpoint,
+    resolve_ckpt_path,
+    skipped_line,
+)
 from litscale.errors import ConfigError
 
 SHORT = ("trainer.max_steps=8", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
@@ -336,6 +341,22 @@ def test_auto_skips_a_truncated_last_ckpt_and_never_resumes_from_nonfinite(tmp_p
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) is None
     with pytest.raises(ConfigError, match="^ckpt_path=last but no complete checkpoints/"):
         resolve_ckpt_path("last", search_dir=str(tmp_path))
+
+
+def test_a_resume_says_which_torn_checkpoints_it_skipped(tmp_path):
+    older = _save(tmp_path / "runs" / "a" / "checkpoints" / "step000004.ckpt", 4, 1000)
+    last = _save(tmp_path / "runs" / "a" / "checkpoints" / "last.ckpt", 8, 2000)
+    assert skipped_line("auto", str(tmp_path), str(last)) is None
+    _truncate(last)
+    chosen = resolve_ckpt_path("auto", search_dir=str(tmp_path))
+    assert chosen == str(older)
+    assert skipped_line("auto", str(tmp_path), chosen) == (
+        f"litscale: ckpt_path=auto skipped {last}: incomplete (a save cut short, or a copy truncated); "
+        f"resuming from {older}")
+    _truncate(older)
+    assert skipped_line("here", str(tmp_path), None) == (
+        f"litscale: ckpt_path=here skipped {last}, {older}: incomplete (a save cut short, or a copy truncated); "
+        "starting afresh")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group, overwriting

@@ -130,6 +130,19 @@ def newest_last_checkpoint(search_dir: str) -> str | None:
         _written_at(path), os.path.basename(path).startswith("last")))
 
 
+def skipped_line(ckpt_path: str, search_dir: str, chosen: str | None) -> str | None:
+    """The line that says which checkpoints a resume word passed over because their save did not
+    finish (newer than the one it chose); None when it passed over none."""
+    chosen_at = _written_at(chosen) if chosen else float("-inf")
+    skipped = sorted(path for path in resumable_checkpoints(search_dir)
+                     if not is_complete_checkpoint(path) and _written_at(path) >= chosen_at)
+    if not skipped:
+        return None
+    then = f"resuming from {chosen}" if chosen else "starting afresh"
+    return (f"litscale: ckpt_path={ckpt_path} skipped {', '.join(skipped)}: incomplete (a save cut short, or "
+            f"a copy truncated); {then}")
+
+
 def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
     """``null`` -> None; a path -> itself (it must exist); ``last`` -> the newest complete
     checkpoint under ``search_dir`` (one must exist); ``auto`` and ``here`` -> the same, or None to start

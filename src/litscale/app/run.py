@@ -12,7 +12,7 @@ from litscale.app.launch import launch, wait_for_the_cause
 from litscale.app.run_log import log_printed_lines
 from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
-from litscale.app.validation import only_planned, planning, validate
+from litscale.app.validation import only_planned, planning, resume_search_dir, validate
 from litscale.layout import RunLayout
 
 
@@ -42,6 +42,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     """Validate ``cfg``, start its ranks, and return rank 0's summary."""
     choices = hydra_choices() if choices is None else choices
     layout = validate(cfg, choices=choices, this_machine=not only_planned(cfg))
+    say_skipped_checkpoints(cfg, layout.ckpt_path)
     if planning(cfg):
         from litscale.app.plan.ranking import run_plan
 
@@ -59,6 +60,19 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     if result.get("preempted"):
         check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)
     return result
+
+
+def say_skipped_checkpoints(cfg: DictConfig, chosen: str | None) -> None:
+    """Once per job (rank 0 under torchrun or srun): the checkpoints a resume word passed over,
+    so that a torn save is not skipped in silence."""
+    from litscale.app.launch import external_rank
+    from litscale.checkpoints import RESUME_WORDS, skipped_line
+
+    if cfg.get("ckpt_path") not in RESUME_WORDS or external_rank() not in (None, 0):
+        return
+    line = skipped_line(cfg.ckpt_path, resume_search_dir(cfg), chosen)
+    if line:
+        print(line, flush=True)
 
 
 def check_every_rank_saved(output_dir: str, world_size: int) -> None:

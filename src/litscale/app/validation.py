@@ -262,13 +262,17 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(str(error).splitlines()[0]) from None
-    search_dir = cfg.paths.output_dir if cfg.ckpt_path == "here" else os.path.join(cfg.paths.root_dir, cfg.name)
-    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=search_dir)
+    ckpt_path = resolve_ckpt_path(cfg.ckpt_path, search_dir=resume_search_dir(cfg))
     check_checkpoint_network(cfg, ckpt_path, net, choices or {})
     check_checkpoint_moves(cfg, ckpt_path, strategy, world_size, choices or {})
     return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
                      micro_batch=micro_batch, accumulation=accumulation, ckpt_path=ckpt_path,
                      strong_scaling=bool(global_batch), replica_groups=replica_groups(cfg))
+
+
+def resume_search_dir(cfg: DictConfig) -> str:
+    """Where ``ckpt_path=auto``/``last`` look (every run named ``name``), and ``here`` (this run's dir)."""
+    return cfg.paths.output_dir if cfg.ckpt_path == "here" else os.path.join(cfg.paths.root_dir, cfg.name)
 
 
 def check_baseline(cfg: DictConfig) -> None:
