@@ -79,6 +79,7 @@ def replica_groups(outputs: Path, fault: bool) -> dict:
 def restart(outputs: Path, fault: bool, every: int) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                "--max-restarts=1", "--monitor-interval=0.5", "train.py", "strategy=ddp", "trainer.devices=3",
+               "launcher.oversubscribe=true",
                *COMMON, "ckpt_path=auto", f"callbacks.model_checkpoint.every_n_train_steps={every}",
                *(FAULT + ["+callbacks.fault.rank=2"] if fault else []), "hydra.run.dir=" + str(outputs / "run")]
     seconds, process = run(command, outputs, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})

@@ -1,8 +1,9 @@
 """``fault_tolerance=replicas``: replica groups that keep training when one of them dies.
 
 The job's ranks form ``groups`` replica groups of ``trainer.devices`` ranks each. Inside a
-group the strategy (``single`` or ``ddp``) works as ever; across groups, torchft's ``Manager``
-averages each step's gradients over the groups that are alive, and a group that died is
+group the strategy (``single``, ``ddp`` or ``fsdp``) works as ever; across groups, torchft's
+``Manager`` averages each step's gradients over the groups that are alive (rank ``r`` of a group
+with rank ``r`` of the others: with FSDP, the groups are HSDP's outer replicate axis), and a group that died is
 started again by its own elastic agent (``litscale.app.replica_launch``) and rejoins at the
 next step boundary with a live group's weights, optimizer and scheduler state, sent over
 torchft's HTTP transport: no checkpoint is read, and nobody else restarts.
@@ -21,8 +22,11 @@ Per step (``ReplicaFaultTolerance``, a callback):
 
 What a lost group costs: its share of each global batch until it is back (the step's batch
 shrinks from ``groups`` to the live groups' share; the learning rate stays the full batch's),
-the step in flight when it died, and the survivors' wait for the lighthouse to drop it (about
-a second: ``join_timeout_ms``). Each group writes one line per step to
+the step in flight when it died, and the survivors' wait for the lighthouse to drop it (2 s
+after its last heartbeat, ``replica_launch.HEARTBEAT_TIMEOUT_MS``). A rejoining group reads
+on from the step it rejoins at; a group that falls out of one quorum while alive (later than
+``fault_tolerance.straggler_timeout_s``) heals in the middle of its epoch and reads on from its
+own place in the order, which the sampler cannot move once an epoch is under way. Each group writes one line per step to
 ``<run dir>/replicas/<group>/steps.jsonl`` (step, time, groups in the quorum, committed) and
 one per start: the record the job's summary, the tests and
 ``experiments/reliability/replica_loss.py`` read.
@@ -193,9 +197,9 @@ class ReplicaFaultTolerance(Callback):
     def _wait_for_every_group(self) -> None:
         """At the job's start, every group before the first quorum.
 
-        NOTE: the lighthouse forms a first quorum from the groups that asked within its join
-        timeout (a second), and the groups' processes start seconds apart: the first steps
-        would run with fewer groups, then heal the latecomers."""
+        NOTE: the lighthouse forms a first quorum from the groups that heartbeat by then, and the
+        groups' processes start seconds apart (a group still importing has not begun to): the
+        first steps would run with fewer groups, then heal the latecomers."""
         from torch.distributed import TCPStore
 
         host, port = os.environ[START_STORE_ENV].rsplit(":", 1)

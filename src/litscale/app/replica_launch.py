@@ -228,6 +228,10 @@ def _job_summary(run_dir: str, groups: int, exit_codes: dict[int, int | None]) -
     with open(os.path.join(run_dir, "summary.json"), "w") as handle:
         json.dump(summary, handle, indent=2, default=str)
     print(f"litscale: fault tolerance: {describe(summary['fault_tolerance'])}", flush=True)
+    for group, result in results.items():  # the run finished without them: said, not fatal
+        if "error" in result:
+            print(f"litscale: fault tolerance: group {group} stopped for good (its restarts used up): "
+                  f"{result['error']}", flush=True)
     print(f"litscale: job outputs: {run_dir} (summary.json; each group's run under replicas/<group>/)", flush=True)
     return summary
 
