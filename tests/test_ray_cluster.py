@@ -153,6 +153,7 @@ def test_an_elastic_job_runs_on_the_workers_the_cluster_has_and_says_what_that_d
             "so the global batch is 32; optimizer.lr stays as given (lr_scaling=none)") in process.stdout, explain(process)
 
 
+@pytest.mark.soak  # about 110 s more: CI's time goes to the killed worker (the test) instead
 def test_an_elastic_job_that_loses_a_node_goes_on_with_the_workers_left_from_its_checkpoint(shrunk):
     summary, printed = shrunk
     assert summary["steps"] == STEPS and summary["world_size"] == 1 and summary["global_batch"] == 16, printed[-3000:]
