@@ -80,7 +80,8 @@ def restart(outputs: Path, fault: bool, every: int) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                "--max-restarts=1", "--monitor-interval=0.5", "train.py", "strategy=ddp", "trainer.devices=3",
                "launcher.oversubscribe=true",
-               *COMMON, "ckpt_path=auto", f"trainer.val_check_interval={every}",  # a checkpoint at each validation
+               *[o for o in COMMON if not o.startswith("trainer.val_check_interval")], "ckpt_path=auto",
+               f"trainer.val_check_interval={every}",  # a checkpoint at each validation
                *(FAULT + ["+callbacks.fault.rank=2"] if fault else []), "hydra.run.dir=" + str(outputs / "run")]
     seconds, process = run(command, outputs, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     restored = re.findall(r"Restored all states from the checkpoint at \S+?step=(\d+)", process.stdout + process.stderr)
