@@ -7,7 +7,7 @@ rank is SIGKILLed at the start of step 30:
 - **replica groups**: 3 groups of 1 rank (``strategy=single``); group 2 is killed, its agent
   starts it again, it rejoins from a live group's state while groups 0 and 1 train on;
 - **restart**: ``torchrun --nproc-per-node=3 --max-restarts=1`` of ``strategy=ddp`` with a
-  validation and checkpoint every ``--every`` steps and ``ckpt_path=auto``; rank 2 is killed, torchrun stops
+  validation and checkpoint every ``--every`` steps and ``ckpt_path=here`` (its run dir's newest); rank 2 is killed, torchrun stops
   the others and starts all three again, and they resume from the last checkpoint.
 
 Each is also run without the fault; the table gives, for each: wall seconds, the seconds the
@@ -80,7 +80,7 @@ def restart(outputs: Path, fault: bool, every: int) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
                "--max-restarts=1", "--monitor-interval=0.5", "train.py", "strategy=ddp", "trainer.devices=3",
                "launcher.oversubscribe=true",
-               *[o for o in COMMON if not o.startswith("trainer.val_check_interval")], "ckpt_path=auto",
+               *[o for o in COMMON if not o.startswith("trainer.val_check_interval")], "ckpt_path=here",
                f"trainer.val_check_interval={every}",  # a checkpoint at each validation
                *(FAULT + ["+callbacks.fault.rank=2"] if fault else []), "hydra.run.dir=" + str(outputs / "run")]
     seconds, process = run(command, outputs, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
