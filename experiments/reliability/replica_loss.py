@@ -76,6 +76,7 @@ def replica_groups(outputs: Path, fault: bool) -> dict:
     return {"seconds": seconds, "val_loss": summary["val/loss"], "steps_retrained": 0,
             "steps_dropped": cost["steps_dropped"], "steps_with_fewer_groups": cost["steps_with_fewer_groups"],
             "longest_pause_s": cost["longest_pause_s"], "rejoined_at_step": cost["rejoined_at_step"],
+            "seconds_to_rejoin": cost["seconds_to_rejoin"],
             "finished_groups": cost["finished"]}
 
 
@@ -104,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=20, help="checkpoint every N steps (the restart job)")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         reference = one_process(root / "one")
@@ -120,6 +122,7 @@ def main() -> None:
                          f"torch {torch.__version__}",
               "date": time.strftime("%Y-%m-%d"), "command": "python experiments/reliability/replica_loss.py "
                                                             f"--every {args.every}",
+              "load_average": {"before": load_before, "after": os.getloadavg()},
               "one_process_val_loss": reference, "tolerance": TOLERANCE, "rows": rows}
     (HERE / "replica_loss.json").write_text(json.dumps(record, indent=1) + "\n")
     write_readme(table(record))
@@ -138,14 +141,18 @@ def write_readme(text: str) -> None:
 
 def table(record: dict) -> str:
     lines = [f"Machine: {record['machine']}. Command: `{record['command']}` ({record['date']}). One process, "
-             f"global batch 24: val/loss {record['one_process_val_loss']:.4f}.", "",
+             f"global batch 24: val/loss {record['one_process_val_loss']:.4f}. Load average (1, 5, 15 min) "
+             f"{' / '.join(f'{x:.1f}' for x in record['load_average']['before'])} before, "
+             f"{' / '.join(f'{x:.1f}' for x in record['load_average']['after'])} after: other work shared "
+             "the cores, so the seconds move by tens between runs.", "",
              "| job | wall s | s added by the fault | steps trained again | steps dropped | steps with fewer "
-             "groups | longest pause of a live rank, s | val/loss (vs one process) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "groups | s from the kill to the rejoin | longest step of a live rank, s | val/loss (vs one process) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in record["rows"].items():
         pause = "n/a (all stop)" if row["longest_pause_s"] is None else f"{row['longest_pause_s']:.1f}"
+        rejoin = ", ".join(f"{s:.1f}" for s in (row.get("seconds_to_rejoin") or {}).values()) or "-"
         lines.append(f"| {name} | {row['seconds']:.0f} | {row['seconds_added']:+.0f} | {row['steps_retrained']} | "
-                     f"{row['steps_dropped']} | {row['steps_with_fewer_groups']} | {pause} | "
+                     f"{row['steps_dropped']} | {row['steps_with_fewer_groups']} | {rejoin} | {pause} | "
                      f"{row['val_loss']:.4f} ({row['val_loss_vs_one_process']:+.2%}) |")
     return "\n".join(lines)
 
