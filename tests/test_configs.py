@@ -106,6 +106,8 @@ def pairing(group: str, option: str, tmp_path) -> list[str]:
         return ["trainer.accelerator=cpu"]
     if group == "compression":
         return ["strategy=ddp"]  # the strategy that takes a compression hook
+    if group == "fault_tolerance" and option == "replicas":
+        return ["launcher.oversubscribe=true"]  # its 3 groups' ranks on a machine of 2 cores
     return []
 
 

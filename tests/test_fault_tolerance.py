@@ -147,7 +147,7 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
                                {"step": 38, "started": True, "time": 41.0, "groups": 3},
                                *steps(38, 40, 3.5, lambda s: 3)])
     cost = costs(str(tmp_path), 3, [0, 1, 2])
-    assert cost == {"groups": 3, "finished": [0, 1, 2], "restarted": [2], "rejoined_at_step": {"2": 38},
+    assert cost == {"groups": 3, "finished": [0, 1, 2], "not_finished": [], "restarted": [2], "rejoined_at_step": {"2": 38},
                     "seconds_to_rejoin": {"2": pytest.approx(12.0)},
                     "longest_pause_s": pytest.approx(4.5), "median_step_s": pytest.approx(1.0),
                     "steps_with_fewer_groups": 7, "steps_dropped": 1,
@@ -158,6 +158,8 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
     rate = (29 * 3 + 6 * 2 + 3 * 3) * 8 / (43.5 - 1.0)
     assert job_throughput(summary, str(tmp_path), [0, 1, 2]) == {"perf/samples_per_sec": pytest.approx(rate),
                                                                  "perf/tokens_per_sec": pytest.approx(rate * 32)}
+    assert describe({**cost, "restarted": [], "not_finished": [2]}).startswith(
+        "3 replica groups, 3 finished at step 40; group(s) 2 lost and not back by the end; the longest ")
     assert describe(cost) == ("3 replica groups, 3 finished at step 40; group(s) 2 restarted and rejoined at step(s) "
                               "38 after 12.0 s; the longest step of a group that never stopped: 4.50 s (median 1.00 s); 7 step(s) "
                               "with fewer groups, 1 dropped")

@@ -24,14 +24,10 @@ def replica_groups(cfg: DictConfig) -> int:
 
 def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, *,
                           this_machine: bool = True) -> None:
-    """Replica groups are asked for where they can run and average what they claim to."""
+    """Replica groups are asked for where they can run and average what they claim to (the keys'
+    types and ranges: ``FaultToleranceSchema``, checked with the other schemas)."""
     from litscale.app.launch import launched_externally
-    from litscale.app.schemas import FaultToleranceSchema
-    from litscale.app.validation import check_schema  # validation imports this module
 
-    if cfg.get(KEY) is None:
-        return
-    check_schema(KEY, cfg[KEY], FaultToleranceSchema)
     if not replicas_chosen(cfg):
         return
     typed = f"{KEY}={choices.get(KEY, 'replicas')}"

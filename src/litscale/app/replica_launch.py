@@ -10,9 +10,9 @@ one of them dies, stops the group's other ranks and starts the whole group again
 ``summary.json`` is the first finished group's, with what the faults cost added under
 ``fault_tolerance``.
 
-A group still starting again when another group has finished the run is told the run is over
-(``finished_marker``) and stops before its first step; one that does not stop within
-``FINISH_GRACE_S`` is ended.
+A group still starting again when another group has finished the run is stopped then (its
+ranks, if they got as far, see ``finished_marker`` and stop before their first step); one at
+the final step gets ``FINISH_GRACE_S`` to write its summary.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from litscale.app.launch import RankFailure, launch
@@ -38,6 +39,9 @@ from litscale.fault_tolerance import (
 )
 
 FINISH_GRACE_S = 60.0
+# The groups of the last step write its row within moments of each other; only a group still
+# behind this long after the run finished is counted as starting again.
+ROWS_SETTLE_S = 5.0
 STOP_GRACE_S = 30.0  # a group's agent stopping its ranks (they may be saving)
 SIGNALLED_EXIT_S = 2.0  # time for the groups to stop on a signal they got themselves
 # The lighthouse counts a group lost once its heartbeats (from a thread of torchft's own, in the
@@ -172,18 +176,38 @@ def _write_result(output_dir: str, result: dict) -> None:
 
 
 def _wait(processes: dict[int, Any], run_dir: str) -> dict[int, int | None]:
-    """Each group's exit code once all have ended; a group still running ``FINISH_GRACE_S`` after
-    the run finished elsewhere is ended (``None``)."""
-    finished_at = None
+    """Each group's exit code once all have ended (``None``: ended here).
+
+    Once a group has finished the run, a group that is behind it (killed and still starting
+    again: its processes were importing while the others trained on) is stopped at once, not
+    waited for; one at the final step is given ``FINISH_GRACE_S`` to write its summary."""
+    finished_at, final_step, stopped = None, None, set()
     while any(process.is_alive() for process in processes.values()):
         time.sleep(POLL_S)
-        if finished_at is None and os.path.exists(finished_marker(group_dir(run_dir, 0))):
-            finished_at = time.monotonic()
-        if finished_at is not None and time.monotonic() - finished_at > FINISH_GRACE_S:
+        marker = finished_marker(group_dir(run_dir, 0))
+        if finished_at is None and os.path.exists(marker):
+            finished_at, final_step = time.monotonic(), _last_step(run_dir, int(Path(marker).read_text()))
+        if finished_at is None:
+            continue
+        if time.monotonic() - finished_at < ROWS_SETTLE_S:
+            continue
+        for group, process in processes.items():
+            if group not in stopped and process.is_alive() and _last_step(run_dir, group) < final_step:
+                print(f"litscale: fault tolerance: the run finished while group {group} was starting again; "
+                      "it is stopped", flush=True)
+                process.terminate()
+                stopped.add(group)
+        if time.monotonic() - finished_at > FINISH_GRACE_S:
             break
     still_running = [process for process in processes.values() if process.is_alive()]
     _stop(still_running)
     return {group: None if process in still_running else process.exitcode for group, process in processes.items()}
+
+
+def _last_step(run_dir: str, group: int) -> int:
+    """The step of a group's newest committed row (-1: none since its last start)."""
+    record = _read_steps(steps_log_path(group_dir(run_dir, group)))
+    return -1 if not record or record[-1].get("started") else int(record[-1]["step"])
 
 
 def _stop(processes: Any) -> None:
@@ -251,6 +275,7 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
     return {
         "groups": groups,
         "finished": sorted(finished),
+        "not_finished": sorted(set(range(groups)) - set(finished)),
         "restarted": sorted(g for g in range(groups) if _lives(records[g]) > 1),
         "rejoined_at_step": {str(g): _rejoined_at(records[g]) for g in range(groups) if _lives(records[g]) > 1},
         "seconds_to_rejoin": {str(g): _seconds_to_rejoin(records[g]) for g in range(groups) if _lives(records[g]) > 1},
@@ -282,10 +307,14 @@ def job_throughput(summary: dict, run_dir: str, finished: list[int]) -> dict:
 
 
 def describe(cost: dict) -> str:
-    lost = (f"group(s) {', '.join(map(str, cost['restarted']))} restarted and rejoined at step(s) "
-            f"{', '.join(str(s) for s in cost['rejoined_at_step'].values())} after "
-            f"{', '.join(f'{s:.1f}' for s in cost['seconds_to_rejoin'].values())} s" if cost["restarted"]
-            else "no group lost")
+    parts = []
+    if cost["restarted"]:
+        parts.append(f"group(s) {', '.join(map(str, cost['restarted']))} restarted and rejoined at step(s) "
+                     f"{', '.join(str(s) for s in cost['rejoined_at_step'].values())} after "
+                     f"{', '.join(f'{s:.1f}' for s in cost['seconds_to_rejoin'].values())} s")
+    if cost["not_finished"]:
+        parts.append(f"group(s) {', '.join(map(str, cost['not_finished']))} lost and not back by the end")
+    lost = "; ".join(parts) or "no group lost"
     return (f"{cost['groups']} replica groups, {len(cost['finished'])} finished at step {cost['final_step']}; "
             f"{lost}; the longest step of a group that never stopped: {cost['longest_pause_s']:.2f} s "
             f"(median {cost['median_step_s']:.2f} s); "

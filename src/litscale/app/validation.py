@@ -28,6 +28,7 @@ from litscale.app.fault_tolerance_checks import check_fault_tolerance, replica_g
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.app.schemas import (
     CheckpointSchema,
+    FaultToleranceSchema,
     LauncherSchema,
     OptimizerSchema,
     PlanSchema,
@@ -86,6 +87,8 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("preflight", cfg.preflight, PreflightSchema)
     if cfg.get("checkpoint") is not None:
         check_schema("checkpoint", cfg.checkpoint, CheckpointSchema)
+    if cfg.get("fault_tolerance") is not None:
+        check_schema("fault_tolerance", cfg.fault_tolerance, FaultToleranceSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     check_width_options(cfg, choices)
