@@ -374,7 +374,7 @@ def test_every_plugin_module_imports_without_its_engine():
     assert process.returncode == 0 and process.stderr == "", explain(process)
     assert process.stdout.split() == ["_ray_worker_state", "jobs", "k8s", "k8s_manifests", "optuna_space",
                                       "optuna_study", "optuna_sweeper", "ray_launcher", "ray_settings", "ray_storage",
-                                      "ray_worker", "skypilot", "skypilot_outputs", "slurm", "sweeper"]
+                                      "ray_worker", "skypilot", "skypilot_outputs", "slurm", "strategy_kind", "sweeper"]
     plugin_packages = [p.name for p in Path(__file__).parents[1].joinpath("src", "hydra_plugins").iterdir()
                        if p.is_dir() and not p.name.startswith("__")]
     assert plugin_packages == ["litscale_plugins"]

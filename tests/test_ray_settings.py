@@ -149,15 +149,15 @@ def job_config(tmp_path, *overrides):
 
 
 def test_a_jobs_run_dir_is_in_its_storage_and_the_sweep_reads_it_there_or_from_its_copy(tmp_path):
-    from hydra_plugins.litscale_plugins.ray_launcher import prepare_job_config
+    from hydra_plugins.litscale_plugins.ray_launcher import checked_settings, prepare_job_config
 
     sweep = f"{tmp_path}/outputs/default/multiruns/t"
-    plain = ray_settings.checked_settings(job_config(tmp_path))
+    plain = checked_settings(job_config(tmp_path))
     assert (plain.run_sweep_dir, plain.local_run_dir, plain.storage_uri) == (sweep, f"{sweep}/0", None)
-    shared = ray_settings.checked_settings(job_config(tmp_path, "hydra.launcher.storage=/shared"))
+    shared = checked_settings(job_config(tmp_path, "hydra.launcher.storage=/shared"))
     assert shared.run_sweep_dir == "/shared/default/multiruns/t" and shared.local_run_dir == f"{shared.run_sweep_dir}/0"
     assert shared.ray_storage_path == "/shared/default/multiruns/t/.ray"
-    uri = ray_settings.checked_settings(job_config(tmp_path, "hydra.launcher.storage=s3://bucket/runs"))
+    uri = checked_settings(job_config(tmp_path, "hydra.launcher.storage=s3://bucket/runs"))
     assert uri.storage_uri == "s3://bucket/runs/default/multiruns/t/0" and uri.staging == "default/multiruns/t"
     assert (uri.run_sweep_dir, uri.local_run_dir) == (sweep, f"{sweep}/0")  # the driver's copy
     config = job_config(tmp_path, "hydra.launcher.max_failures=1", "callbacks=none")
@@ -166,7 +166,7 @@ def test_a_jobs_run_dir_is_in_its_storage_and_the_sweep_reads_it_there_or_from_i
     target = "hydra_plugins.litscale_plugins.ray_worker.RayWorkerCallback"
     assert config.callbacks.ray_worker._target_ == target and list(config.allowed_targets) == [target]
     with pytest.raises(ConfigError, match="^hydra.launcher.min_workers=1 / max_workers=2 runs the job"):
-        ray_settings.checked_settings(job_config(tmp_path, "strategy=fsdp", "hydra.launcher.min_workers=1",
+        checked_settings(job_config(tmp_path, "strategy=fsdp", "hydra.launcher.min_workers=1",
                                                  "hydra.launcher.max_workers=2"))
 
 

@@ -141,7 +141,7 @@ def elastic_nodes(params: dict[str, Any], strategy_target: str) -> tuple[int, in
     if not (all(isinstance(n, int) and not isinstance(n, bool) for n in counts) and 1 <= low <= nodes <= high):
         raise ConfigError(f"{named} is not an elastic range around the job's {nodes} nodes (trainer.num_nodes); "
                           "allowed: both null, or two integers with 1 <= min_nodes <= trainer.num_nodes <= max_nodes")
-    from hydra_plugins.litscale_plugins.ray_settings import is_data_parallel
+    from hydra_plugins.litscale_plugins.strategy_kind import is_data_parallel
 
     if not is_data_parallel(strategy_target):
         raise ConfigError(f"{named} runs the job on however many pods are up, which needs a replica of the whole "

@@ -44,9 +44,12 @@ from hydra_plugins.litscale_plugins.jobs import (
 )
 from hydra_plugins.litscale_plugins.ray_settings import (
     JobSettings,
-    checked_settings,
+    check_settings,
+    elastic_workers,
     relative_cwd,
     runtime_env,
+    storage_run_root,
+    storage_uri_scheme,
     working_dir,
 )
 from hydra_plugins.litscale_plugins.ray_worker import has_preemption_checkpoint
@@ -348,3 +351,26 @@ def leave_rays_process_group() -> None:
     dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
     os.environ["MASTER_PORT"] = str(port[0])
+
+
+def checked_settings(job_config: Any) -> JobSettings:
+    """One job's Ray settings, each checked (one-line ``ConfigError``) before any worker starts.
+
+    NOTE: here, not in ray_settings, which preflight imports: this reads the job's resources
+    through jobs, which imports preflight."""
+    params = job_resources(job_config)
+    strategy = str((job_config.get("strategy") or {}).get("_target_", ""))
+    storage = params.get("storage")
+    check_settings(params, strategy)
+    workers = int(params["nodes"]) * int(params["processes_per_node"])
+    elastic = elastic_workers(params, strategy)
+    sweep_dir, subdir = str(job_config.hydra.sweep.dir), str(job_config.hydra.sweep.subdir)
+    local_run_dir = sweep_run_dir(job_config)
+    if storage is None:
+        return JobSettings(workers, elastic, sweep_dir, str(Path(sweep_dir) / ".ray"), local_run_dir)
+    root = storage_run_root(str(storage), sweep_dir, str(job_config.paths.root_dir))
+    if storage_uri_scheme(str(storage)) is None:
+        return JobSettings(workers, elastic, root, f"{root}/.ray", os.path.join(root, subdir))
+    staging = root[len(str(storage).rstrip("/")) + 1:]
+    return JobSettings(workers, elastic, sweep_dir, f"{root}/.ray", local_run_dir,
+                       storage_uri=f"{root}/{subdir}", staging=staging)

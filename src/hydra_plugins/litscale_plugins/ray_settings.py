@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra_plugins.litscale_plugins.strategy_kind import is_data_parallel
 from litscale.errors import ConfigError
 
 # The file systems ``pyarrow.fs.FileSystem.from_uri`` opens (Ray Train's storage uses the same).
@@ -65,21 +66,6 @@ def check_uri_storage_strategy(storage: Any, strategy_target: str, workers: int)
         f"holds the checkpoints that rank 0 writes alone; strategy {strategy_target} saves a part from every "
         "rank into one directory; allowed: a data-parallel strategy (ddp, local_sgd), one rank, or an "
         "absolute path every node mounts")
-
-
-def is_data_parallel(strategy_target: str) -> bool:
-    """Whether the strategy keeps a whole replica on every rank and steps them together (the
-    DDP family): the one kind of job that runs on any number of workers, and whose rank 0
-    alone writes the checkpoint. Asked of the strategy's contract."""
-    from hydra.utils import get_class
-
-    from litscale.strategies.ddp import DDPStrategy
-
-    try:
-        strategy = get_class(strategy_target)
-    except Exception:  # noqa: BLE001 - not a class here: validation names it later
-        return False
-    return issubclass(strategy, DDPStrategy) and strategy.ranks_step_together
 
 
 def elastic_workers(params: dict[str, Any], strategy_target: str) -> tuple[int, int] | None:
@@ -180,25 +166,3 @@ class JobSettings:
     local_run_dir: str
     storage_uri: str | None = None
     staging: str | None = None
-
-
-def checked_settings(job_config: Any) -> JobSettings:
-    """One job's Ray settings, each checked (one-line ``ConfigError``) before any worker starts."""
-    from hydra_plugins.litscale_plugins.jobs import job_resources, sweep_run_dir
-
-    params = job_resources(job_config)
-    strategy = str((job_config.get("strategy") or {}).get("_target_", ""))
-    storage = params.get("storage")
-    check_settings(params, strategy)
-    workers = int(params["nodes"]) * int(params["processes_per_node"])
-    elastic = elastic_workers(params, strategy)
-    sweep_dir, subdir = str(job_config.hydra.sweep.dir), str(job_config.hydra.sweep.subdir)
-    local_run_dir = sweep_run_dir(job_config)
-    if storage is None:
-        return JobSettings(workers, elastic, sweep_dir, str(Path(sweep_dir) / ".ray"), local_run_dir)
-    root = storage_run_root(str(storage), sweep_dir, str(job_config.paths.root_dir))
-    if storage_uri_scheme(str(storage)) is None:
-        return JobSettings(workers, elastic, root, f"{root}/.ray", os.path.join(root, subdir))
-    staging = root[len(str(storage).rstrip("/")) + 1:]
-    return JobSettings(workers, elastic, sweep_dir, f"{root}/.ray", local_run_dir,
-                       storage_uri=f"{root}/{subdir}", staging=staging)
