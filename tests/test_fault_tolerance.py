@@ -3,7 +3,7 @@
 Refusals are checked against the exact line a user sees; the step record's arithmetic against
 records written by hand; the groups' data against one data-parallel job of all their ranks.
 The end-to-end runs (``full``): 3 groups of 1 rank train 60 steps while group 2 is SIGKILLed at
-step 30, and 3 groups without a fault match one process with the same global batch.
+step 20, and 3 groups without a fault match one process with the same global batch.
 """
 
 from __future__ import annotations
@@ -182,8 +182,11 @@ def job_summary(outputs: Path) -> dict:
 def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tmp_path):
     import sys
 
+    # NOTE: killed at step 20, not 30: the group's new interpreter takes about 20 s to import and
+    # build on 2 shared cores (27 of the others' 0.8 s steps, measured), and a group not back
+    # when the run ends is stopped, not waited for.
     command = [sys.executable, *TRAIN[1:], "trainer.max_steps=60", "trainer.val_check_interval=60",
-               "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.at_step=30",
+               "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.at_step=20",
                "+callbacks.fault.kind=sigkill", "+callbacks.fault.replica_group=2"]
     process, _, stray = run_in_own_group(command, outputs=tmp_path / "killed", timeout=540)
     assert process.returncode == 0, explain(process)
@@ -191,7 +194,7 @@ def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tm
     summary = job_summary(tmp_path / "killed")
     cost = summary["fault_tolerance"]
     assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 60, cost  # every group ends the run
-    assert cost["restarted"] == [2] and cost["rejoined_at_step"]["2"] > 30, cost
+    assert cost["restarted"] == [2] and cost["rejoined_at_step"]["2"] > 20, cost
     # The survivors never stopped for long: their longest step, less a step's own time (a loaded
     # 2-core machine runs 3 processes at seconds a step), under 10 s.
     assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost
@@ -263,18 +266,18 @@ def test_two_fsdp_groups_form_an_outer_replicate_axis_that_matches_one_process(t
 @pytest.mark.timeout(900)
 def test_a_rank_killed_in_a_ddp_group_of_two_restarts_its_group_alone(tmp_path):
     """3 groups of 2 DDP ranks (6 ranks on 2 cores): rank 1 of group 1 is SIGKILLed at step 10
-    of 24; its agent stops rank 0 of the group and starts both again, and they rejoin while
+    of 40; its agent stops rank 0 of the group and starts both again, and they rejoin while
     groups 0 and 2 train on."""
     import sys
 
     command = [sys.executable, "train.py", "fault_tolerance=replicas", "strategy=ddp", "trainer.devices=2", *RUN,
-               "logger=csv", "launcher.oversubscribe=true", "trainer.max_steps=24", "trainer.val_check_interval=24",
+               "logger=csv", "launcher.oversubscribe=true", "trainer.max_steps=40", "trainer.val_check_interval=40",
                "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.at_step=10",
                "+callbacks.fault.kind=sigkill", "+callbacks.fault.replica_group=1", "+callbacks.fault.rank=1"]
     process, _, stray = run_in_own_group(command, outputs=tmp_path, timeout=840)
     assert process.returncode == 0, explain(process)
     assert stray == []
     cost = job_summary(tmp_path)["fault_tolerance"]
-    assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 24, cost
+    assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 40, cost
     assert cost["restarted"] == [1] and cost["rejoined_at_step"]["1"] > 10, cost
     assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost
