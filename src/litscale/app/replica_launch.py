@@ -328,17 +328,23 @@ def _read_steps(path: str) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
+def _starts(record: list[dict]) -> list[int]:
+    """The rows where the group started and trained (a start after the run had finished, which
+    stops at once, is not one)."""
+    return [i for i, row in enumerate(record) if row.get("started") and not row.get("stopped_as_finished")]
+
+
 def _lives(record: list[dict]) -> int:
-    """How many times the group started (a start writes a row with ``"started"``)."""
-    return max(1, sum(1 for row in record if row.get("started")))
+    """How many times the group started and trained."""
+    return max(1, len(_starts(record)))
 
 
 def _seconds_to_rejoin(record: list[dict]) -> float | None:
     """From the group's last row before its last start (about when it was lost) to that start."""
-    starts = [i for i, row in enumerate(record) if row.get("started")]
+    starts = _starts(record)
     return record[starts[-1]]["time"] - record[starts[-1] - 1]["time"] if len(starts) > 1 else None
 
 
 def _rejoined_at(record: list[dict]) -> int | None:
-    starts = [i for i, row in enumerate(record) if row.get("started")]
+    starts = _starts(record)
     return record[starts[-1]]["step"] if len(starts) > 1 else None
