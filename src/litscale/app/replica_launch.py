@@ -206,7 +206,7 @@ def _wait(processes: dict[int, Any], run_dir: str) -> dict[int, int | None]:
 
 def _last_step(run_dir: str, group: int) -> int:
     """The step of a group's newest committed row (-1: none since its last start)."""
-    record = _read_steps(steps_log_path(group_dir(run_dir, group)))
+    record = _group_record(run_dir, group)
     return -1 if not record or record[-1].get("started") else int(record[-1]["step"])
 
 
@@ -267,7 +267,7 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
     """What the faults cost, from each group's step record: the longest time between two
     steps of a group that never stopped (and the median: a step's own time), the steps taken with fewer groups, the steps dropped,
     and each group's lives (a restarted group rejoins at a later step)."""
-    records = {g: _read_steps(steps_log_path(group_dir(run_dir, g))) for g in range(groups)}
+    records = {g: _group_record(run_dir, g) for g in range(groups)}
     survivors = [g for g in finished if _lives(records[g]) == 1]
     pauses = [b["time"] - a["time"] for g in survivors for a, b in itertools.pairwise(records[g])]
     reference = [row for row in (records[survivors[0]] if survivors else records[finished[0]])
@@ -291,8 +291,8 @@ def job_throughput(summary: dict, run_dir: str, finished: list[int]) -> dict:
     """The job's samples (and tokens) per second: each committed step's samples, counted for the
     groups in its quorum, over the seconds from the first step to the last of a group that never
     stopped (a group's own figure counts its share alone, over its own life)."""
-    survivors = [g for g in finished if _lives(_read_steps(steps_log_path(group_dir(run_dir, g)))) == 1]
-    rows = [row for row in _read_steps(steps_log_path(group_dir(run_dir, (survivors or finished)[0])))
+    survivors = [g for g in finished if _lives(_group_record(run_dir, g)) == 1]
+    rows = [row for row in _group_record(run_dir, (survivors or finished)[0])
             if "committed" in row]
     per_group = summary.get("micro_batch", 0) * summary.get("data_parallel_size", 0) * summary.get(
         "accumulate_grad_batches", 1)
@@ -319,6 +319,11 @@ def describe(cost: dict) -> str:
             f"{lost}; the longest step of a group that never stopped: {cost['longest_pause_s']:.2f} s "
             f"(median {cost['median_step_s']:.2f} s); "
             f"{cost['steps_with_fewer_groups']} step(s) with fewer groups, {cost['steps_dropped']} dropped")
+
+
+def _group_record(run_dir: str, group: int) -> list[dict]:
+    """Group ``group``'s step record (``litscale.fault_tolerance.steps_log_path``)."""
+    return _read_steps(steps_log_path(group_dir(run_dir, group)))
 
 
 def _read_steps(path: str) -> list[dict]:
