@@ -1,7 +1,8 @@
 # Two commands set everything up on a fresh machine:
 #   make train   create .venv, install litscale, train GPT-nano on the default config
-#   make test    install the dev extras and run the test suite (all but the `full` set)
-#   make test-full  the `full` set: parity at 4 and 8 ranks (long on 2 cores; CI runs it too)
+#   make test    install the dev extras and run the test suite (all but the `full` set): the
+#                in-process tests, the 2-rank parity table, the combination sample, the refusals
+#   make test-full  the `full` set: the end-to-end runs, parity at 4 and 8 ranks (CI runs it too)
 #   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (not in CI: run it before a release)
 #   make image      the Docker image cluster jobs run (make image-cuda: its CUDA variant)
 #   make durations  the slowest tests and the seconds per file of the last make test / test-full

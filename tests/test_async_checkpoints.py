@@ -22,14 +22,15 @@ pytestmark = pytest.mark.slow  # every test here runs train.py
 EVERY = 2
 SAVING = (*(o for o in RUN if not o.startswith("trainer.val_check_interval")), f"trainer.val_check_interval={EVERY}",
           "callbacks.model_checkpoint.save_top_k=-1", "checkpoint.async_save=true")
-# (name, overrides, ranks): a file (one process, DDP) and a DCP directory (FSDP, TP, pipeline).
+# (name, overrides, ranks): a file (one process, DDP) and a DCP directory (FSDP, TP, pipeline);
+# CI (make test-full) saves one of each, make test-soak the rest.
 LAYOUTS = [
     ("single", SINGLE[1], 1),
-    pytest.param("ddp2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=8"), 2, marks=pytest.mark.full),
+    pytest.param("ddp2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=8"), 2, marks=pytest.mark.soak),
     ("fsdp2", ("strategy=fsdp", "trainer.devices=2", "data.batch_size=8"), 2),
     pytest.param("tp2", ("strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=16"), 2,
-                 marks=pytest.mark.full),
-    pytest.param("pp2", ("strategy=pipeline", "trainer.devices=2", "data.batch_size=16"), 2, marks=pytest.mark.full),
+                 marks=pytest.mark.soak),
+    pytest.param("pp2", ("strategy=pipeline", "trainer.devices=2", "data.batch_size=16"), 2, marks=pytest.mark.soak),
 ]
 
 
@@ -43,6 +44,7 @@ def outputs(tmp_path_factory):
     return tmp_path_factory.mktemp("async")
 
 
+@pytest.mark.full
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("name", "overrides", "ranks"), LAYOUTS)
 def test_saves_in_the_background_keep_each_steps_state_and_resume_as_the_uninterrupted_run(

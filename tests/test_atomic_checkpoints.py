@@ -89,13 +89,15 @@ def kill_during_saves(tmp_path, kind: str, points: int) -> dict[str, int]:
     return outcomes
 
 
+@pytest.mark.full
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("kind", "points"), [
     # A file is written by Lightning whole from memory, a directory shard by shard: the directory
     # is the save a kill can tear. About 7 s a point (a fresh interpreter imports torch and
-    # Lightning): make test kills 4 times, make test-full the file 4 times, make test-soak 20 times.
+    # Lightning): make test-full kills the directory's save 4 times, make test-soak the file's 4
+    # times and the directory's 20 times.
     ("directory", 4),
-    pytest.param("file", 4, marks=pytest.mark.full),
+    pytest.param("file", 4, marks=pytest.mark.soak),
     pytest.param("directory", 20, marks=pytest.mark.soak)])
 def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, kind, points):
     outcomes = kill_during_saves(tmp_path, kind, points)

@@ -37,6 +37,7 @@ def test_the_extras_are_hidden_from_a_process_and_its_children():
     assert process.stderr.rstrip().endswith("ModuleNotFoundError: No module named 'pytest'"), explain(process)
 
 
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_the_default_run_trains_without_a_warning(tmp_path):
     process = without_extras("trainer.max_steps=2", outputs=tmp_path)
@@ -46,6 +47,7 @@ def test_the_default_run_trains_without_a_warning(tmp_path):
     assert "litscale: done: 2 steps" in process.stdout and summaries(tmp_path), explain(process)
 
 
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_a_strategy_whose_package_is_missing_is_refused_in_one_line(tmp_path):
     process = without_extras("strategy=deepspeed_zero", "trainer.devices=1", "trainer.max_steps=1", outputs=tmp_path)
@@ -56,6 +58,7 @@ def test_a_strategy_whose_package_is_missing_is_refused_in_one_line(tmp_path):
     assert not summaries(tmp_path)
 
 
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_the_planner_recommends_no_strategy_whose_package_is_missing(tmp_path):
     process = without_extras("plan=show", "strategy=ddp", "trainer.devices=2", outputs=tmp_path)

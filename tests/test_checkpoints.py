@@ -77,13 +77,14 @@ SHORT = ("model.net.preset=nano", "data.seq_len=32", "data.max_bytes=400000", "d
          "trainer.enable_progress_bar=false")
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("choices", [
     ["strategy=fsdp"],
-    # full: make test's time budget. Muon's: the momentum DeepSpeed's ZeRO Muon keeps per partition.
+    # Muon's (soak: CI's time): the momentum DeepSpeed's ZeRO Muon keeps per partition.
     pytest.param(["strategy=deepspeed_zero"], marks=pytest.mark.full),
-    pytest.param(["strategy=deepspeed_zero", "optimizer=muon", "trainer.gradient_clip_val=null"], marks=pytest.mark.full),
+    pytest.param(["strategy=deepspeed_zero", "optimizer=muon", "trainer.gradient_clip_val=null"], marks=pytest.mark.soak),
 ], ids=["fsdp", "deepspeed_zero", "deepspeed_zero-muon"])
 def test_ckpt_path_last_resumes_exactly_and_exports(tmp_path, choices):
     """train.py's runs on the rank pool (the claim is the checkpoint's, not the launcher's)."""
@@ -115,6 +116,7 @@ def _assert_plain_model_loads(path: str) -> None:
     net.load_state_dict(torch.load(path, weights_only=True))  # strict: every key, every shape
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", [pytest.param("single", marks=pytest.mark.full), "ddp"])  # full: time budget

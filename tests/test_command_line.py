@@ -116,6 +116,7 @@ ERRORS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ERRORS)
 def test_what_hydra_rejects_is_one_line(case, capsys, outputs_root):
     overrides, expected = ERRORS[case]
@@ -149,6 +150,7 @@ def test_a_device_sweep_names_and_skips_strategy_single_at_two_devices(capsys, o
     assert captured.err == ""
 
 
+@pytest.mark.slow
 @TWO_CORES
 def test_a_device_sweep_of_strategy_single_alone_is_refused(capsys, outputs_root):
     assert check(["-m", "trainer.devices=1,2"], capsys) == (
@@ -172,6 +174,7 @@ def test_the_sweeper_leaves_out_what_train_py_skips(monkeypatch):
 # --- more gloo ranks than cores, on request ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_more_gloo_ranks_than_cores_only_on_request(tmp_path, outputs_root):
     ranks = CORES + 2
     overrides = ["strategy=ddp", "trainer.accelerator=cpu", f"trainer.devices={ranks}"]
@@ -188,6 +191,7 @@ def test_more_gloo_ranks_than_cores_only_on_request(tmp_path, outputs_root):
 # --- model=llama's own keys -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_llama_takes_n_kv_heads_as_the_readme_writes_it(capsys, tmp_path, outputs_root):
     assert check(["model=llama", "model.net.n_kv_heads=2", "trainer.max_steps=2"], capsys) == (0, "", "")
     cfg, _ = compose_job(["model=llama", "model.net.n_kv_heads=1"], tmp_path / "run")
@@ -245,6 +249,7 @@ def _checkpoint_of(overrides: list[str], outputs_root: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_resuming_another_models_checkpoint_is_refused_before_it_starts(tmp_path, outputs_root):
     path = _checkpoint_of([], outputs_root)  # model=gpt
     cfg, choices = compose_job(["model=llama", "ckpt_path=last"], tmp_path / "run")
@@ -271,6 +276,7 @@ QUICK = ("trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "data.m
          "trainer.limit_val_batches=1")
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_trains_logs_its_lines_and_its_checkpoint_is_not_resumed_as_gpt(tmp_path):
@@ -292,7 +298,7 @@ def test_llama_trains_logs_its_lines_and_its_checkpoint_is_not_resumed_as_gpt(tm
     assert sorted(tmp_path.rglob("runs/*")) == runs  # no run dir for the refused run
 
 
-@pytest.mark.full  # make test-full: three jobs, one of them 2 ranks
+@pytest.mark.soak  # make test-full: three jobs, one of them 2 ranks
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @TWO_CORES

@@ -67,6 +67,7 @@ def test_fp16_is_refused_by_exactly_the_strategies_the_page_says_no_to(row, tmp_
             check_strategy_accepts(cfg, choices, dict(strategy_rows())[row])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("aux_loss_coef", "refused"), [(0.01, True), (0.0, False)])
 def test_a_pipeline_refuses_a_load_balancing_loss_its_schedule_would_drop(aux_loss_coef, refused, tmp_path):
     """The schedule computes the loss from the last stage's output only: a mixture of experts'
@@ -82,6 +83,7 @@ def test_a_pipeline_refuses_a_load_balancing_loss_its_schedule_would_drop(aux_lo
         assert refusal is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("precision", "refused"), [("bf16_mixed", True), ("fp32", False)])
 def test_deepspeed_refuses_16_bit_training_of_batch_norm_statistics(precision, refused, tmp_path):
     """Found by the combination test: ZeRO-3 in bf16 on model=resnet crashed in its first forward

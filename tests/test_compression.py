@@ -60,6 +60,7 @@ def test_pack_bits_round_trip(bits):
     assert torch.equal(unpack_bits(packed, bits, 1001), codes)
 
 
+@pytest.mark.slow
 def test_qsgd_is_unbiased_and_rounds_to_neighbouring_levels():
     torch.manual_seed(0)
     gradient, codec, samples = torch.randn(1000), QSGD(levels=4, block_size=250), 3000
@@ -73,6 +74,7 @@ def test_qsgd_is_unbiased_and_rounds_to_neighbouring_levels():
     assert (mean_of_decodings(codec, gradient, samples) - gradient).abs().le(tolerance).all()
 
 
+@pytest.mark.slow
 def test_terngrad_is_unbiased_and_ternary():
     torch.manual_seed(0)
     gradient, codec, samples = torch.randn(1000), TernGrad(block_size=200), 3000

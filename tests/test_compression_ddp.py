@@ -219,6 +219,7 @@ print("done")
 """
 
 
+@pytest.mark.full
 @pytest.mark.timeout(150)
 def test_powersgd_on_gloo_with_many_buckets_does_not_deadlock():
     """torch's PowerSGD hook blocks gloo's worker threads while buckets are in flight; before
@@ -281,7 +282,7 @@ def test_resumed_powersgd_run_continues_exactly(tmp_path):
         torch.testing.assert_close(actual[key], expected[key], rtol=1.3e-6, atol=1e-5, msg=key)
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # CI's time: test_compression.py checks the mean error feedback moved, in-process
 @pytest.mark.timeout(300)
 def test_a_top_k_run_saved_on_two_ranks_resumes_on_one_with_the_mean_error_feedback(tmp_path):
     """A move between compressed layouts end to end: each rank of the new world takes the

@@ -308,6 +308,7 @@ def wandb_offline(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option(group, option, tmp_path, outputs_root, wandb_offline, monkeypatch):
     overrides = [f"{group}={option}", *pairing(group, option, tmp_path)]
@@ -358,6 +359,7 @@ def _leaves(node, prefix=""):
             yield path, value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", group_options("experiment"))
 def test_experiment(option, tmp_path, outputs_root, monkeypatch):
     cfg, choices = compose_job([f"experiment={option}"], tmp_path / "run")
@@ -469,6 +471,7 @@ def test_a_run_that_never_validates_skips_the_starting_validation():
     assert not never_validates(trainer(max_steps=-1), None)
 
 
+@pytest.mark.slow
 def test_compositions_come_out_the_same_with_each_file_read_once_per_session():
     """``helpers.configs.files_read_once`` hands Hydra copies of the files it read before: the
     tests' compositions must be exactly Hydra's own (an override once leaked into the next

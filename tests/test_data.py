@@ -310,6 +310,7 @@ def test_stdlib_code_splits_by_file(tmp_path):
 # --- digits ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_digits_shapes_classes_and_normalisation():
     dm = DigitsDataModule(batch_size=32)
     dm.setup()

@@ -36,6 +36,7 @@ def single_and_ddp(tmp_path_factory):
     return {"single": (single, reference), "ddp": (ddp, distributed)}
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(300)
 def test_ddp_two_ranks_match_single_process_of_same_global_batch(single_and_ddp):
     _, reference = single_and_ddp["single"]
@@ -69,6 +70,7 @@ def test_run_ends_cleanly_with_summary(single_and_ddp, run):
         "train/loss" in (run_dir / "csv" / "metrics.csv").read_text()
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(240)
 def test_ddp_strategy_attaches_comm_hook_on_cpu_in_plain_lightning_script(tmp_path):
     """Lightning's own DDPStrategy skips comm hooks off CUDA; litscale's attaches them."""

@@ -34,6 +34,7 @@ def test_offload_rules_and_stage_range():
         check_offload(2, offload_optimizer=False, offload_parameters=True)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_deepspeed_is_imported_only_when_the_strategy_runs():
     code = ("import sys; import litscale.strategies as s; s.DeepSpeedZeroStrategy(stage=3); "
@@ -92,6 +93,7 @@ def _fit_zero3_and_check_linear(rank: int, world_size: int) -> bool:
     return torch.nn.functional.linear is torch_linear
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_zero3_run_leaves_torchs_linear_as_it_found_it():
@@ -102,6 +104,7 @@ def test_a_zero3_run_leaves_torchs_linear_as_it_found_it():
     assert run_distributed(_fit_zero3_and_check_linear, 1) == [True]
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_sweep_of_one_device_jobs_runs_each_in_the_sweeps_own_process(tmp_path):

@@ -255,11 +255,12 @@ CELLS = [
     for accumulation in (1, 2)
     if ranks * accumulation <= CHUNKS and (ranks > 1 or (name, accumulation) == ("ddp", 2))
 ]
-QUICK = {(2, "ddp", 2), (2, "fsdp", 1)}  # in make test; the other cells in make test-full,
-# but 8 ranks (70-100 s each on 2 cores): make test-soak, beyond CI's time.
+QUICK = {(2, "ddp", 2)}  # in make test-full (CI); the other cells in make test-soak, beyond CI's time
+# on 2 cores (4 ranks 36-40 s each, 8 ranks 70-100 s).
 STRATEGIES = {"ddp": ddp, "fsdp": fsdp}
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # 8 ranks on 2 cores: 280 s for DDP on a shared machine
 @pytest.mark.parametrize(
@@ -267,7 +268,7 @@ STRATEGIES = {"ddp": ddp, "fsdp": fsdp}
     [
         pytest.param(
             *cell,
-            marks=[] if cell in QUICK else [pytest.mark.soak] if cell[0] == 8 else [pytest.mark.full],
+            marks=[] if cell in QUICK else [pytest.mark.soak],
             id=f"{cell[1] if cell[0] > 1 else 'single'}-{cell[0]}ranks-acc{cell[2]}",
         )
         for cell in CELLS
@@ -339,6 +340,7 @@ def precision_reference(precision: str) -> tuple[list, dict]:
     return run_distributed(_fit, 1, single, 1, steps=4, precision=precision)[0]
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.parametrize(("ranks", "strategy", "precision"),
                          [(1, "fsdp", "bf16-mixed"), (2, "fsdp", "bf16-mixed"), (2, "ddp", "bf16-true")])
@@ -352,6 +354,7 @@ def test_bf16_trains_as_one_process_of_strategy_single(ranks, strategy, precisio
 # --- CUDA ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_on_cuda_the_run_takes_deterministic_algorithms(tmp_path, outputs_root, monkeypatch):
     """The app's build turns torch's deterministic algorithms and cuBLAS's fixed workspace on
     before ``fit`` when the run's device is CUDA (faked here), and leaves a CPU run as it is."""

@@ -6,7 +6,9 @@ A fenced block is runnable when the last non-blank line before it is an HTML com
 ``<!-- runnable -->`` or ``<!-- runnable: FLAGS -->`` (invisible on GitHub and in the site).
 FLAGS, separated by spaces:
 
-- ``full``: a long one: ``make test-full`` runs it, ``make test`` leaves it out;
+- ``full``: ``make test-full`` runs it, ``make test`` leaves it out (``make test`` runs only the
+  ``error`` commands; of those that train, ``make test-full`` runs the README's and ``make
+  test-soak`` the other pages');
 - ``soak``: longer still (several ranks or runs): only ``make test-soak`` runs it, beyond CI's time;
 - ``error``: each command must fail before anything starts, with exit code 2 and one line of
   output, the ``# error: ...`` comment written under it;
@@ -139,7 +141,13 @@ RUNNABLES = collect_runnables()
 
 
 def _param(runnable: Runnable):
-    marks = [getattr(pytest.mark, flag) for flag in ("full", "soak") if flag in runnable.flags]
+    # make test runs the commands a page shows refused (one line each, before anything starts);
+    # of those that train, make test-full runs the README's and make test-soak the pages' (CI's
+    # 30 minutes on 2 cores hold the README's first steps, not every page's runs: tests/README.md).
+    flags = set(runnable.flags)
+    if "error" not in flags:
+        flags.add("full" if runnable.page == "README.md" else "soak")
+    marks = [getattr(pytest.mark, flag) for flag in ("full", "soak") if flag in flags]
     return pytest.param(runnable, id=runnable.id, marks=marks)
 
 

@@ -246,6 +246,7 @@ def _faults_line(function: str, code: str) -> str:
     return f"{FAULTS}:{number} in {function}"
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rank_zero_skipping_its_all_reduce_is_named_by_the_doctor(tmp_path, capsys):
@@ -277,6 +278,7 @@ def _wrong_shape_line() -> str:
     return rf"rank 0 in all_reduce float32\[4\] \(at {sync}\); rank 1 in all_reduce float32\[0\] \(at {sync}\)"
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ def test_a_fault_records_the_time_it_acts_once(tmp_path):
     assert json.loads(line) == acted
 
 
+@pytest.mark.full
 @pytest.mark.slow  # a stub API server, the kubernetes client's waits
 def test_a_deleted_pod_is_seen_by_the_k8s_launcher_which_creates_its_job_again(tmp_path):
     pytest.importorskip("kubernetes")

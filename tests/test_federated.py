@@ -231,7 +231,7 @@ ISSUE_COMMAND = ("experiment=digits_mlp", "strategy=federated", "strategy.client
                  "data.partition=dirichlet", "data.alpha=0.1", "trainer.accelerator=cpu", "trainer.devices=4")
 
 
-@pytest.mark.full  # 4 ranks
+@pytest.mark.soak  # 4 ranks
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_issue_command_trains_and_prints_participation_and_label_skew(tmp_path):

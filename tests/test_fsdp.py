@@ -98,6 +98,7 @@ def test_fsdp_bf16_mixed_on_cpu_matches_fp32_reference_within_bf16_tolerance():
     assert_weights_match(trace.weights, reference(ParitySetup()).weights, rtol=1.6e-2, atol=1e-3)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_fsdp_strategy_in_plain_lightning_script(tmp_path):

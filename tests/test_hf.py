@@ -81,6 +81,7 @@ def test_logits_equal_the_transformers_models_own(config):
         torch.testing.assert_close(net(tokens()), model(tokens(), use_cache=False).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_logits_are_causal():
     net = seeded(QWEN3)
     changed = tokens().clone()
@@ -89,6 +90,7 @@ def test_logits_are_causal():
         torch.testing.assert_close(net(changed)[:, :10], net(tokens())[:, :10])
 
 
+@pytest.mark.slow
 def test_flops_per_token_counts_what_torchs_flop_counter_counts():
     """Eager attention, whose matmuls the counter sees (CPU's fused SDPA kernel it does not);
     the counter also counts the rotary table's tiny matmul."""
@@ -374,6 +376,7 @@ def test_on_the_meta_device_a_checkpoint_gives_shapes_without_reading_weights(tm
     assert all(p.is_meta for p in net.parameters())
 
 
+@pytest.mark.slow
 def test_model_hf_config_composes_validates_and_follows_the_datas_vocabulary(tmp_path, outputs_root):
     from litscale.app.build import build_module
     from litscale.app.validation import validate
@@ -401,8 +404,10 @@ def test_a_missing_checkpoint_is_one_line_before_any_rank_starts_whatever_the_st
     assert str(error.value) == f"model.net.path='/no/such/checkpoint' is not a local directory; {NEVER_DOWNLOADED}"
 
 
+@pytest.mark.full
 @pytest.mark.slow  # starts train.py
-@pytest.mark.parametrize("raising", [False, True], ids=["transformers-absent", "transformers-refused"])
+@pytest.mark.parametrize("raising", [False, pytest.param(True, marks=pytest.mark.soak)],  # soak: CI's time
+                         ids=["transformers-absent", "transformers-refused"])
 @pytest.mark.parametrize(("path", "message"), [
     ("/no/such/checkpoint", f"model.net.path='/no/such/checkpoint' is not a local directory; {NEVER_DOWNLOADED}"),
     (None, "model=hf needs the transformers package, which is not installed; install it with: "
@@ -441,6 +446,7 @@ def test_export_hf_is_accepted_for_a_mixture_of_experts(tmp_path, outputs_root):
     validate(cfg, choices=choices)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_llama_run_with_export_hf_writes_a_directory_transformers_loads(tmp_path):
@@ -525,6 +531,7 @@ def two_rank_fits(tmp_path_factory):
     return {name: [traces[name] for traces in ranks] for name in CASES}, directory
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(CASES))
@@ -552,12 +559,14 @@ FROM_HF_CASES = [
     ("moe", QWEN3_MOE, ("model.net.aux_loss_coef=0", "strategy=fsdp", "strategy.expert_parallel_size=2",
                         "trainer.devices=2", "data.batch_size=4")),
     pytest.param("llama", QWEN3, ("strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=8"),
-                 marks=pytest.mark.full),
+                 marks=pytest.mark.soak),  # soak: CI's time (test_tiny_qwen3_matches_one_process_step_by_step: TP)
     # Each stage's weights gathered for the export.
-    ("llama", QWEN3, ("strategy=pipeline", "trainer.devices=2", "data.batch_size=8")),
+    pytest.param("llama", QWEN3, ("strategy=pipeline", "trainer.devices=2", "data.batch_size=8"),
+                 marks=pytest.mark.soak),  # soak: CI's time
 ]
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(("model", "config", "layout"), FROM_HF_CASES, ids=["qwen3_moe-ep2", "qwen3-tp2", "qwen3-pp2"])

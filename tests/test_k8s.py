@@ -39,6 +39,7 @@ def manifest_for(tmp_path: Path, *overrides: str) -> dict:
     return manifest
 
 
+@pytest.mark.slow
 def test_trainjob_sized_from_the_trainer_validates_against_the_vendored_schema(tmp_path):
     manifest = manifest_for(tmp_path, "trainer.devices=8", "trainer.num_nodes=4", "strategy=fsdp")
     assert manifest_problems(manifest) == []
@@ -61,6 +62,7 @@ def test_trainjob_sized_from_the_trainer_validates_against_the_vendored_schema(t
     assert manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
 
 
+@pytest.mark.slow
 def test_pytorchjob_has_a_master_and_workers_and_cpu_jobs_ask_for_no_gpu(tmp_path):
     manifest = manifest_for(
         tmp_path,
@@ -240,6 +242,7 @@ def stub_cluster(tmp_path):
     server.shutdown()
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_submit_creates_exactly_the_written_manifests(stub_cluster, tmp_path):
     pytest.importorskip("kubernetes")
@@ -273,6 +276,7 @@ def test_submit_creates_exactly_the_written_manifests(stub_cluster, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_a_pytorchjob_is_created_and_waited_for(stub_cluster, tmp_path):
     pytest.importorskip("kubernetes")
     kubeconfig, created = stub_cluster
@@ -286,6 +290,7 @@ def test_a_pytorchjob_is_created_and_waited_for(stub_cluster, tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_a_failed_trainjob_runs_again_in_its_run_dir_resuming_until_its_restarts_are_spent(stub_cluster, tmp_path,
                                                                                             capsys):
     pytest.importorskip("kubernetes")
@@ -319,6 +324,7 @@ def test_a_pytorchjob_is_restarted_by_its_operator_and_a_named_checkpoint_is_kep
                                          "2026-11-25_18-31-00/3"]  # the user's choice, not ckpt_path=here
 
 
+@pytest.mark.slow
 def test_waiting_survives_a_job_not_yet_visible_and_names_a_deleted_one(stub_cluster, tmp_path, capsys):
     pytest.importorskip("kubernetes")
     kubeconfig, _ = stub_cluster
@@ -331,6 +337,7 @@ def test_waiting_survives_a_job_not_yet_visible_and_names_a_deleted_one(stub_clu
     assert str(outcomes[1]) == f"TrainJob {deleted['metadata']['name']} was deleted before it ended"
 
 
+@pytest.mark.slow
 def test_waiting_gives_up_at_its_timeout_and_the_job_goes_on(stub_cluster, tmp_path, capsys):
     pytest.importorskip("kubernetes")
     kubeconfig, _ = stub_cluster
@@ -365,6 +372,7 @@ print(" ".join(sorted(n.rsplit(".", 1)[1] for n in names)))
 """
 
 
+@pytest.mark.full
 @pytest.mark.slow  # a fresh interpreter
 def test_every_plugin_module_imports_without_its_engine():
     """Hydra imports every module under ``hydra_plugins`` on every command and warns in 6 lines
@@ -386,6 +394,7 @@ ELASTIC = ("hydra.launcher.api=pytorchjob", "hydra.launcher.min_nodes=1", "hydra
            "trainer.num_nodes=2", "trainer.devices=2", "trainer.accelerator=cpu", "strategy=ddp")
 
 
+@pytest.mark.slow
 def test_an_elastic_pytorchjob_has_workers_only_and_an_elastic_policy(tmp_path):
     manifest = manifest_for(tmp_path, *ELASTIC)
     assert manifest_problems(manifest) == []
@@ -410,6 +419,7 @@ def test_an_elastic_jobs_node_count_is_the_pods_that_met_at_the_rendezvous(monke
     assert compose_full([nodes, "strategy=ddp"]).trainer.num_nodes == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("overrides", "refusal"), [
     (("hydra.launcher.api=trainjob",),
      "hydra.launcher.min_nodes=1 / max_nodes=4 needs an elastic policy, which a Kubeflow TrainJob "

@@ -101,6 +101,7 @@ def test_cycle_finder_sees_a_cycle_through_function_level_imports():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
+@pytest.mark.slow
 def test_no_import_cycle_in_src():
     assert _cycles(_graph()) == []
 
@@ -220,7 +221,7 @@ def test_modules_that_import_torch_or_lightning_are_forked_after_them():
 
 
 @pytest.mark.slow
-@pytest.mark.full  # one process per module: a minute on 2 busy cores
+@pytest.mark.soak  # one process per module: a minute on 2 busy cores
 @pytest.mark.timeout(600)
 def test_every_module_imports_on_its_own():
     """A new process per module, none of ours imported before it: an import that works only
@@ -237,6 +238,7 @@ def test_every_module_imports_on_its_own():
     assert [(r["module"], r["error"]) for r in results if r["code"] != 0] == []
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_the_library_imports_without_hydra():
     """Importing the library (strategies, compression, callbacks, models, data, layout) must

@@ -33,6 +33,7 @@ def _private_lightning_imports(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_other_module_imports_lightning_private_names():
     fence = SRC / "litscale" / "lightning_private.py"
     offenders = {str(path.relative_to(SRC)): names for path in SRC.rglob("*.py")

@@ -140,6 +140,7 @@ def test_llama3_8b_on_meta_has_the_published_parameter_count():
     assert (c.vocab_size, c.rope_theta, c.tie_embeddings) == (128256, 500_000.0, False)
 
 
+@pytest.mark.slow
 def test_llama31_scaling_applies_to_the_8b_preset():
     with torch.device("meta"):
         model = build_llama(preset="llama3_8b", rope_scaling="llama3.1")
@@ -147,6 +148,7 @@ def test_llama31_scaling_applies_to_the_8b_preset():
     assert model.num_params() == 8_030_261_248  # frequencies, not parameters
 
 
+@pytest.mark.slow
 def test_qwen3_8b_on_meta_has_the_published_parameter_counts():
     """Qwen3-8B's model card: 8.2B parameters, 6.95B of them outside the embeddings."""
     with torch.device("meta"):
@@ -382,6 +384,7 @@ def test_kv_heads_that_do_not_split_over_tensor_parallel_are_one_line():
                                 "allowed: a divisor of 1")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
 def test_config_with_kv_heads_that_do_not_split_is_rejected_by_validation(tmp_path, outputs_root):
     from litscale.app.validation import ConfigError, validate

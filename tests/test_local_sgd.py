@@ -149,6 +149,7 @@ def test_sync_every_step_matches_single_process_of_same_global_batch(tmp_path):
         torch.testing.assert_close(actual[name], expected[name], rtol=1.3e-6, atol=1e-5, msg=name)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_diloco_trains_and_sends_parameters_once_per_period(tmp_path):

@@ -137,6 +137,7 @@ def fitted() -> dict[int, list[dict]]:
     return {1: fit_cases(0, 1), 2: ranks[0]}
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("devices", [1, 2])
@@ -241,6 +242,7 @@ TRACKING_RUN = ("lr_scaling=linear", "lr_scaling.base_batch_size=8", "data.batch
                 "trainer.log_every_n_steps=1", "optimizer=sgd", "optimizer.lr=0.3")
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_with_linear_rule_track_one_rank_at_same_samples(tmp_path):
@@ -352,6 +354,7 @@ def test_resume_at_another_global_batch_rescales_the_restored_schedule(tmp_path)
     assert lrs == pytest.approx([2 * BASE_LR * (1 - step / 7) for step in range(4, 8)], rel=1e-12)
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["lars", "lamb"])
 def test_a_large_batch_optimizer_steps_sharded_parameters_as_plain_ones(optimizer, tmp_path):

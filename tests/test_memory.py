@@ -41,6 +41,7 @@ def _total(figures: dict, *, without_master: bool = False) -> float:
     return total - (figures.get("memory/optimizer_master_bytes", 0) if without_master else 0)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("rank", [0, 1])

@@ -169,6 +169,7 @@ def test_bias_steers_selection_not_weights():
     torch.testing.assert_close(biased.weights, expected)
 
 
+@pytest.mark.slow
 def test_bias_updates_even_out_a_skewed_load():
     layer = constructed_layer(bias_update_rate=0.01).train()
     torch.manual_seed(0)
@@ -207,6 +208,7 @@ def test_dropped_count_equals_the_capacity_formula():
 # --- the decoder ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True, "n_shared_experts": 0, "moe_every": 2},
                                        {"score_func": "sigmoid", "top_k": 3, "dense_layers": 0}],
                          ids=["tiny", "tied_every_2nd", "sigmoid_top3"])
@@ -249,6 +251,7 @@ class RealTensors(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_presets_build_on_meta_without_storage_with_their_parameter_counts(preset):
     with torch.device("meta"), RealTensors() as real:
@@ -258,6 +261,7 @@ def test_presets_build_on_meta_without_storage_with_their_parameter_counts(prese
     assert (net.num_params(), net.num_active_params()) == hand_count(PRESETS[preset])
 
 
+@pytest.mark.slow
 def test_qwen3_30b_a3b_matches_its_model_card_and_transformers():
     with torch.device("meta"):
         net = build_moe(preset="qwen3_30b_a3b")
@@ -286,6 +290,7 @@ def test_deepseek_v3_like_shapes():
     assert abs(total / 671e9 - 1) < 0.01
 
 
+@pytest.mark.slow
 def test_causal_lm_module_adds_the_aux_loss_once():
     torch.manual_seed(0)
     module = CausalLMModule(net=build_moe(), optimizer=torch.optim.AdamW)

@@ -21,15 +21,16 @@ LAYOUTS = [
     ("ddp2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=8"), 2),
     ("ddp2_acc2", ("strategy=ddp", "trainer.devices=2", "data.batch_size=4",
                    "trainer.accumulate_grad_batches=2"), 2),
-    # make test-soak: 4 DDP ranks run about 2 min on 2 cores (fsdp4_acc2 keeps 4 ranks in make test-full).
+    # make test-soak: 4 DDP ranks run about 2 min on 2 cores, and zero2_acc2 and fsdp4_acc2 100 s
+    # each: CI (make test-full) trains the first three.
     pytest.param(("ddp4", ("strategy=ddp", "trainer.devices=4", "launcher.oversubscribe=true",
                            "data.batch_size=4"), 4), marks=pytest.mark.soak),
     # DeepSpeed accumulates itself: Lightning calls on_before_optimizer_step at every micro batch.
     pytest.param(("zero2_acc2", ("strategy=deepspeed_zero", "trainer.devices=2", "data.batch_size=4",
-                                 "trainer.accumulate_grad_batches=2"), 2), marks=pytest.mark.full),
+                                 "trainer.accumulate_grad_batches=2"), 2), marks=pytest.mark.soak),
     pytest.param(("fsdp4_acc2", ("strategy=fsdp", "trainer.devices=4", "launcher.oversubscribe=true",
                                  "data.batch_size=2", "trainer.accumulate_grad_batches=2"), 4),
-                 marks=pytest.mark.full),
+                 marks=pytest.mark.soak),
 ]
 
 
@@ -43,6 +44,7 @@ def one_process(outputs) -> dict:
     return train_one_process(outputs)
 
 
+@pytest.mark.full
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout[0])
 def test_every_layout_of_a_global_batch_trains_and_logs_as_one_process(outputs, one_process, layout):
@@ -52,6 +54,7 @@ def test_every_layout_of_a_global_batch_trains_and_logs_as_one_process(outputs, 
     assert_same_run(summary, one_process, steps=range(STEPS))
 
 
+@pytest.mark.full
 @pytest.mark.timeout(600)
 def test_a_run_stopped_on_two_ranks_resumes_on_one_with_the_uninterrupted_losses(outputs, one_process):
     """Saved when ``max_steps`` stopped the fit mid-epoch (Lightning then counts the epoch as
@@ -66,7 +69,7 @@ def test_a_run_stopped_on_two_ranks_resumes_on_one_with_the_uninterrupted_losses
     assert_same_run(resumed, one_process, steps=range(half, STEPS))
 
 
-@pytest.mark.full
+@pytest.mark.soak  # 4 ranks on 2 cores, 50 s: CI moves FSDP's checkpoint to TP at 2 ranks (fsdp2-to-tp2)
 @pytest.mark.timeout(900)
 def test_fsdp_on_four_ranks_resumes_under_tensor_parallel_on_two(outputs, one_process):
     half = STEPS // 2
@@ -78,7 +81,7 @@ def test_fsdp_on_four_ranks_resumes_under_tensor_parallel_on_two(outputs, one_pr
     assert_same_run(resumed, one_process, steps=range(half, STEPS))
 
 
-@pytest.mark.full
+@pytest.mark.soak  # 4 ranks on 2 cores, 40 s: beyond CI's time
 @pytest.mark.timeout(900)
 def test_layout_invariant_ddp_on_four_ranks_resumes_on_one_bit_for_bit(outputs):
     invariant = ("determinism=layout_invariant",)
@@ -108,16 +111,16 @@ MATRIX = {
     "zero3": (("strategy=deepspeed_zero", "strategy.stage=3", "trainer.devices=2", "data.batch_size=8"), 2),
 }
 OUT_OF_DEEPSPEED_ONLY = ("zero1", "zero3")
-# make test trains these cells (each kind of checkpoint moving into each other kind); make
-# test-full the whole matrix.
+# CI (make test-full) trains these cells (each kind of checkpoint moving into each other kind);
+# make test-soak the whole matrix (36 cells and the DeepSpeed ones: about 15 min on 2 cores).
 QUICK_CELLS = {("ddp2", "fsdp2"), ("fsdp2", "tp2"), ("tp2", "single"), ("pp2", "ddp2"), ("fsdp2", "zero2"),
                ("single", "pp2"), ("zero2", "fsdp2")}
 CELLS = [pytest.param(source, target, id=f"{source}-to-{target}",
-                      marks=() if (source, target) in QUICK_CELLS else pytest.mark.full)
+                      marks=() if (source, target) in QUICK_CELLS else pytest.mark.soak)
          for source in MATRIX for target in MATRIX if not {source, target} & set(OUT_OF_DEEPSPEED_ONLY)] + [
-    pytest.param(source, target, id=f"{source}-to-{target}", marks=pytest.mark.full)
+    pytest.param(source, target, id=f"{source}-to-{target}", marks=pytest.mark.soak)
     for source in OUT_OF_DEEPSPEED_ONLY for target in ("single", "fsdp2")] + [
-    pytest.param(source, "zero3", id=f"{source}-to-zero3", marks=pytest.mark.full) for source in ("single", "fsdp2")]
+    pytest.param(source, "zero3", id=f"{source}-to-zero3", marks=pytest.mark.soak) for source in ("single", "fsdp2")]
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +137,7 @@ def saved_halfway(outputs):
     return save
 
 
+@pytest.mark.full
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("source", "target"), CELLS)
 def test_a_checkpoint_resumes_on_another_layout_with_the_uninterrupted_run(
@@ -146,7 +150,7 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_uninterrupted_run(
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("source", [pytest.param("zero2"), pytest.param("zero3", marks=pytest.mark.full)])
+@pytest.mark.parametrize("source", [pytest.param("zero2"), pytest.param("zero3", marks=pytest.mark.soak)])
 def test_a_deepspeed_checkpoint_is_read_with_the_weights_deepspeeds_own_reader_recovers(saved_halfway, source):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -176,10 +180,11 @@ FAMILIES = {
 FAMILY_RUN = (*(o for o in RUN if not o.startswith(("model.net.preset", "data.max_bytes"))), "data=synthetic")
 FAMILY_CELLS = [pytest.param(family, source, target, id=f"{family}-{source}-to-{target}", marks=marks)
                 for family, source, target, marks in (
-                    ("moe", "ep2", "single", ()), ("moe", "single", "ep2", pytest.mark.full),
-                    ("llama", "single", "cp2", ()), ("llama", "cp2", "single", pytest.mark.full))]
+                    ("moe", "ep2", "single", ()), ("moe", "single", "ep2", pytest.mark.soak),
+                    ("llama", "single", "cp2", ()), ("llama", "cp2", "single", pytest.mark.soak))]
 
 
+@pytest.mark.full
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("family", "source", "target"), FAMILY_CELLS)
 def test_expert_and_context_parallel_checkpoints_move_with_the_uninterrupted_run(outputs, family, source, target):

@@ -98,6 +98,7 @@ def two_nodes(tmp_path_factory, local_sweep):
     return outputs, nodes
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_submitit_sweep_gives_each_job_its_dir_and_world_size(local_sweep):
@@ -117,6 +118,7 @@ def test_submitit_sweep_gives_each_job_its_dir_and_world_size(local_sweep):
     assert_same_weights(final_weights(two), final_weights(one))
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_torchrun_nodes_match_one_process_of_the_same_global_batch(two_nodes, local_sweep):
@@ -170,6 +172,7 @@ def test_a_run_id_the_user_set_wins_and_plain_runs_are_untouched(no_launcher_env
 # --- SLURM through the submitit launcher -----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_slurm_launcher_sizes_each_job_from_the_trainer(tmp_path, monkeypatch):
     full = compose_full(["hydra/launcher=slurm", "trainer.devices=4", "trainer.num_nodes=2",
                          "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
@@ -216,6 +219,7 @@ def test_slurm_needs_a_device_count(no_launcher_env, capsys):
         "trainer.devices tasks and GPUs per node; give a count, e.g. trainer.devices=4")
 
 
+@pytest.mark.slow
 def test_slurm_jobs_are_not_checked_against_this_machines_devices(no_launcher_env, capsys):
     gpus = ["strategy=ddp", "trainer.accelerator=gpu", "trainer.devices=8", "trainer.num_nodes=2"]
     check_command_line(["-m", "hydra/launcher=slurm", *gpus], config_dir=str(CONF_DIR),
@@ -226,6 +230,7 @@ def test_slurm_jobs_are_not_checked_against_this_machines_devices(no_launcher_en
             "trainer.accelerator=cpu or auto")
 
 
+@pytest.mark.slow
 def test_several_nodes_need_an_external_launcher(no_launcher_env, capsys):
     assert check(["strategy=ddp", "trainer.accelerator=cpu", "trainer.num_nodes=2"], capsys) == (
         "error: trainer.num_nodes=2 needs one launcher per node: start train.py with torchrun on "

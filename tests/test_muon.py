@@ -94,6 +94,7 @@ def test_tied_embeddings_and_stacked_experts_take_their_roles():
 
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_train_py_steps_the_matrices_with_muon_and_measures_half_of_adamws_state_for_them(tmp_path):
     """Through the run's LR-scaling rule, which wraps the optimizer's factory: Muon once built

@@ -165,6 +165,7 @@ def test_what_mup_cannot_take_is_refused_in_one_line(overrides, line, tmp_path, 
     assert refusal(["lr_scaling=mup", *overrides], tmp_path) == line
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_train_py_states_the_multipliers_and_trains(tmp_path):
     process = train_on_pool("lr_scaling=mup", "lr_scaling.base_width=64", "optimizer=muon", "trainer.accelerator=cpu",

@@ -78,6 +78,7 @@ def stop_beating(study, trial, database, seconds_ago: int) -> None:
         )
 
 
+@pytest.mark.slow
 def test_a_killed_sweeps_trial_runs_again_and_a_live_sweeps_trial_is_left_to_it(tmp_path, capsys):
     """A second sweeper on the same study: the trial whose sweep stopped beating is failed and
     its values queued again; the trial a live sweep is running (it beats) stays running."""
@@ -201,6 +202,7 @@ def test_a_launchers_record_without_a_run_dir_reads_the_default_subdir(tmp_path)
     assert job_dir(JobReturn(), tmp_path, 3) == tmp_path / "3"
 
 
+@pytest.mark.slow
 def test_a_run_ending_before_its_first_validation_validates_at_its_last_step():
     trainer = compose_full(["trainer.max_steps=10"]).trainer  # val_check_interval 100
     assert validation_overrides(trainer, ["val/loss"]) == ["trainer.val_check_interval=10"]
@@ -221,6 +223,7 @@ def test_a_study_whose_trials_validate_on_no_batch_is_refused():
     )
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_study_is_refused_in_one_line_before_its_first_trial(tmp_path):
@@ -362,6 +365,7 @@ def test_the_trials_pruner_is_built_from_the_sweepers_config():
         build_pruner({"_target_": "os.system", "command": "true"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", group_options("sweeps"))
 def test_each_example_search_composes_and_its_trials_validate(option, tmp_path, outputs_root):
     full = compose_full(["hydra/sweeper=optuna", f"+sweeps={option}", "trainer.accelerator=cpu"])
@@ -400,6 +404,7 @@ def calibrated(cache, fraction_of_given: float) -> None:
     (cache / "cluster_local_cpu.json").write_text(json.dumps({**SLOW_CPU, "memory_bytes": memory}))
 
 
+@pytest.mark.full
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_a_trial_keeps_its_layout_unless_it_does_not_fit(tmp_path, monkeypatch, outputs_root):
     """GPT-nano's group ranks below the bar: the trial keeps DDP x 2 at micro batch 16 where it
@@ -429,7 +434,7 @@ def test_a_trial_keeps_its_layout_unless_it_does_not_fit(tmp_path, monkeypatch, 
 
 
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_a_planned_study_trains_each_trial_with_the_layout_picked_for_it(tmp_path):
     """``hydra.sweeper.plan=auto`` with a given layout that would not fit: each trial is

@@ -50,6 +50,7 @@ def listed_cells() -> dict[str, str]:
     return cells
 
 
+@pytest.mark.full
 @pytest.mark.slow  # collects in a subprocess
 @pytest.mark.timeout(120)
 def test_every_cell_of_the_parity_table_is_collected_where_the_table_says():

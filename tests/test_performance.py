@@ -67,6 +67,7 @@ def default_run(tmp_path_factory):
     return process, summary
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_default_run_imports_nothing_heavy(default_run):
@@ -132,6 +133,7 @@ def test_logging_steps_follow_the_trainer():
     assert is_logging_step(trainer, 3)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_profile_callbacks_write_a_trace_of_the_active_steps(tmp_path):

@@ -148,6 +148,7 @@ MESH_ERRORS = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(MESH_ERRORS))
@@ -209,7 +210,7 @@ SHORT_RUN = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=5", "train
              "data.batch_size=8")
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
@@ -230,7 +231,7 @@ def test_train_py_tensor_parallel_and_pipeline_runs_agree(tmp_path):
         assert by_strategy["pipeline"][key] == pytest.approx(by_strategy["tensor_parallel"][key], rel=1e-5)
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_py_pipeline_resumes_from_its_per_stage_checkpoint(tmp_path):

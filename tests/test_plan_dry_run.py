@@ -58,6 +58,7 @@ def _elements(net: torch.nn.Module, keep=lambda name: True, tensor: int = 1) -> 
                for name, p in net.named_parameters() if keep(name))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "extra", "mesh"), [
     (8, [], "shard 8"),
     (64, [], "shard 64"),
@@ -75,6 +76,7 @@ def test_fsdp_rank0_holds_its_share(world, extra, mesh, tmp_path):
     assert found["mesh"] == mesh
 
 
+@pytest.mark.slow
 def test_fsdp_rank0_holds_whole_rows_when_a_parameter_has_fewer_rows_than_ranks(tmp_path):
     """At 256 ranks nano's 128-row parameters leave ranks 128-255 empty and rank 0 one row of
     each: it holds more than the even share the planner predicts, and the dry run says so."""
@@ -84,6 +86,7 @@ def test_fsdp_rank0_holds_whole_rows_when_a_parameter_has_fewer_rows_than_ranks(
     assert found["params_bytes"] > predicted == pytest.approx(_elements(net) * 4 / 256)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "extra"), [
     (2, []),
     (8, ["+model.net.n_head=8"]),
@@ -99,6 +102,7 @@ def test_tensor_parallel_rank0_holds_its_split_and_the_replicated_rest(world, ex
     assert found["mesh"] == f"pipeline_parallel 1 x data_parallel {data} x tensor_parallel {tensor}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "extra", "pipeline", "data", "tensor"), [
     (2, [], 2, 1, 1),
     (4, ["strategy.pipeline_parallel_size=4"], 4, 1, 1),
@@ -114,6 +118,7 @@ def test_pipeline_rank0_holds_its_first_stage(world, extra, pipeline, data, tens
     assert found["mesh"] == f"pipeline_parallel {pipeline} x data_parallel {data} x tensor_parallel {tensor}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16_true"])
 def test_ddp_holds_the_whole_model_in_its_parameter_dtype(precision, tmp_path):
     found, net, predicted = _built([*NANO, "strategy=ddp", f"precision={precision}"], 4, tmp_path)
@@ -167,6 +172,7 @@ def test_expert_parallel_rank0_holds_its_experts_and_its_shard_of_the_rest(world
     assert found["mesh"] == mesh
 
 
+@pytest.mark.slow
 def test_tensor_parallel_leaves_the_moe_layers_whole_and_expert_parallel_splits_their_experts(tmp_path):
     """Data 4 x tensor 2 with EP 2 at 8 ranks: tensor parallel splits the attention, the dense
     MLP, the embedding and the head (not the norms, as for Llama); each MoE layer's router and
@@ -205,6 +211,7 @@ STEPS = [
 ]
 
 
+@pytest.mark.full
 @pytest.mark.slow  # traces two training steps (3-8 s)
 @pytest.mark.parametrize(("overrides", "world"), STEPS)
 def test_one_step_at_the_configured_world_peaks_within_ten_percent_of_the_prediction(overrides, world, tmp_path):

@@ -41,6 +41,7 @@ def test_saved_activations_are_what_backward_keeps_counted_once():
     assert saved_activation_bytes(net, x) == 8 * (16 + 64) * 4
 
 
+@pytest.mark.slow
 def test_activations_grow_linearly_with_the_micro_batch():
     with torch.device("meta"):
         net = build_gpt(vocab_size=256, block_size=64)
@@ -50,6 +51,7 @@ def test_activations_grow_linearly_with_the_micro_batch():
     assert (facts.layers, facts.hidden, facts.heads) == (4, 128, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [build_gpt, build_llama], ids=["gpt", "llama"])
 def test_traced_activations_are_within_10_percent_of_the_memory_torch_measures(build):
     """What the planner traces under fake tensors against the activation memory torch's
@@ -73,6 +75,7 @@ def test_traced_activations_are_within_10_percent_of_the_memory_torch_measures(b
     assert facts.activations(8) == pytest.approx(held[_MemRefType.ACT], rel=0.01)
 
 
+@pytest.mark.slow
 def test_ddp_all_reduces_gradients_once_per_step_in_its_buckets_with_the_rings_bytes():
     with torch.device("meta"):
         facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
@@ -87,6 +90,7 @@ def test_ddp_all_reduces_gradients_once_per_step_in_its_buckets_with_the_rings_b
     assert reduce.seconds == pytest.approx(2 * 2 * 2 * 1e-5 + reduce.bytes_per_rank / 100e9)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_each_unit_twice_per_micro_batch_and_the_root_once():
     with torch.device("meta"):
         net = build_gpt(vocab_size=256, block_size=64)
@@ -106,6 +110,7 @@ def test_fsdp_gathers_each_unit_twice_per_micro_batch_and_the_root_once():
     assert found["parameter all-gather"].seconds == pytest.approx(18 * 3 * 1e-5 + 7 / 8 * gathered / 10e9)
 
 
+@pytest.mark.slow
 def test_a_plan_is_timed_as_its_rank_runs_the_network():
     """Profiles by how a rank runs the network: FSDP's, DeepSpeed's or a compression hook's own,
     else the plain one (split by the tensor-parallel size); the optimizer step timed on the
@@ -139,6 +144,7 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
     assert (zero3.compute_s, zero3.optimizer_s) == pytest.approx((0.28, 0.015))
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
@@ -172,6 +178,7 @@ def test_a_compression_hook_and_deepspeed_are_timed_as_they_run_in_a_child_proce
     assert "deepspeed_shm_comm" not in printed.out + printed.err
 
 
+@pytest.mark.slow
 def test_pipeline_time_is_stretched_by_the_bubble():
     with torch.device("meta"):
         facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
@@ -206,6 +213,7 @@ def _strategy_accepts(name: str, mesh: MeshSizes, micro: int, microbatches: int,
         return False
 
 
+@pytest.mark.slow
 def test_the_planners_choice_is_the_fastest_of_every_plan_enumerated_by_brute_force():
     """Every (strategy, pipeline x data x tensor split of 4 ranks, micro batch, activation
     checkpointing, pipeline micro-batches, schedule) for GPT-nano and a global batch of 8:
@@ -244,6 +252,7 @@ def test_the_planners_choice_is_the_fastest_of_every_plan_enumerated_by_brute_fo
     assert ranked[0].step_s <= fastest * 1.01  # the planner's tie rule: within 1%, the simpler plan
 
 
+@pytest.mark.full
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_an_8b_llama_does_not_fit_replicated_and_the_reasons_are_given():
     with torch.device("meta"):
@@ -263,7 +272,7 @@ def test_an_8b_llama_does_not_fit_replicated_and_the_reasons_are_given():
     assert all(a.step_s <= b.step_s * 1.01 for a, b in itertools.pairwise(ranked))  # fastest first
 
 
-@pytest.mark.full  # make test-full: the fake group's FSDP bytes at 2-64 ranks stay in make test
+@pytest.mark.soak  # make test-full: the fake group's FSDP bytes at 2-64 ranks stay in make test
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_predicted_memory_per_rank_matches_a_real_fsdp_run(tmp_path):
@@ -282,6 +291,7 @@ def test_predicted_memory_per_rank_matches_a_real_fsdp_run(tmp_path):
         assert predicted[name] == pytest.approx(summary[f"memory/{name}_bytes"], rel=0.01), name
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plan_auto_prints_a_ranking_and_writes_the_fastest_as_an_experiment(tmp_path):
@@ -305,6 +315,7 @@ def test_plan_auto_prints_a_ranking_and_writes_the_fastest_as_an_experiment(tmp_
     assert not summaries(tmp_path)  # nothing trained
 
 
+@pytest.mark.full
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_one(tmp_path, outputs_root, capsys):
     """No machine here has 256 devices: ``plan=show`` still lays the run out, predicts its
@@ -350,6 +361,7 @@ def test_more_devices_per_node_than_the_cluster_has_is_one_line(tmp_path, output
                                 "trainer.devices=8 trainer.num_nodes=8")
 
 
+@pytest.mark.slow
 def test_the_ranking_is_in_the_order_of_the_printed_step_times():
     """Plans whose step times print alike are ordered by the simpler strategy, then the larger
     micro batch; the printed column never goes down."""
@@ -367,6 +379,7 @@ CALIBRATION = {"cores": 2, "memory_bytes": 8 * 2**30, "peak_flops": {"float32": 
                "bandwidth_bytes_s": 1e9, "latency_s": 1e-4, "measured": "test"}
 
 
+@pytest.mark.full
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_show_timed(tmp_path, monkeypatch):
     """An ordinary run's prediction starts no child: compute from FLOPs until ``plan=show``
@@ -427,6 +440,7 @@ def test_a_plan_keeps_the_users_run_and_replaces_its_layout():
                                        "cluster=local_cpu"]
 
 
+@pytest.mark.slow
 def test_an_experiment_file_composes_as_its_overrides_do(tmp_path):
     """The reference is Hydra composing the command line itself: the file written from the
     same overrides (a user's experiment, group choices, nested values, an added key) composes
@@ -463,6 +477,7 @@ def test_a_run_from_a_config_dir_is_checked_before_it_starts(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: trainer.devices=999 is more than this machine has: ")
 
 
+@pytest.mark.slow
 def test_a_failed_verify_job_is_recorded_and_the_plans_after_it_still_run(tmp_path, monkeypatch):
     """Hydra stops a multirun at its first failed job: that plan gets the job's error line and
     the plans after it run in a second multirun. The jobs here are stand-ins that write what a
@@ -505,7 +520,7 @@ def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
     assert str(error.value).startswith("cluster.nodes=0 is not valid: ")
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monkeypatch):
@@ -601,6 +616,7 @@ def test_an_ordinary_run_records_its_prediction_beside_its_measurement(tmp_path)
         in process.stdout
 
 
+@pytest.mark.slow
 def test_the_planner_accepts_the_pipelines_the_strategy_accepts_and_costs_the_busiest_rank():
     """The pipeline strategy cuts 5 layers into 2 stages (3 + 2), so the planner ranks that
     plan too, its compute the busiest rank's 3/5 of the layers; past the model's blocks it
@@ -625,6 +641,7 @@ def test_the_planner_accepts_the_pipelines_the_strategy_accepts_and_costs_the_bu
         "(pipeline_parallel_size x virtual_stages)")
 
 
+@pytest.mark.slow
 def test_context_parallel_plans_divide_activations_and_gather_keys_and_values_per_layer():
     """A Llama's FSDP plan with its sequence split over 2 of 4 ranks, against the same 4 ranks
     without: the same sharded states (FSDP shards over data x context), half the traced

@@ -195,10 +195,12 @@ def _assert_tensor_parallel_predicted(world: int, calls: dict, sent: dict) -> No
     assert sent == pytest.approx({name: c.bytes_per_rank for name, c in predicted.items()})
 
 
+@pytest.mark.slow
 def test_fsdp_step_issues_the_predicted_gathers_and_scatters(fake_world):
     _assert_fsdp_predicted(fake_world, *_fsdp_counts(fake_world))
 
 
+@pytest.mark.slow
 def test_a_muon_step_under_fsdp_gathers_each_matrix_update_as_predicted(fake_world):
     """Muon's step gathers each sharded hidden matrix's update whole (``full_tensor``): the
     planner's ``Muon update all-gather``, in calls and bytes, beside FSDP's own collectives."""
@@ -220,6 +222,7 @@ def test_a_muon_step_under_fsdp_gathers_each_matrix_update_as_predicted(fake_wor
     assert (calls["Muon update all-gather"], sent["Muon update all-gather"]) == (gather.calls, gather.bytes_per_rank)
 
 
+@pytest.mark.slow
 def test_ddp_step_reduces_the_predicted_buckets(fake_world):
     net, facts = _gpt_and_facts()
     ddp = DistributedDataParallel(net)
@@ -241,6 +244,7 @@ def test_ddp_step_reduces_the_predicted_buckets(fake_world):
     assert predicted.bytes_per_rank == pytest.approx(2 * (fake_world - 1) / fake_world * sum(buckets))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_step_issues_the_predicted_gathers_scatters_and_all_reduces(fake_world):
     """Sequence parallel, as the strategy runs it: per layer, forward gathers the sequence for
     attention and the MLP and reduce-scatters their outputs; backward gathers the outputs'
@@ -250,6 +254,7 @@ def test_tensor_parallel_step_issues_the_predicted_gathers_scatters_and_all_redu
     _assert_tensor_parallel_predicted(fake_world, *_tensor_parallel_counts(fake_world))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_step_of_a_mixture_of_experts_issues_the_predicted_collectives():
     """The tiny MoE decoder (its 2 key/value heads split over 2 ranks at most) under the
     tensor-parallel plan on the fake group: the dense layer as a GPT block; each MoE layer,
@@ -341,7 +346,7 @@ def real_world2():
     return run_distributed(_count_on_real_ranks, 2, timeout=280)
 
 
-@pytest.mark.full  # make test-full (about 15 s): the fake group's counts stay in make test
+@pytest.mark.soak  # make test-full (about 15 s): the fake group's counts stay in make test
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_step_issues_the_predicted_gathers_and_scatters_on_two_ranks(real_world2):
@@ -393,6 +398,7 @@ def test_pipeline_step_sends_the_predicted_activations_and_gradients_on_two_rank
         assert sent == pytest.approx({c.name: c.bytes_per_rank for c in predicted})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 8, 64])
 def test_fsdp_bytes_per_rank_are_the_predicted_shares_at_fake_worlds(world):
     """Parameters, gradients and AdamW state one rank holds after a step, against the planner's

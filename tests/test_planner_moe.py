@@ -35,6 +35,7 @@ def _tiny_facts(**overrides) -> tuple[torch.nn.Module, ModelFacts]:
     return net, facts
 
 
+@pytest.mark.slow
 def test_moe_facts_count_the_active_experts_as_torchs_flop_counter_does():
     """The tiny preset (a dense layer, 2 MoE layers of 8 SwiGLU experts, top-2, a shared
     expert): FLOPs per token of the whole step and of its MoE layers as torch counts a real
@@ -114,6 +115,7 @@ def test_the_moe_layers_flops_and_optimizer_step_are_not_divided_by_tensor_paral
     assert predict(plan, FACTS, cluster).optimizer_s == pytest.approx((1_600 / 2 / 4 + 8_400 / 4) * 1e-9)
 
 
+@pytest.mark.slow
 def test_the_search_offers_the_expert_parallel_sizes_the_strategies_accept():
     """Every ranked plan with EP is one the strategy itself lays out and validates on the tiny
     decoder (with 6 experts); the sizes it refuses (4 does not divide them) are pruned with its
@@ -145,6 +147,7 @@ def test_the_search_offers_the_expert_parallel_sizes_the_strategies_accept():
             in reasons)
 
 
+@pytest.mark.soak
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_plan_show_ranks_expert_parallel_plans_for_qwen3_moe_at_64_devices(tmp_path, outputs_root, capsys):
     """Qwen3-30B-A3B on 8 nodes of 8 H100s, no process started: the run as configured (FSDP with
@@ -164,6 +167,8 @@ def test_plan_show_ranks_expert_parallel_plans_for_qwen3_moe_at_64_devices(tmp_p
     assert "litscale: as configured: built on a fake process group of 64 ranks" in out
 
 
+@pytest.mark.slow
+@pytest.mark.full
 def test_a_runs_tokens_per_expert_set_the_imbalance(tmp_path):
     from helpers.configs import compose_job
 
@@ -179,6 +184,7 @@ def test_a_runs_tokens_per_expert_set_the_imbalance(tmp_path):
         facts_of(cfg)
 
 
+@pytest.mark.slow
 def test_a_pipeline_of_more_stages_than_layers_is_costed_by_its_blocks():
     """The tiny decoder's 3 layers and 5 blocks (embedding, layers, head) over 2 ranks of 2
     interleaved stages: 4 stages of 2, 1, 1 and 1 blocks (in some order), a rank holding two

@@ -41,6 +41,7 @@ def _facts(tmp_path, *overrides):
     return cfg, choices, facts_of(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["model=gpt", "model=moe"])
 def test_the_facts_count_every_hidden_matrix_of_the_model(model, tmp_path):
     _, _, facts = _facts(tmp_path, model, "optimizer=muon")
@@ -58,6 +59,7 @@ def _cluster(cfg) -> Cluster:
     return build(cfg.cluster, trusted=trusted_targets(cfg))
 
 
+@pytest.mark.slow
 def test_muon_adds_its_iterations_to_the_step_and_gathers_what_fsdp_shards(tmp_path):
     cfg, _, muon = _facts(tmp_path, "optimizer=muon")
     _, _, adamw = _facts(tmp_path, "optimizer=adamw")
@@ -79,6 +81,7 @@ def test_muon_adds_its_iterations_to_the_step_and_gathers_what_fsdp_shards(tmp_p
     assert not [c for c in with_muon.collectives if c.name.startswith("Muon")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("clipping", "refused"), [([], True), (["trainer.gradient_clip_val=null"], False)])
 def test_the_planner_never_ranks_a_strategy_that_refuses_the_runs_muon_settings(clipping, refused, tmp_path):
     cfg, choices, facts = _facts(tmp_path, "optimizer=muon", "strategy=deepspeed_zero", *clipping)

@@ -85,6 +85,7 @@ def test_the_contention_configuration_is_held_out_of_the_score():
     assert study.held_out() == {f"nano-ddp-mb{PROBE_MICRO}": "contention (calibrate.py's probe step)"}
 
 
+@pytest.mark.slow
 def test_the_shipped_accuracy_file_is_the_studys_report_of_its_results():
     """accuracy.json is what study.py's report writes from results.json (no figure by hand)."""
     from litscale.planner.trust import ACCURACY_FILE
@@ -127,6 +128,7 @@ def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float, *overrides
     return result, "\n".join(printed), experiment
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plan_auto_in_a_sweep_keeps_the_given_layout_below_the_bar(tmp_path, monkeypatch):
     result, printed, experiment = plan_auto_in_a_sweep(tmp_path, monkeypatch, 0.714)
@@ -138,6 +140,7 @@ def test_plan_auto_in_a_sweep_keeps_the_given_layout_below_the_bar(tmp_path, mon
     assert "batch_size" not in experiment.get("data", {})  # the given micro batch, as composed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plan_auto_in_a_sweep_picks_above_the_bar_and_names_an_unmeasured_model(tmp_path, monkeypatch):
     result, printed, experiment = plan_auto_in_a_sweep(tmp_path, monkeypatch, 0.95)
@@ -165,6 +168,7 @@ def test_plan_auto_in_a_sweep_picks_above_the_bar_and_names_an_unmeasured_model(
         assert not unmeasured.picks
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_plan_auto_in_a_sweep_replaces_a_given_layout_that_does_not_fit_below_the_bar(tmp_path, monkeypatch):
     """Keeping the given layout must not run a job out of memory: with the device's memory half

@@ -64,6 +64,7 @@ def test_a_rank_dependent_all_reduce_is_refused_with_the_first_differing_collect
     assert "collectives traced" not in out
 
 
+@pytest.mark.slow
 def test_the_check_is_off_by_default(capsys):
     code, out, err = check(["strategy=ddp", "trainer.devices=2", *BRANCH], capsys)
     assert (code, err) == (0, "")
@@ -250,6 +251,7 @@ def test_the_first_difference_is_found_per_group_and_a_missing_call_is_named():
     assert first_difference(traces) is None
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_plan_show_refuses_the_rank_dependent_branch_before_any_rank_starts(tmp_path):
     """``plan=show`` traces at the configured world too: refused with the same line, exit 2."""

@@ -56,6 +56,7 @@ def cached_run(tmp_path, monkeypatch):
     return plan_show, predicted, timed
 
 
+@pytest.mark.full
 @pytest.mark.slow  # composes a job: over a second
 def test_a_profile_is_read_back_only_by_the_code_torch_and_machine_that_timed_it(cached_run, monkeypatch):
     import litscale
@@ -72,6 +73,7 @@ def test_a_profile_is_read_back_only_by_the_code_torch_and_machine_that_timed_it
     assert predicted()["plan/compute_source"] == "timed" and len(timed) == 1  # its own, still there
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_profiles_timed_on_a_busy_machine_serve_that_plan_and_are_not_cached(cached_run, monkeypatch, capsys):
     plan_show, predicted, timed = cached_run
@@ -93,6 +95,7 @@ def test_profiles_timed_on_a_busy_machine_serve_that_plan_and_are_not_cached(cac
     assert predicted()["plan/compute_source"] == "timed" and len(timed) == 4  # kept under the stated limit
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_a_prediction_a_run_contradicts_by_more_than_2x_is_said_and_not_used_until_timed_again(cached_run, capsys):
     from litscale.app.summary import _print_prediction

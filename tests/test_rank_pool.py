@@ -108,6 +108,7 @@ def test_pool_results_equal_fresh_ranks_and_the_workers_are_reused():
     assert first == second and len(set(first)) == 2 and os.getpid() not in first
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("how", ["raise", "sys.exit"])
 def test_a_failing_rank_fails_with_its_traceback_and_the_next_call_succeeds(how):
@@ -122,6 +123,7 @@ def test_a_failing_rank_fails_with_its_traceback_and_the_next_call_succeeds(how)
     assert not any(_is_running(pid) for pid in before)
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(200)
 def test_a_hanging_rank_fails_at_its_deadline_and_the_next_call_succeeds():
     before = run_distributed(_pid, 2, timeout=90)
@@ -133,8 +135,10 @@ def test_a_hanging_rank_fails_at_its_deadline_and_the_next_call_succeeds():
     assert len(run_distributed(_pid, 2, timeout=90)) == 2
 
 
+@pytest.mark.full
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(("how", "said"), [("os._exit", "exited with code 7"), ("segfault", "killed by SIGSEGV")])
+@pytest.mark.parametrize(("how", "said"), [pytest.param("os._exit", "exited with code 7", marks=pytest.mark.soak),
+                                           ("segfault", "killed by SIGSEGV")])  # soak: CI's time
 def test_a_rank_that_dies_fails_at_once_and_the_next_call_succeeds(how, said):
     before = run_distributed(_pid, 2, timeout=90)
     # A deadline past this test's own timeout: a pool that waited for it, or for rank 0's
@@ -165,6 +169,7 @@ def test_a_mesh_of_a_later_task_uses_its_own_groups():
                                                           timeout=90)] == [6.0, 6.0]
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(200)
 def test_a_task_that_leaves_a_thread_running_retires_its_workers():
     with pytest.warns(UserWarning, match=r"rank pool of 2 restarted: the task left threads running "

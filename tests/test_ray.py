@@ -242,6 +242,7 @@ def test_a_ray_jobs_record_names_its_run_dir(tmp_path):
     assert "hydra" not in record.cfg and record.cfg.trainer.max_steps == config.trainer.max_steps
 
 
+@pytest.mark.slow
 def test_each_worker_runs_the_jobs_own_task_function_through_hydra(tmp_path, monkeypatch):
     """The worker runs ``train.py``'s task function (its error lines are the ones a torchrun
     rank prints); an exception it raises fails the worker, and so does its exit."""

@@ -121,6 +121,7 @@ def test_a_run_dir_goes_to_uri_storage_and_back_with_its_write_times(tmp_path):
     assert (back / "checkpoints" / "last.ckpt").stat().st_mtime_ns == written
 
 
+@pytest.mark.slow
 def test_sigterm_on_the_worker_is_handed_to_the_loop_and_a_second_one_exits():
     previous = signal.getsignal(signal.SIGTERM)
     exits = []
@@ -148,6 +149,7 @@ def job_config(tmp_path, *overrides):
     return config
 
 
+@pytest.mark.slow
 def test_a_jobs_run_dir_is_in_its_storage_and_the_sweep_reads_it_there_or_from_its_copy(tmp_path):
     from hydra_plugins.litscale_plugins.ray_launcher import checked_settings, prepare_job_config
 
@@ -184,6 +186,7 @@ def test_a_rank_stopped_on_sigterm_fails_on_purpose_and_rank_zero_says_why(monke
     assert capsys.readouterr().out == ""
 
 
+@pytest.mark.slow
 def test_a_ray_setting_that_cannot_work_stops_the_sweep_in_one_line_before_it_starts(capsys):
     from helpers.cli import check_command
 

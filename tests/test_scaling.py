@@ -118,6 +118,7 @@ def sweep(tmp_path_factory):
     return process, outputs, sweeps
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_multirun_runs_each_job_once_with_its_own_world_size(sweep):
@@ -172,6 +173,7 @@ def test_sweep_writes_report_and_logs_it_to_wandb(sweep):
     assert len(job_runs) == 4 and all(group in path.read_bytes() for path in job_runs + report_runs)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_report_shows_the_planners_error_and_calibrate_from_refits_it_from_the_sweep(sweep, tmp_path):
@@ -213,6 +215,7 @@ def test_the_report_shows_the_planners_error_and_calibrate_from_refits_it_from_t
         assert run["measured_step_s"] == summary["perf/step_time_s"]
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_notebook_reads_the_sweep_and_runs(sweep, tmp_path):
@@ -231,7 +234,7 @@ def test_notebook_reads_the_sweep_and_runs(sweep, tmp_path):
 # --- a single run: a named baseline, and a resumed run continuing its W&B run --------------------
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resumed_run_continues_its_wandb_run_and_compares_with_a_named_baseline(tmp_path):

@@ -65,6 +65,7 @@ def test_sky_task_from_yaml_reads_the_written_task(tmp_path):
     assert [r.accelerators for r in parsed.resources] == [{"H100": 4}]
 
 
+@pytest.mark.slow
 def test_the_default_task_mounts_a_bucket_for_its_outputs_and_passes_the_schema():
     document = task_for("trainer.devices=8", "trainer.num_nodes=2", "strategy=fsdp")
     assert document["file_mounts"] == {"/litscale-outputs": {"name": "litscale-outputs", "mode": "MOUNT"}}
@@ -96,6 +97,7 @@ def test_settings_that_would_lose_the_outputs_with_the_nodes_are_refused_in_one_
     check_cluster_resources(compose_full(["hydra/launcher=skypilot", "trainer.devices=2"]))  # the default
 
 
+@pytest.mark.slow
 def test_a_spot_job_is_a_managed_job_that_resumes_from_its_newest_checkpoint():
     params = job_resources(compose_full(["hydra/launcher=skypilot", "hydra.launcher.use_spot=true"]))
     assert launch_command(Path("t.yaml"), "job-0", params) == ["sky", "jobs", "launch", "--yes", "--name", "job-0",

@@ -381,6 +381,7 @@ RUN = (
 )
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_int4_streaming_run_sends_one_quantized_fragment_at_a_time(tmp_path):

@@ -56,6 +56,7 @@ def tp_variants(rank, world_size):
     return {name: tensor_parallel_trace(rank, world_size, *args) for name, args in TP_VARIANTS.items()}
 
 
+@pytest.mark.full
 @pytest.mark.timeout(150)
 def test_tensor_parallel_two_ranks_match_single_process_loss_and_gradients():
     """Plain TP, + sequence parallel, + loss parallel, and with tied embeddings (small/medium
@@ -90,6 +91,7 @@ def fit_plain_and_loss_parallel(rank, world_size, checkpoint_dir):
             fit_on_mesh(rank, world_size, loss_parallel, CLIPPED).weights]
 
 
+@pytest.mark.full
 @pytest.mark.timeout(150)
 def test_strategy_tp2_fits_like_single_process_and_checkpoint_loads_unsharded(tmp_path):
     import torch.distributed.checkpoint as dcp

@@ -372,6 +372,7 @@ def test_default_corpus_is_the_standard_library():
     assert corpus_files(None) == stdlib_files()
 
 
+@pytest.mark.slow
 def test_jsonl_records_are_documents_and_a_missing_field_is_one_line(tmp_path, outputs_root):
     write_jsonl(tmp_path / "corpus" / "a.jsonl", [{"body": "first"}, {"body": "second"}])
     dm = token_dm(tmp_path, paths=str(tmp_path / "corpus" / "*.jsonl"), text_field="body",
@@ -410,6 +411,7 @@ def test_a_glob_matching_nothing_or_only_empty_files_is_one_line(tmp_path, outpu
                                "record is empty")
 
 
+@pytest.mark.slow
 def test_parquet_rows_are_documents(tmp_path):
     pytest.importorskip("datasets")
     import pyarrow as pa
@@ -448,6 +450,7 @@ def test_build_cache_refuses_a_corpus_without_text(tmp_path):
 # --- end to end -----------------------------------------------------------------------------
 
 
+@pytest.mark.full
 @pytest.mark.slow
 def test_train_py_rejects_bad_token_data_in_one_line_before_any_rank(tmp_path):
     path = tmp_path / "a.jsonl"
@@ -466,6 +469,7 @@ RUN = ("model=llama", "data=tokens", "data.tokenizer=bpe", "data.seq_len=32", "d
        "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "scheduler=constant")
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_train_py_on_bpe_tokens_resumes_exactly_inside_an_epoch(tmp_path):

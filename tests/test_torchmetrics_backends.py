@@ -56,6 +56,7 @@ def test_a_package_imported_before_is_left_alone(installed_package):
     assert sys.modules[installed_package] is module
 
 
+@pytest.mark.soak
 @pytest.mark.slow  # a new interpreter: this one imported torchmetrics long ago
 @pytest.mark.timeout(240)
 def test_lightning_in_a_litscale_process_skips_them_and_litscale_still_uses_them():

@@ -39,6 +39,7 @@ def run_torchrun(*overrides: str, outputs: Path, name: str, max_restarts: int,
     return completed, seconds
 
 
+@pytest.mark.full
 @pytest.mark.timeout(500)
 def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_path):
     """SIGKILL on rank 1 at step 6 (checkpoint at step 4), --max-restarts=1, ckpt_path=auto:
@@ -65,6 +66,7 @@ def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_pa
         assert torch.equal(final_weights(resumed)[name], tensor), name
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(300)
 def test_exception_in_validation_stops_every_rank_with_the_cause_shown_once(tmp_path):
     """An exception on rank 1 during validation, no restarts left: torchrun exits 1 well within
@@ -84,6 +86,7 @@ def test_exception_in_validation_stops_every_rank_with_the_cause_shown_once(tmp_
     assert not (tmp_path / "failed" / "runs" / "torchrun" / "summary.json").exists()
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(300)
 def test_killed_again_after_the_restart_fails_once_restarts_are_exhausted(tmp_path):
     """The fault fires in the resumed run too (``after_resume``), with ``--max-restarts=1``:

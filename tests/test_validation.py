@@ -216,6 +216,7 @@ def validate_overrides(overrides: list[str], tmp_path: Path) -> None:
     validate(cfg, choices=choices)
 
 
+@pytest.mark.slow
 def test_plus_adds_a_trainer_argument(tmp_path, outputs_root):
     cfg, choices = compose_job(["+trainer.enable_checkpointing=false"], tmp_path / "run")
     assert cfg.trainer.enable_checkpointing is False

@@ -111,6 +111,7 @@ def test_the_default_limit_is_twenty_median_steps_at_least_a_minute():
 # --- the stop protocol, in one process --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_watchdog_has_every_heartbeat_write_its_stacks_then_stops_with_one_line(tmp_path, capsys):
     """Two heartbeats and the watchdog on one in-memory store: the stuck 'rank' is named, each
     writes its stacks (this test's own frames among them), and the watchdog ends with code 1."""
@@ -262,12 +263,14 @@ def assert_stacks(match: re.Match, *, rank1_frame: str) -> None:
     assert rank1_frame in (stacks / "rank1.txt").read_text()  # where rank 1's training thread is
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("kind", "doing", "rank1_frame"), [
     ("hang", "stuck in forward", "in on_train_batch_start"),
     # it went on to step 7, whose all-reduce would pair with rank 0's of step 6
-    ("skip_collective", "stuck in backward (gradient all-reduce) at step 7", "in on_before_backward"),
+    pytest.param("skip_collective", "stuck in backward (gradient all-reduce) at step 7", "in on_before_backward",
+                 marks=pytest.mark.soak),  # soak: CI's time
 ])
 def test_a_rank_that_hangs_or_skips_a_collective_is_named_and_the_job_stops_with_its_stacks(
         kind, doing, rank1_frame, tmp_path):
@@ -281,6 +284,7 @@ def test_a_rank_that_hangs_or_skips_a_collective_is_named_and_the_job_stops_with
     assert not summaries(tmp_path)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_slow_rank_is_reported_as_the_straggler_once(tmp_path):
@@ -316,7 +320,7 @@ def test_a_slow_first_step_and_a_long_validation_raise_no_alarm(tmp_path):
     assert len(summaries(tmp_path)) == 1
 
 
-@pytest.mark.full  # make test-full: keeps make test within its time budget
+@pytest.mark.soak  # make test-full: keeps make test within its time budget
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hang_under_torchrun_is_named_by_rank_zero(tmp_path):
@@ -360,6 +364,7 @@ def test_a_hang_in_a_job_of_the_slurm_launchers_local_twin_is_named(tmp_path):
 # --- rank 0 is watched too, and the work after fit --------------------------------------------
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_frozen_rank_zero_is_named_by_the_standby_on_rank_one(tmp_path):
@@ -420,6 +425,7 @@ def test_a_frozen_rank_zero_that_hosts_the_store_is_named_as_under_srun_and_ray(
     assert "in backward" in (stacks / "rank1.txt").read_text()
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hang_in_the_export_after_fit_is_named_with_its_phase(tmp_path):

@@ -232,8 +232,12 @@ def _serve(rank: int, world_size: int, connection) -> None:
     _die_with_parent()
     import lightning.pytorch  # noqa: F401  (imported once here, not in the first task)
     import torch
+    import tqdm
 
     torch.set_num_threads(1)
+    # No tqdm monitor thread: one left behind by a bar a task did not close (DeepSpeed's families
+    # in CI) made the pool restart after the task (4 fresh interpreters, about a minute).
+    tqdm.tqdm.monitor_interval = 0
     threads_at_start = set(threading.enumerate())
     global _FUNCTIONAL_AT_START
     _FUNCTIONAL_AT_START = dict(vars(torch.nn.functional))
