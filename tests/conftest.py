@@ -39,35 +39,21 @@ def outputs_root(tmp_path, monkeypatch) -> Path:
 # `--no-loadscope-reorder` keeps this order; xdist's default hands out the modules with the most
 # tests first, and a long module of few tests left to the end runs on one core while the other
 # idles).
-LONGEST_FIRST = ("test_parity.py", "test_combinations.py", "test_moving_runs.py", "test_reliability.py",
-                 "test_watchdog.py", "test_docs.py", "test_hf.py", "test_torchrun_reliability.py", "test_multinode.py",
-                 "test_determinism.py", "test_memory_table.py", "test_checkpoints.py", "test_rank_pool.py",
-                 "test_fault_tolerance.py", "test_scaling.py", "test_planner.py", "test_lr_scaling.py",
-                 "test_configs.py", "test_validation.py")
+LONGEST_FIRST = ("test_parity.py", "test_combinations.py", "test_moving_runs.py", "test_hf.py", "test_reliability.py",
+                 "test_docs.py", "test_validation.py", "test_configs.py", "test_scaling.py", "test_watchdog.py",
+                 "test_torchrun_reliability.py", "test_checkpoints.py", "test_memory_table.py",
+                 "test_planner_strategies.py", "test_fault_tolerance.py", "test_planner.py", "test_determinism.py",
+                 "test_multinode.py", "test_rank_pool.py", "test_lr_scaling.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (`--dist loadgroup`)
 def pytest_collection_modifyitems(items) -> None:
-    """Each module's tests go to one worker together and in order (they share module fixtures
-    and rank pools), the longest modules first. The parity table is the exception: each family
-    at each world size is a group of its own (its cells share one fit), so that two workers
-    share the table instead of one running it all."""
+    """Each module's tests stay together and in order; the longest modules come first.
+
+    NOTE: whole modules, not the parity table's families one by one: xdist 3.8's `loadgroup`
+    renames a test to add its group, which pytest 9.2's node ids no longer take, so every test
+    went out alone and each worker ran the module fixtures (and fit each parity family) again."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-
-    def group(item) -> str:
-        params = getattr(item, "callspec", None) and item.callspec.params
-        if item.path.name == "test_parity.py" and params and "family" in params:
-            return f"{item.path.name}:{params['family']}-{params['world_size']}"
-        return item.path.name
-
-    def order(item) -> tuple:
-        params = getattr(item, "callspec", None) and item.callspec.params
-        largest_world_first = -params["world_size"] if group(item) != item.path.name else 0
-        return rank.get(item.path.name, len(rank)), largest_world_first
-
-    items.sort(key=order)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 def pytest_sessionfinish(session) -> None:

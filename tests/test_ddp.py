@@ -50,6 +50,7 @@ def test_ddp_two_ranks_match_single_process_of_same_global_batch(single_and_ddp)
         torch.testing.assert_close(actual[name], expected[name], rtol=1.3e-6, atol=1e-5, msg=name)
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("run", ["single", "ddp"])
 def test_run_ends_cleanly_with_summary(single_and_ddp, run):
     process, summary = single_and_ddp[run]

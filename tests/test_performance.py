@@ -84,6 +84,7 @@ def test_heavy_import_attribution_reads_the_tree():
                                                "sklearn (imported by train.py)"]
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_default_run_matches_plain_pytorch_loop(default_run, monkeypatch):
@@ -101,6 +102,7 @@ def test_default_run_matches_plain_pytorch_loop(default_run, monkeypatch):
     assert summary["train/loss"] == pytest.approx(plain["last_loss"], rel=1e-5)
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.parametrize(("key", "logger_steps"), [
     ("train/loss", [4, 9]),  # log_every_n_steps=5 over 12 steps (0-based logger steps)

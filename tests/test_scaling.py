@@ -134,6 +134,7 @@ def test_multirun_runs_each_job_once_with_its_own_world_size(sweep):
     assert len({s["threads_per_rank"] for s in summaries(outputs)}) == 1
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_each_job_logs_efficiency_against_its_one_device_job(sweep):
@@ -156,6 +157,7 @@ def test_each_job_logs_efficiency_against_its_one_device_job(sweep):
         assert b"scaling/efficiency" in wandb_files[0].read_bytes()
 
 
+@pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_sweep_writes_report_and_logs_it_to_wandb(sweep):
