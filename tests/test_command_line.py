@@ -276,7 +276,7 @@ QUICK = ("trainer.accelerator=cpu", "trainer.enable_progress_bar=false", "data.m
          "trainer.limit_val_batches=1")
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_llama_trains_logs_its_lines_and_its_checkpoint_is_not_resumed_as_gpt(tmp_path):

@@ -169,7 +169,7 @@ def _attention_and_llama(rank: int, world_size: int) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.full)])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.soak)])  # soak: CI's time
 def test_sharded_attention_and_llama_equal_one_process(world_size):
     for rank, differences in enumerate(run_distributed(_attention_and_llama, world_size, timeout=400)):
         worst = {name: value for name, value in differences.items() if value > TOLERANCE["atol"]}

@@ -39,7 +39,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers.cli import REPO, explain, run_in_own_group, run_train, summaries
+from helpers.cli import REPO, cli_env, explain, run_in_own_group, run_train, summaries
+from helpers.fork_server import ForkServer
 
 README = REPO / "README.md"
 DOCS = REPO / "docs"
@@ -183,24 +184,44 @@ DEFAULT_RUN = Runnable("README.md", 0, "bash", set(), "python train.py", argv=["
 
 class Runs:
     """Each distinct command run once, with outputs of its own under ``root`` and the data
-    cache ``cache`` shared by all."""
+    cache ``cache`` shared by all. A ``train.py`` command shown refused runs in a fork server
+    (``helpers/fork_server.py``: it ends before any rank starts, and a fresh interpreter's
+    imports cost ten times the refusal); ``test_validation.py`` runs refusals both ways."""
 
     def __init__(self, root: Path, cache: Path) -> None:
         self.root, self.cache = root, cache
         self.done: dict[tuple, tuple[Path, subprocess.CompletedProcess]] = {}
+        self.server: ForkServer | None = None
 
     def get(self, runnable: Runnable) -> tuple[Path, subprocess.CompletedProcess]:
         """The outputs directory and the process of ``runnable``'s command."""
         key = (tuple(command_argv(runnable)), tuple(sorted(runnable.env.items())))
         if key not in self.done:
             outputs = Path(tempfile.mkdtemp(dir=self.root))
-            self.done[key] = outputs, run_command(runnable, outputs, env={"LITSCALE_CACHE": str(self.cache)})
+            env = {"LITSCALE_CACHE": str(self.cache)}
+            if "error" in runnable.flags and runnable.argv[:2] == ["python", "train.py"]:
+                self.done[key] = outputs, self.refused(runnable, outputs, env)
+            else:
+                self.done[key] = outputs, run_command(runnable, outputs, env=env)
         return self.done[key]
+
+    def refused(self, runnable: Runnable, outputs: Path, env: dict) -> subprocess.CompletedProcess:
+        if self.server is None:
+            self.server = ForkServer(cli_env(self.root))
+        code, out, err = self.server.run(runnable.argv[2:], Path(tempfile.mkdtemp(dir=self.root)),
+                                         {"LITSCALE_OUTPUTS": str(outputs), **env, **runnable.env})
+        return subprocess.CompletedProcess(runnable.argv, code, out, err)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("cache"))
+def runs(tmp_path_factory):
+    runs = Runs(tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("cache"))
+    yield runs
+    runs.close()
 
 
 def run_script(code: str, directory: Path, outputs: Path, *, timeout: float = 500) -> subprocess.CompletedProcess:

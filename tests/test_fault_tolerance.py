@@ -2,9 +2,9 @@
 
 Refusals are checked against the exact line a user sees; the step record's arithmetic against
 records written by hand; the groups' data against one data-parallel job of all their ranks.
-End to end: 3 groups of 1 rank without a fault match one process with the same global batch
-(``full``); 3 groups of 1 rank train 90 steps while group 2 is SIGKILLed at step 20, 2 FSDP
-groups, and a killed rank in a DDP group of two (``soak``).
+End to end (``soak``, beyond CI's time on 2 cores: 80-200 s each): 3 groups of 1 rank without
+a fault match one process with the same global batch; 3 groups of 1 rank train 90 steps while
+group 2 is SIGKILLed at step 20; 2 FSDP groups; a killed rank in a DDP group of two.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def job_summary(outputs: Path) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.soak  # 117-154 s: CI runs the groups' parity test; the kill's figures are the study's
+@pytest.mark.soak  # 117-154 s; the kill's figures are the study's (experiments/reliability/replica_loss.py)
 @pytest.mark.timeout(700)
 def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tmp_path):
     import sys
@@ -213,7 +213,7 @@ def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tm
 
 
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(400)
 def test_three_groups_without_a_fault_match_one_process_with_their_global_batch(tmp_path):
     import sys
@@ -237,7 +237,7 @@ def test_three_groups_without_a_fault_match_one_process_with_their_global_batch(
 
 
 @pytest.mark.slow
-@pytest.mark.soak  # 98 s alone: CI runs the 1-rank groups' parity and kill tests instead
+@pytest.mark.soak  # 98 s alone
 @pytest.mark.timeout(500)
 def test_two_fsdp_groups_form_an_outer_replicate_axis_that_matches_one_process(tmp_path):
     """HSDP's replicate axis as replica groups: 2 groups of 2 FSDP ranks, each rank's gradient

@@ -531,7 +531,7 @@ def two_rank_fits(tmp_path_factory):
     return {name: [traces[name] for traces in ranks] for name in CASES}, directory
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(CASES))
@@ -541,7 +541,7 @@ def test_tiny_qwen3_matches_one_process_step_by_step(two_rank_fits, name):
     assert_ranks_match(traces[name], [reference(setup)] * 2)
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_tensor_parallel_training_exports_what_transformers_loads(two_rank_fits):

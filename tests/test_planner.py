@@ -144,7 +144,7 @@ def test_a_plan_is_timed_as_its_rank_runs_the_network():
     assert (zero3.compute_s, zero3.optimizer_s) == pytest.approx((0.28, 0.015))
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_network_is_timed_plain_sharded_and_split_in_a_child_process():
@@ -252,7 +252,7 @@ def test_the_planners_choice_is_the_fastest_of_every_plan_enumerated_by_brute_fo
     assert ranked[0].step_s <= fastest * 1.01  # the planner's tie rule: within 1%, the simpler plan
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_an_8b_llama_does_not_fit_replicated_and_the_reasons_are_given():
     with torch.device("meta"):
@@ -315,7 +315,7 @@ def test_plan_auto_prints_a_ranking_and_writes_the_fastest_as_an_experiment(tmp_
     assert not summaries(tmp_path)  # nothing trained
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_plan_show_at_256_devices_prints_the_run_as_configured_without_starting_one(tmp_path, outputs_root, capsys):
     """No machine here has 256 devices: ``plan=show`` still lays the run out, predicts its

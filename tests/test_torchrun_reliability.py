@@ -39,7 +39,7 @@ def run_torchrun(*overrides: str, outputs: Path, name: str, max_restarts: int,
     return completed, seconds
 
 
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(500)
 def test_killed_rank_is_restarted_and_resumes_to_the_uninterrupted_result(tmp_path):
     """SIGKILL on rank 1 at step 6 (checkpoint at step 4), --max-restarts=1, ckpt_path=auto:

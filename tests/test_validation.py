@@ -6,7 +6,6 @@ with exactly one ``error: ...`` line on stderr, before any run dir or rank exist
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 import torch
 from annotated_types import Ge, Gt, Interval, Le
 from helpers.configs import REPO_ROOT, compose_full, compose_job, group_options
+from helpers.fork_server import ForkServer
 from omegaconf import ListConfig
 
 from litscale.app.devices import count_devices
@@ -424,68 +424,16 @@ def run_train(args: list[str], root: Path) -> Outcome:
     return Outcome(result.returncode, result.stdout, result.stderr, root)
 
 
-# Importing torch + Lightning costs ~6 CPU-seconds per interpreter, far more than a case
-# itself. This server pays it once, then runs each case as `python train.py <args>` would:
-# a forked child with its own stdout/stderr files, environment and argv runs train.py as
-# __main__. A few cases also run in a fresh interpreter (EXEC_CASES) as a cross-check.
-FORK_SERVER = r"""
-import contextlib, json, os, runpy, sys, traceback
-from litscale.app.preflight import check_command_line
-
-# Warm up: checking the default command line imports what every case needs.
-with contextlib.redirect_stdout(sys.stderr), contextlib.suppress(BaseException):
-    check_command_line([], config_dir=os.path.abspath("conf"), config_name="train")
-
-for line in sys.stdin:
-    job = json.loads(line)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.dup2(os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
-            os.dup2(os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
-            os.environ.update(job["env"])
-            sys.argv = ["train.py", *job["args"]]
-            runpy.run_path("train.py", run_name="__main__")
-            code = 0
-        except SystemExit as exit:
-            if isinstance(exit.code, str):
-                print(exit.code, file=sys.stderr)
-            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), flush=True)
-"""
-
-
+# A few cases also run in a fresh interpreter (EXEC_CASES) as a cross-check of the fork server's.
 def serve(jobs: list[tuple[str, list[str], Path]], sentinel: Path) -> dict[str, Outcome]:
     """Run ``(name, args, outputs_root)`` jobs one after another in one fork server."""
     sentinel.mkdir(parents=True)
-    server = subprocess.Popen(
-        [sys.executable, "-c", FORK_SERVER], cwd=REPO_ROOT, env=_clean_env(sentinel),
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )
     outcomes = {}
-    try:
+    with ForkServer(_clean_env(sentinel)) as server:
         for name, args, root in jobs:
             root.mkdir(parents=True)
-            out, err = root.parent / "stdout.txt", root.parent / "stderr.txt"
-            job = {"args": args, "stdout": str(out), "stderr": str(err),
-                   "env": {"LITSCALE_OUTPUTS": str(root)}}
-            server.stdin.write(json.dumps(job) + "\n")
-            server.stdin.flush()
-            reply = json.loads(server.stdout.readline())
-            outcomes[name] = Outcome(reply["returncode"], out.read_text(), err.read_text(), root)
-    finally:
-        server.stdin.close()
-        server.wait(timeout=60)
+            code, out, err = server.run(args, root.parent, {"LITSCALE_OUTPUTS": str(root)})
+            outcomes[name] = Outcome(code, out, err, root)
     return outcomes
 
 
