@@ -199,7 +199,8 @@ class Runs:
         if key not in self.done:
             outputs = Path(tempfile.mkdtemp(dir=self.root))
             env = {"LITSCALE_CACHE": str(self.cache)}
-            if "error" in runnable.flags and runnable.argv[:2] == ["python", "train.py"]:
+            # (not with an environment of its own: the server's PYTHONPATH is fixed at its start)
+            if "error" in runnable.flags and runnable.argv[:2] == ["python", "train.py"] and not runnable.env:
                 self.done[key] = outputs, self.refused(runnable, outputs, env)
             else:
                 self.done[key] = outputs, run_command(runnable, outputs, env=env)
