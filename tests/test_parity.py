@@ -125,7 +125,7 @@ class Case:
     weights_on_every_rank: bool = True  # ZeRO-3 consolidates on rank 0 only
     tolerance: dict = dataclasses.field(default_factory=dict)
     local_sgd: dict | None = None  # compared with local SGD re-derived: sync_every, outer_lr
-    full_only: bool = False  # kept out of `make test` at every rank count (`soak`: see _marks)
+    soak_only: bool = False  # `soak` at every rank count (make test-soak only; see _marks)
     soak_at: tuple[int, ...] = ()  # rank counts run by `make test-soak` only, beyond CI's time
     sequence_share: int | None = None  # each rank's module sees 1 / this of every sequence (context parallel)
 
@@ -162,14 +162,14 @@ FAMILIES: dict[str, dict[str, Case]] = {
         # engine's backward did it again, by its gradient_accumulation_steps).
         # `make test` keeps stage 2 (time budget).
         **{f"zero{stage}_accumulated": Case(P(zero, stage), setups(accumulation=2), gradients=False,
-                                            weights_on_every_rank=stage < 3, world_sizes=(2,), full_only=stage != 2)
+                                            weights_on_every_rank=stage < 3, world_sizes=(2,), soak_only=stage != 2)
            for stage in (1, 2, 3)},
         # Muon by DeepSpeed's ZeRO Muon: a matrix split over partitions all-reduced whole to its
         # owners, orthogonalised there (litscale.strategies.zero_muon); experts each on their own.
         **{f"zero{stage}_muon": Case(P(zero, stage), MUON, gradients=False) for stage in (1, 2)},
         "zero2_muon_accumulated": Case(P(zero, 2), setups(optimizers=("muon",), accumulation=2), gradients=False,
                                        world_sizes=(2,)),
-        "zero2_moe_muon": Case(P(zero, 2), moe_setups(("muon",)), gradients=False, world_sizes=(2,), full_only=True),
+        "zero2_moe_muon": Case(P(zero, 2), moe_setups(("muon",)), gradients=False, world_sizes=(2,), soak_only=True),
         # µP's per-group LRs through ZeRO's flattened groups.
         "zero2_mup": Case(P(zero, 2), setups(optimizers=("adamw",), base_width=16), gradients=False, world_sizes=(2,)),
         # NOTE: DeepSpeed's Newton-Schulz normalises by |G| + 1e-7 (litscale's and torch's: by
@@ -179,16 +179,16 @@ FAMILIES: dict[str, dict[str, Case]] = {
         # DeepSpeed's Newton-Schulz matched this cell to 2e-8 (by hand, once): the rest of the
         # mapping (groups, scales, decay, momentum) is exact.
         "zero2_mup_muon": Case(P(zero, 2), setups(optimizers=("muon",), base_width=16), gradients=False,
-                               world_sizes=(2,), tolerance={"atol": 5e-5}, full_only=True),
+                               world_sizes=(2,), tolerance={"atol": 5e-5}, soak_only=True),
     },
     "zero_offload": {
         "zero2_offload_optimizer": Case(P(zero, 2, offload_optimizer=True), PLAIN, world_sizes=(2,),
-                                        gradients=False, full_only=True),
+                                        gradients=False, soak_only=True),
         "zero2_offload_optimizer_muon": Case(P(zero, 2, offload_optimizer=True), MUON, world_sizes=(2,),
-                                             gradients=False, full_only=True),
+                                             gradients=False, soak_only=True),
         "zero3_offload_all": Case(P(zero, 3, offload_optimizer=True, offload_parameters=True), PLAIN,
                                   world_sizes=(2,), gradients=False, weights_on_every_rank=False,
-                                  full_only=True),
+                                  soak_only=True),
     },
     "tensor_parallel": {
         "tp": Case(P(tensor_parallel, sequence_parallel=False), FOUR_HEADS),
@@ -205,7 +205,7 @@ FAMILIES: dict[str, dict[str, Case]] = {
         # needs that many; each splits a rank's micro batch of 8 evenly.
         # At 2 ranks, `make test` keeps 1f1b; test_pipeline.py runs every schedule there too.
         **{f"pp{size}_{schedule}": Case(P(pipeline, schedule=schedule, microbatches=2 * size), PIPELINED,
-                                  world_sizes=(size,), full_only=schedule != "1f1b",
+                                  world_sizes=(size,), soak_only=schedule != "1f1b",
                                   soak_at=(4,) if schedule != "1f1b" else ())
            for schedule in SCHEDULES for size in (2, 4)},
         # Each stage holds its matrices whole.
@@ -322,7 +322,7 @@ MESHES_PAST_TWO_RANKS = {"hsdp_2x2", "dp2_tp2", "pp2_dp2_tp2", "llama_cp2_fsdp2"
 
 
 def _marks(name: str, case: Case, world_size: int) -> list:
-    if world_size in case.soak_at or case.full_only or (world_size > 2 and name not in MESHES_PAST_TWO_RANKS):
+    if world_size in case.soak_at or case.soak_only or (world_size > 2 and name not in MESHES_PAST_TWO_RANKS):
         return [pytest.mark.soak]
     return [pytest.mark.full] if world_size > 2 else []
 
