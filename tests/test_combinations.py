@@ -21,7 +21,7 @@ import math
 import pytest
 from helpers.cli import explain, summaries
 from helpers.combinations import Combination, combination_seed, cross_product_size, sample
-from helpers.configs import as_job, compose_full
+from helpers.configs import as_job, compose_full, compose_once
 from helpers.inprocess import train_on_pool
 
 from litscale.checkpoints import is_complete_checkpoint
@@ -42,7 +42,7 @@ def checked(combination: Combination, tmp_path) -> str | None:
     ``ConfigError`` is a defect and propagates."""
     from litscale.app.preflight import validate_job
 
-    cfg = compose_full(combination.overrides())
+    cfg = compose_once(combination.overrides())
     cfg.paths.root_dir = str(tmp_path)
     try:
         validate_job(cfg, multirun=combination.multirun)

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.cli import explain, run_train, summaries
+from helpers.cli import explain, summaries
 from helpers.distributed import run_distributed
 from helpers.inprocess import train_on_pool
 from helpers.parity import (
@@ -130,34 +130,7 @@ def test_stages_balance_parameters_and_place_interleaved_and_v_shapes():
     assert stage_ranks(4, 2, "v") == [0, 1, 1, 0]
 
 
-# --- one-line errors before any process starts ---------------------------------------------
-
-MESH_ERRORS = {
-    "product": (["strategy=pipeline", "strategy.pipeline_parallel_size=2", "strategy.data_parallel_size=2",
-                 "strategy.tensor_parallel_size=2"],
-                "error: strategy.pipeline_parallel_size=2 x strategy.data_parallel_size=2 x "
-                "strategy.tensor_parallel_size=2 = 8 but the world size is 2 (trainer.devices x "
-                "trainer.num_nodes); the product must equal it"),
-    "heads": (["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "+model.net.n_head=3",
-               "+model.net.n_embd=96"],
-              "error: strategy.tensor_parallel_size=2 does not divide model.net.n_head=3; allowed: a divisor of 3"),
-    "blocks": (["strategy=pipeline", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=4"],
-               "error: strategy.pipeline_parallel_size=2 needs 8 pipeline stages but the model declares "
-               "only 6 blocks to cut between; allowed: at most 6 stages (pipeline_parallel_size x "
-               "virtual_stages)"),
-}
-
-
-@pytest.mark.full
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", list(MESH_ERRORS))
-def test_bad_mesh_exits_2_with_one_line_before_starting(case, tmp_path):
-    overrides, message = MESH_ERRORS[case]
-    process = run_train(*overrides, "trainer.accelerator=cpu", "trainer.devices=2", outputs=tmp_path)
-    assert process.returncode == 2, explain(process)
-    assert process.stderr.strip().splitlines()[-1] == message
-    assert not any(tmp_path.iterdir())  # no run dir: nothing started
+# (train.py's one-line refusals of a mesh are test_validation.py's pipeline-* and tensor-parallel-* cases)
 
 
 def _validate(world_size=2, *, preset="nano", tie=None, **kwargs):

@@ -396,6 +396,24 @@ CASES = {
         "trainer.enable_checkpointing is not in the config yet; add it with "
         "+trainer.enable_checkpointing=false",
     ),
+    # Meshes that cannot be cut (pipeline and tensor parallel sizes against the world and the model).
+    "pipeline-mesh-product": Case(
+        ["strategy=pipeline", "strategy.pipeline_parallel_size=2", "strategy.data_parallel_size=2",
+         "strategy.tensor_parallel_size=2", "trainer.accelerator=cpu", "trainer.devices=2"],
+        "strategy.pipeline_parallel_size=2 x strategy.data_parallel_size=2 x strategy.tensor_parallel_size=2 "
+        "= 8 but the world size is 2 (trainer.devices x trainer.num_nodes); the product must equal it",
+    ),
+    "tensor-parallel-heads": Case(
+        ["strategy=tensor_parallel", "strategy.tensor_parallel_size=2", "+model.net.n_head=3",
+         "+model.net.n_embd=96", "trainer.accelerator=cpu", "trainer.devices=2"],
+        "strategy.tensor_parallel_size=2 does not divide model.net.n_head=3; allowed: a divisor of 3",
+    ),
+    "pipeline-too-few-blocks": Case(
+        ["strategy=pipeline", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=4",
+         "trainer.accelerator=cpu", "trainer.devices=2"],
+        "strategy.pipeline_parallel_size=2 needs 8 pipeline stages but the model declares only 6 blocks to "
+        "cut between; allowed: at most 6 stages (pipeline_parallel_size x virtual_stages)",
+    ),
 }
 
 

@@ -29,14 +29,22 @@ def compose_full(overrides: list[str] = ()) -> DictConfig:
     return copy.deepcopy(_composed(tuple(overrides)))
 
 
-@functools.cache
-def _composed(overrides: tuple[str, ...]) -> DictConfig:
+def compose_once(overrides: list[str]) -> DictConfig:
+    """``compose_full`` for a composition asked for once (the combination generator's): no
+    cached copy to keep and deep-copy (a tenth of a composition's time)."""
+    return _compose(tuple(overrides))
+
+
+def _compose(overrides: tuple[str, ...]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), files_read_once():
         return compose("train", overrides=list(overrides), return_hydra_config=True)
+
+
+_composed = functools.cache(_compose)
 
 
 # (the search path's sources, a config's path) -> Hydra's result of reading that file.
