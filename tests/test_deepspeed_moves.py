@@ -70,7 +70,8 @@ def write(tmp_path, *, state_keys=("exp_avg", "exp_avg_sq"), stage3=False, sub_g
     module = OrderedDict((name, tensors["fp32"][g][name].half()) for g, group in enumerate(SHAPES) for name in group)
     module["net.buffer"] = torch.arange(3.0)
     torch.save({"module": module, "param_shapes": SHAPES, "ds_version": "0", "global_step": 4, "loops": {"x": 1},
-                "lr_schedulers": [{"last_epoch": 4}]}, folder / "mp_rank_00_model_states.pt")
+                "lr_schedulers": [{"last_epoch": 4}], "dp_world_size": 2,
+                "ds_config": {"zero_optimization": {"stage": 3 if stage3 else 2}}}, folder / "mp_rank_00_model_states.pt")
     flats = {kind: (stage3_partitions if stage3 else lambda g: partitions(g)[0])(groups)
              for kind, groups in tensors.items()}
     if sub_groups:
@@ -132,9 +133,10 @@ def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_st
     with pytest.raises(ConfigError) as refused:
         check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 2, {"strategy": "fsdp"})
     assert str(refused.value) == (
-        f"ckpt_path={path!r}: this DeepSpeed checkpoint resumes only under DeepSpeed, not strategy=fsdp: its "
-        "optimizer keeps momentum_buffer, which litscale moves only for Adam and AdamW; allowed: "
-        "strategy=deepspeed_zero, or start from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
+        f"ckpt_path={path!r}: this DeepSpeed checkpoint (ZeRO-2 on 2 ranks) is read only by DeepSpeed's own "
+        "loader, not by strategy=fsdp on 2 ranks: its optimizer keeps momentum_buffer, which litscale moves only "
+        "for Adam and AdamW; allowed: strategy=deepspeed_zero strategy.stage=1 or 2 on 2 ranks (trainer.devices x "
+        "trainer.num_nodes), or start from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
     path, _ = write(tmp_path / "movable")
     check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 4, {"strategy": "fsdp"})
 
@@ -167,19 +169,32 @@ def test_another_strategys_checkpoint_goes_into_zero_with_adam_only(tmp_path, st
         f"not {refused}; allowed: resume it with any other strategy, or start fresh with ckpt_path=null")
 
 
-def test_a_deepspeed_checkpoint_under_deepspeed_resumes_on_as_many_ranks_only(tmp_path):
+@pytest.mark.parametrize(("stage", "devices"), [(2, 4), (3, 2), (1, 1)], ids=["4-ranks", "zero3", "1-rank"])
+def test_a_deepspeed_checkpoint_moves_into_another_zero_layout_with_adam_and_not_otherwise(tmp_path, stage, devices):
+    """DeepSpeed's own loader reads its partitions only on as many ranks in the same format; any
+    other ZeRO layout gets the checkpoint read whole (Adam's moments move), or a one-line refusal."""
     from helpers.configs import compose_job
 
     from litscale.app.build import build_strategy
     from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.deepspeed_moves import reads_as_saved
     from litscale.errors import ConfigError
 
-    path, _ = write(tmp_path)
-    cfg, _ = compose_job(["strategy=deepspeed_zero", "trainer.accelerator=cpu", "trainer.devices=4",
-                          "launcher.oversubscribe=true", f"ckpt_path={path}"], tmp_path / "job")
+    def check(path: str) -> None:
+        cfg, _ = compose_job(["strategy=deepspeed_zero", f"strategy.stage={stage}", "trainer.accelerator=cpu",
+                              f"trainer.devices={devices}", "launcher.oversubscribe=true", f"ckpt_path={path}"],
+                             tmp_path / "job")
+        check_checkpoint_moves(cfg, path, build_strategy(cfg), devices, {"strategy": "deepspeed_zero"})
+
+    movable, _ = write(tmp_path / "adam")
+    assert not reads_as_saved(movable, stage, devices) and reads_as_saved(movable, 1, 2)
+    check(movable)
+    stuck, _ = write(tmp_path / "sgd", state_keys=("momentum_buffer",))
     with pytest.raises(ConfigError) as refused:
-        check_checkpoint_moves(cfg, path, build_strategy(cfg), 4, {"strategy": "deepspeed_zero"})
+        check(stuck)
     assert str(refused.value) == (
-        f"ckpt_path={path!r}: the DeepSpeed checkpoint holds 2 ranks' partitions, the run has 4 ranks; allowed: "
-        "resume it on 2 ranks (trainer.devices x trainer.num_nodes)")
-    check_checkpoint_moves(cfg, path, build_strategy(cfg), 2, {"strategy": "deepspeed_zero"})
+        f"ckpt_path={stuck!r}: this DeepSpeed checkpoint (ZeRO-2 on 2 ranks) is read only by DeepSpeed's own "
+        f"loader, not by strategy=deepspeed_zero on {devices} rank{'s' if devices > 1 else ''}: its optimizer keeps momentum_buffer, which "
+        "litscale moves only for Adam and AdamW; allowed: strategy=deepspeed_zero strategy.stage=1 or 2 on 2 ranks "
+        "(trainer.devices x trainer.num_nodes), or start from its weights (DeepSpeed's zero_to_fp32.py) with "
+        "ckpt_path=null")

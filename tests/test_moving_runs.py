@@ -109,18 +109,25 @@ MATRIX = {
     # each out of DeepSpeed, and two into ZeRO-3.
     "zero1": (("strategy=deepspeed_zero", "strategy.stage=1", "trainer.devices=2", "data.batch_size=8"), 2),
     "zero3": (("strategy=deepspeed_zero", "strategy.stage=3", "trainer.devices=2", "data.batch_size=8"), 2),
+    "zero2_1": (("strategy=deepspeed_zero", "trainer.devices=1", "data.batch_size=16"), 1),
 }
-OUT_OF_DEEPSPEED_ONLY = ("zero1", "zero3")
+OUT_OF_DEEPSPEED_ONLY = ("zero1", "zero3", "zero2_1")
+# DeepSpeed into DeepSpeed where its own loader cannot read the partitions: another world size,
+# ZeRO-3 against ZeRO-1/2 (read whole and written in through its setters).
+DEEPSPEED_CROSSINGS = [("zero2", "zero2_1"), ("zero2", "zero3"), ("zero3", "zero2"), ("zero2_1", "zero3")]
 # CI (make test-full) trains these cells (DCP resharded across strategies, a pipeline's stages
-# out, DeepSpeed's partitions in and out); make test-soak the whole matrix (36 cells and the
-# DeepSpeed ones: about 15 min on 2 cores).
-QUICK_CELLS = {("fsdp2", "tp2"), ("pp2", "ddp2"), ("fsdp2", "zero2"), ("zero2", "fsdp2")}
+# out, DeepSpeed's partitions in and out, and onto fewer ranks); make test-soak the whole matrix
+# (36 cells and the DeepSpeed ones: about 17 min on 2 cores).
+QUICK_CELLS = {("fsdp2", "tp2"), ("pp2", "ddp2"), ("fsdp2", "zero2"), ("zero2", "fsdp2"), ("zero2", "zero2_1")}
 CELLS = [pytest.param(source, target, id=f"{source}-to-{target}",
                       marks=() if (source, target) in QUICK_CELLS else pytest.mark.soak)
          for source in MATRIX for target in MATRIX if not {source, target} & set(OUT_OF_DEEPSPEED_ONLY)] + [
     pytest.param(source, target, id=f"{source}-to-{target}", marks=pytest.mark.soak)
     for source in OUT_OF_DEEPSPEED_ONLY for target in ("single", "fsdp2")] + [
-    pytest.param(source, "zero3", id=f"{source}-to-zero3", marks=pytest.mark.soak) for source in ("single", "fsdp2")]
+    pytest.param(source, "zero3", id=f"{source}-to-zero3", marks=pytest.mark.soak) for source in ("single", "fsdp2")] + [
+    pytest.param(source, target, id=f"{source}-to-{target}",
+                 marks=() if (source, target) in QUICK_CELLS else pytest.mark.soak)
+    for source, target in DEEPSPEED_CROSSINGS]
 
 
 @pytest.fixture(scope="module")

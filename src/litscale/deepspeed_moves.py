@@ -11,7 +11,9 @@ moment alike) and, per parameter, where its fragment lies in that partition
 order. ZeRO-3 cuts each parameter into a padded piece per rank (``_Partitions``).
 
 The other way, another strategy's checkpoint goes into a built ZeRO engine through
-DeepSpeed's own fragment setters (``load_into_zero``).
+DeepSpeed's own fragment setters (``load_into_zero``); so does a DeepSpeed checkpoint that
+DeepSpeed's own loader cannot read (another world size, or ZeRO-3 against ZeRO-1/2:
+``reads_as_saved``), read whole first.
 """
 
 from __future__ import annotations
@@ -42,6 +44,23 @@ def checkpoint_files(path: str) -> tuple[str, list[str]]:
                    key=lambda name: int(os.path.basename(name).split("_")[3]))
     model = os.path.join(folder, "mp_rank_00_model_states.pt")  # ZeRO-3: each rank writes its own; rank 0's
     return model if os.path.isfile(model) else os.path.join(folder, "zero_pp_rank_0_mp_rank_00_model_states.pt"), ranks
+
+
+def saved_layout(path: str) -> tuple[int, int]:
+    """(ZeRO stage, data-parallel ranks) the DeepSpeed checkpoint at ``path`` was saved with."""
+    model_file, ranks = checkpoint_files(path)
+    saved = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
+    return int(saved["ds_config"]["zero_optimization"]["stage"]), int(saved.get("dp_world_size") or len(ranks))
+
+
+def reads_as_saved(path: str, stage: int, world_size: int) -> bool:
+    """DeepSpeed's own loader reads the checkpoint at ``path`` into a ZeRO-``stage`` engine of
+    ``world_size`` ranks: the same ranks, and the same partition format (ZeRO-1 and 2 share
+    theirs, DeepSpeed's ``stage_1_and_2``; ZeRO-3 keeps its own). Any other engine gets the
+    checkpoint read whole and written in through the setters (``load_into_zero``): DeepSpeed's
+    own loader asserts on a stage it did not save, and reads partitions by rank."""
+    saved_stage, saved_ranks = saved_layout(path)
+    return saved_ranks == world_size and (saved_stage == 3) == (stage == 3)
 
 
 class _Partitions:

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from litscale.checkpoints import network_shapes
 from litscale.contract import contract_value
-from litscale.deepspeed_moves import checkpoint_files, is_deepspeed_checkpoint
+from litscale.deepspeed_moves import is_deepspeed_checkpoint, reads_as_saved, saved_layout
 from litscale.errors import ConfigError
 
 
@@ -62,39 +62,40 @@ def _model_named(choice: str | None, preset: Any) -> str:
 def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any, world_size: int,
                            choices: dict[str, str]) -> None:
     """A checkpoint resumes on a layout that can read it: files and sharded directories move
-    between every strategy but DeepSpeed (``litscale.checkpoint_moves``); a DeepSpeed
-    checkpoint of Adam or AdamW moves to them too, read whole (``litscale.deepspeed_moves``),
-    and to DeepSpeed on as many ranks (its partitions are per rank); theirs move into DeepSpeed
-    with Adam or AdamW."""
+    between every strategy (``litscale.checkpoint_moves``); a DeepSpeed checkpoint of Adam or
+    AdamW moves to any of them, read whole (``litscale.deepspeed_moves``), as it does into
+    DeepSpeed at another world size or between ZeRO-3 and ZeRO-1/2; into DeepSpeed they move
+    with Adam or AdamW (not Muon's roles)."""
     if not ckpt_path:
         return
     saved_by_deepspeed = is_deepspeed_checkpoint(ckpt_path)
     to_deepspeed = not contract_value(strategy, "shares_checkpoint_formats")
     shown = repr(ckpt_path) if cfg.ckpt_path == ckpt_path else f"{cfg.ckpt_path} ({ckpt_path})"
     ours = f"strategy={choices.get('strategy', type(strategy).__name__)}"
-    if saved_by_deepspeed and not to_deepspeed:
+    if saved_by_deepspeed and not (to_deepspeed and reads_as_saved(ckpt_path, strategy.stage, world_size)):
         from litscale.deepspeed_moves import why_not_movable
 
         reason = why_not_movable(ckpt_path)
         if reason is not None:
+            stage, ranks = saved_layout(ckpt_path)
+            stages = "strategy.stage=3" if stage == 3 else "strategy.stage=1 or 2"
             raise ConfigError(
-                f"ckpt_path={shown}: this DeepSpeed checkpoint resumes only under DeepSpeed, not {ours}: {reason}; "
-                "allowed: strategy=deepspeed_zero, or start from its weights (DeepSpeed's zero_to_fp32.py) with "
-                "ckpt_path=null")
-        return
-    if to_deepspeed and not saved_by_deepspeed:
-        kind = "a sharded directory" if os.path.isdir(ckpt_path) else "a file"
+                f"ckpt_path={shown}: this DeepSpeed checkpoint (ZeRO-{stage} on {_ranks(ranks)}) is read only by "
+                f"DeepSpeed's own loader, not by {ours} on {_ranks(world_size)}: {reason}; allowed: "
+                f"strategy=deepspeed_zero {stages} on {_ranks(ranks)} (trainer.devices x trainer.num_nodes), or start "
+                "from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
+    if to_deepspeed and not (saved_by_deepspeed and reads_as_saved(ckpt_path, strategy.stage, world_size)):
+        kind = ("a DeepSpeed checkpoint of another layout" if saved_by_deepspeed else
+                "a sharded directory" if os.path.isdir(ckpt_path) else "a file")
         reason = into_zero_refusal(cfg, strategy)
         if reason is not None:
             raise ConfigError(
                 f"ckpt_path={shown}: {ours} resumes {kind} of another strategy only with Adam or AdamW, not "
                 f"{reason}; allowed: resume it with any other strategy, or start fresh with ckpt_path=null")
-        return
-    saved_ranks = len(checkpoint_files(ckpt_path)[1]) or 1 if saved_by_deepspeed else world_size
-    if saved_ranks != world_size:
-        raise ConfigError(
-            f"ckpt_path={shown}: the DeepSpeed checkpoint holds {saved_ranks} ranks' partitions, the run has "
-            f"{world_size} ranks; allowed: resume it on {saved_ranks} ranks (trainer.devices x trainer.num_nodes)")
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank" + ("s" if count != 1 else "")
 
 
 def into_zero_refusal(cfg: DictConfig, strategy: Any) -> str | None:

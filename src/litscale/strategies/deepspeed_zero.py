@@ -235,16 +235,24 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """DeepSpeed's own directory through its engine; another strategy's checkpoint (a file, or
-        a sharded directory) read whole and written into the built ZeRO engine
-        (``litscale.deepspeed_moves.load_into_zero``)."""
+        """DeepSpeed's own directory through its engine when it was saved on as many ranks in
+        this stage's partition format; anything else (another strategy's file or sharded
+        directory, a DeepSpeed checkpoint of another world size or of ZeRO-3 against 1/2) read
+        whole and written into the built ZeRO engine (``litscale.deepspeed_moves.load_into_zero``)."""
         from litscale.checkpoint_moves import read_as_file
-        from litscale.deepspeed_moves import is_deepspeed_checkpoint, load_into_zero
+        from litscale.deepspeed_moves import (
+            deepspeed_as_file_checkpoint,
+            is_deepspeed_checkpoint,
+            load_into_zero,
+            reads_as_saved,
+        )
 
         path = str(self.broadcast(str(checkpoint_path)))
-        if is_deepspeed_checkpoint(path):
+        if not is_deepspeed_checkpoint(path):
+            return load_into_zero(read_as_file(path), self.lightning_module, self.deepspeed_engine)
+        if reads_as_saved(path, self.stage, self.world_size):
             return LightningDeepSpeedStrategy.load_checkpoint(self, checkpoint_path, weights_only)
-        return load_into_zero(read_as_file(path), self.lightning_module, self.deepspeed_engine)
+        return load_into_zero(deepspeed_as_file_checkpoint(path), self.lightning_module, self.deepspeed_engine)
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
