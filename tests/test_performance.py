@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.cli import REPO, explain, run_train, summaries
+from helpers.cli import REPO, cli_env, explain, run_train, summaries
 from helpers.inprocess import train_on_pool
 
 from litscale.loggers import is_logging_step
@@ -176,3 +176,18 @@ def test_compile_option_compiles_in_place():
         targets = torch.randint(0, 256, (2, 8))
         torch.testing.assert_close(module.loss((tokens, targets)),
                                    torch.nn.functional.cross_entropy(expected.flatten(0, 1), targets.flatten()))
+
+
+@pytest.mark.slow  # one interpreter, about 1 s
+def test_a_refused_option_is_answered_without_importing_torch_or_lightning(tmp_path):
+    """Hydra imports every plugin module to list its plugins before the command line is
+    checked: a plugin that imported Lightning made each one-line refusal pay 6 s of imports
+    (8.8 s in all, 0.7 s without)."""
+    import subprocess
+
+    probe = ("import runpy, sys\nsys.argv = ['train.py', 'strategy=fsdpp']\ntry:\n"
+             "    runpy.run_path('train.py', run_name='__main__')\nexcept SystemExit as exit:\n"
+             "    print(exit.code, sorted(m for m in ('torch', 'lightning') if m in sys.modules))\n")
+    process = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120,
+                             env=cli_env(tmp_path))
+    assert process.stdout.splitlines()[-1] == "2 []", explain(process)

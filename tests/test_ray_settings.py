@@ -165,7 +165,7 @@ def test_a_jobs_run_dir_is_in_its_storage_and_the_sweep_reads_it_there_or_from_i
     config = job_config(tmp_path, "hydra.launcher.max_failures=1", "callbacks=none")
     prepare_job_config(config, shared, max_failures=1)
     assert config.ckpt_path == "here" and config.hydra.sweep.dir == shared.run_sweep_dir
-    target = "hydra_plugins.litscale_plugins.ray_worker.RayWorkerCallback"
+    target = "hydra_plugins.litscale_plugins._ray_worker_callback.RayWorkerCallback"
     assert config.callbacks.ray_worker._target_ == target and list(config.allowed_targets) == [target]
     with pytest.raises(ConfigError, match="^hydra.launcher.min_workers=1 / max_workers=2 runs the job"):
         checked_settings(job_config(tmp_path, "strategy=fsdp", "hydra.launcher.min_workers=1",

@@ -67,7 +67,7 @@ WAIT_FOR_RESOURCES_S = 7 * 24 * 3600
 # NOTE: an Optuna sweep with n_jobs > 1 launches from several threads; two ``ray.init`` at
 # once would start two clusters, or fail in the second.
 _CONNECTING = threading.Lock()
-WORKER_CALLBACK = "hydra_plugins.litscale_plugins.ray_worker.RayWorkerCallback"
+WORKER_CALLBACK = "hydra_plugins.litscale_plugins._ray_worker_callback.RayWorkerCallback"
 
 
 class RayLauncher(ClusterLauncher):

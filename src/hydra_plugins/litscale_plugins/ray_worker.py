@@ -11,6 +11,11 @@ own, reached through ``RayTrainWorker.execute``) takes SIGTERM instead and only 
 ``last.ckpt``. The rank then fails on purpose (``RayWorkerPreempted``), so that Ray Train
 starts the job again (``max_failures``) from that save (``ckpt_path=here``). A second SIGTERM
 gets Ray's handler: exit at once.
+
+Lightning is imported only by ``_ray_worker_callback`` (the job's callback): Hydra imports
+every plugin module whose name does not start with ``_`` (this one through the launcher) to
+list its plugins, before every command line's check, and a one-line refusal then paid 6 s of
+imports it never used.
 """
 
 from __future__ import annotations
@@ -20,10 +25,8 @@ import signal
 import threading
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
-
 from hydra_plugins.litscale_plugins import _ray_worker_state as state
-from hydra_plugins.litscale_plugins.ray_storage import CHECKPOINTS, StoredRunDir
+from hydra_plugins.litscale_plugins.ray_storage import StoredRunDir
 
 PREEMPTION_TARGET = "litscale.callbacks.preemption.PreemptionCheckpoint"
 
@@ -67,33 +70,6 @@ def has_preemption_checkpoint(job_config: Any) -> bool:
     """Whether the job saves on a stop signal (its callbacks hold a ``PreemptionCheckpoint``)."""
     callbacks = job_config.get("callbacks") or {}
     return any(hasattr(node, "get") and node.get("_target_") == PREEMPTION_TARGET for node in callbacks.values())
-
-
-class RayWorkerCallback(Callback):
-    """Added to each Ray job's callbacks: hands a SIGTERM the worker took to the job's
-    ``PreemptionCheckpoint``, copies each checkpoint rank 0 publishes to URI storage as it
-    appears, and notes whether the run stopped to save."""
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
-                             batch_idx: int) -> None:
-        if state.stop_requested.is_set():
-            for callback in preemption_callbacks(trainer):
-                callback.signalled = True
-        if state.stored_run_dir is not None and trainer.is_global_zero:
-            state.stored_run_dir.upload_changed(CHECKPOINTS)
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        # NOTE: here, not in teardown: Lightning ends a run its stop flag ended (SIGTERMException)
-        # through on_exception, and calls no callback's teardown then. This callback comes after
-        # the job's PreemptionCheckpoint, whose on_exception has saved by now.
-        if any(callback.saved_path for callback in preemption_callbacks(trainer)):
-            state.stopped_at_step = trainer.global_step
-
-
-def preemption_callbacks(trainer: Trainer) -> list[Any]:
-    from litscale.callbacks.preemption import PreemptionCheckpoint
-
-    return [c for c in trainer.callbacks if isinstance(c, PreemptionCheckpoint)]
 
 
 def start_stored_run_dir(uri: str, local_dir: str) -> None:
