@@ -44,13 +44,18 @@ LAYOUTS = {
     "tp": (2, ("strategy=tensor_parallel",)),
     "pp_1f1b": (2, ("strategy=pipeline", "strategy.microbatches=4")),
     "pp_gpipe": (2, ("strategy=pipeline", "strategy.schedule=gpipe", "strategy.microbatches=4")),
+    "pp_interleaved": (2, ("strategy=pipeline", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2",
+                           "strategy.microbatches=4")),
     "cp2": (2, ("strategy=fsdp", "strategy.context_parallel_size=2")),
     "cp4": (4, ("strategy=fsdp", "strategy.context_parallel_size=4", "launcher.oversubscribe=true")),
     "ep2": (2, ("strategy=fsdp", "strategy.expert_parallel_size=2")),
 }
 # Cells the planner misses by more than 10% (experiments/planner/memory_table.json): strict, so
 # the day one is met the test says so and it moves into the table.
-MISSED: dict[tuple[str, str], str] = {}
+MISSED: dict[tuple[str, str], str] = {
+    ("gpt", "pp_interleaved"): "interleaved 1F1B: predicted 11.7% below the measured peak (18.80 against 21.30 MiB)",
+    ("llama", "pp_interleaved"): "interleaved 1F1B: predicted 15.2% below the measured peak (12.79 against 15.08 MiB)",
+}
 QUICK = {("gpt", "fsdp")}  # in make test-full (CI)
 # In make test-full too: one cell of each other kind of memory the planner models (ZeRO's
 # partitions, TP's split, a pipeline's in-flight micro batches, CP's gathered K/V, EP's
@@ -61,7 +66,7 @@ FULL = {("gpt", "zero2"), ("gpt", "tp"), ("llama", "pp_1f1b"), ("llama", "cp2"),
 def _cells():
     for model in MODELS:
         for layout in LAYOUTS:
-            if (model, layout) in (("moe", "zero3"), ("moe", "pp_1f1b"), ("moe", "pp_gpipe"),
+            if (model, layout) in (("moe", "zero3"), ("moe", "pp_1f1b"), ("moe", "pp_gpipe"), ("moe", "pp_interleaved"),
                                    ("gpt", "cp2"), ("gpt", "cp4"), ("moe", "cp2"), ("moe", "cp4"),
                                    ("gpt", "ep2"), ("llama", "ep2")):
                 continue  # refused combinations (docs/compatibility.md), or a model without experts

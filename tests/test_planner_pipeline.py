@@ -19,7 +19,12 @@ from litscale.planner.model_facts import (
     pipeline_block_names,
     traced_step_bytes,
 )
-from litscale.planner.pipeline_cost import rank_activation_bytes, rank_param_shares, rank_stages
+from litscale.planner.pipeline_cost import (
+    interleaved_order,
+    rank_activation_bytes,
+    rank_param_shares,
+    rank_stages,
+)
 from litscale.planner.plan import Plan
 from litscale.strategies.pipeline import PipelineParallelStrategy
 from litscale.strategies.stages import find_blocks
@@ -102,11 +107,41 @@ def test_each_rank_holds_its_own_blocks_activations_for_each_micro_batch_in_flig
     assert rank_param_shares(plan(2), facts) == pytest.approx([11 / 22, 11 / 22])
 
 
-def test_schedules_with_several_stages_per_rank_keep_the_even_split():
+def test_the_interleaved_schedule_holds_its_warm_up_forwards_of_each_local_stage():
+    """Interleaved 1F1B, 2 ranks x 2 local stages, 4 micro-batches (rounds of 2): rank 0 holds
+    stages 0 and 2 (blocks of 10% and 40%) and warms up with 4 forwards (0, 0, 2, 2), then one
+    more of stage 0 before its first backward: 1.1 micro-batches' whole. Rank 1 (stages 1 and 3:
+    40% and 10%) warms up with 2 and peaks at its steady state's third forward of stage 1 (the
+    backwards run from the last local stage down): 1.2."""
     facts = facts_of_blocks(params=(1, 10, 10, 1), saved=(10, 40, 40, 10), backward=(0, 0, 0, 0))
-    looped = dataclasses.replace(plan(2, "interleaved_1f1b"), virtual_stages=2)
-    assert rank_activation_bytes(looped, facts, whole=1000.0) is None
+    looped = dataclasses.replace(plan(2, "interleaved_1f1b"), virtual_stages=2, microbatches=4)
     assert rank_stages(looped, facts) == [[(0, range(0, 1)), (2, range(2, 3))], [(1, range(1, 2)), (3, range(3, 4))]]
+    assert rank_activation_bytes(looped, facts, whole=1000.0) == pytest.approx([1100, 1200])
+    v_shaped = dataclasses.replace(plan(2, "zbv_zero_bubble"), virtual_stages=2)
+    assert rank_activation_bytes(v_shaped, facts, whole=1000.0) is None  # the even split's counts
+
+
+@pytest.mark.parametrize(("pipeline", "local", "microbatches"), [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 3, 4), (2, 3, 2)])
+def test_the_interleaved_order_is_torchs_own(pipeline, local, microbatches):
+    """The walk the planner takes is the order torch's ScheduleInterleaved1F1B builds its actions in."""
+    from torch.distributed.pipelining.schedules import (
+        _ComputationType,
+        _get_1f1b_rank_ops,
+        _get_warmup_ops,
+    )
+
+    per_round = microbatches // max(1, microbatches // pipeline)
+    for rank in range(pipeline):
+        warmup = _get_warmup_ops(rank, local, per_round, pipeline, microbatches)
+        total = local * microbatches
+        actions = _get_1f1b_rank_ops(
+            local, pipeline, warmup, total - warmup, warmup, rank,
+            lambda step, rank=rank: ((step // per_round) % local) * pipeline + rank,
+            lambda step, rank=rank, warmup=warmup: (local - 1 - ((step - warmup) // per_round) % local) * pipeline + rank)
+        theirs = [("F" if action.computation_type == _ComputationType.FORWARD else "B", action.stage_index)
+                  for action in actions if action is not None]
+        ours = interleaved_order(pipeline, [index * pipeline + rank for index in range(local)], microbatches, rank)
+        assert ours == theirs, rank
 
 
 def test_without_the_models_blocks_nothing_is_split_by_blocks():

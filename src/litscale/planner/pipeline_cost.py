@@ -49,20 +49,64 @@ def rank_param_shares(plan: Plan, facts: ModelFacts) -> list[float] | None:
 def rank_activation_bytes(plan: Plan, facts: ModelFacts, whole: float) -> list[float] | None:
     """Each pipeline rank's activations at its peak, of a model whose saved activations for one
     pipeline micro-batch are ``whole`` bytes: each stage's blocks' share of them times the
-    micro-batches in flight on that stage (GPipe: all; 1F1B: stage s of p holds p - s), plus
-    the largest backward working set of its blocks, which it runs with all of them held.
-    None where the blocks are unknown or the schedule places several stages on a rank (its
-    in-flight counts are the even split's, in ``cost.activation_bytes``)."""
+    micro-batches in flight on that stage (GPipe: all; 1F1B: stage s of p holds p - s; the
+    interleaved 1F1B: its warm-up's forwards, ``interleaved_peak``), plus the largest backward
+    working set of its blocks, which it runs with all of them held. None where the blocks are
+    unknown or another schedule places several stages on a rank (its in-flight counts are the
+    even split's, in ``cost.activation_bytes``)."""
     from litscale.strategies.pipeline import SCHEDULES
 
     held = rank_stages(plan, facts)
-    if held is None or SCHEDULES[plan.schedule][1] != "single":
+    if held is None:
         return None
     saved, backward = facts.block_shares(plan.pipeline_micro_batch)
     if not saved:
+        return None
+    if plan.schedule == "interleaved_1f1b":
+        return [whole * interleaved_peak(plan, rank, {stage: (sum(saved[b] for b in blocks),
+                                                              max(backward[b] for b in blocks))
+                                                      for stage, blocks in stages})
+                for rank, stages in enumerate(held)]
+    if SCHEDULES[plan.schedule][1] != "single":
         return None
     gpipe, pipeline = plan.schedule == "gpipe", plan.mesh.pipeline
     return [sum(whole * (sum(saved[b] for b in blocks)
                          * (plan.microbatches if gpipe else min(plan.microbatches, pipeline - stage))
                          + max(backward[b] for b in blocks))
                 for stage, blocks in stages) for stages in held]
+
+
+def interleaved_peak(plan: Plan, rank: int, stages: dict[int, tuple[float, float]]) -> float:
+    """The peak of pipeline rank ``rank``'s activations under torch's ``ScheduleInterleaved1F1B``,
+    as shares of one micro-batch's whole model: ``stages`` maps each of the rank's stages to its
+    (saved, backward working set) shares, held from a micro-batch's forward on a stage to its
+    backward there, the working set on top while that backward runs."""
+    held = peak = 0.0
+    for kind, stage in interleaved_order(plan.mesh.pipeline, sorted(stages), plan.microbatches, rank):
+        saved, working = stages[stage]
+        if kind == "F":
+            held += saved
+            peak = max(peak, held)
+        else:
+            peak, held = max(peak, held + working), held - saved
+    return peak
+
+
+def interleaved_order(pipeline: int, stages: list[int], microbatches: int, rank: int) -> list[tuple[str, int]]:
+    """Rank ``rank``'s forwards ("F") and backwards ("B") by stage, in the order of torch's
+    ``ScheduleInterleaved1F1B``: a warm-up of forwards, local stage after local stage, each over
+    a round of micro-batches (``(v - 1) x round + 2 x (p - 1 - rank)`` of them: torch's
+    ``_get_warmup_ops``), then a forward and a backward at a time (backwards from the last local
+    stage down), then the remaining backwards.
+    NOTE: walked here rather than read off torch's schedule, which needs built stages and a
+    process group; ``tests/test_planner_pipeline.py`` checks it against torch's own order."""
+    local = len(stages)
+    per_round = microbatches // max(1, microbatches // pipeline)
+    total = microbatches * local
+    warmup = min((local - 1) * per_round + 2 * (pipeline - 1 - rank), total)
+    forwards = [("F", stages[(step // per_round) % local]) for step in range(total)]
+    backwards = [("B", stages[local - 1 - (step // per_round) % local]) for step in range(total)]
+    order = forwards[:warmup]
+    for step in range(total - warmup):
+        order += [forwards[warmup + step], backwards[step]]
+    return order + backwards[total - warmup:]
