@@ -57,3 +57,17 @@ def test_each_save_copies_into_the_memory_of_the_last_and_a_new_shape_gets_its_o
     grown = checkpoint(3)
     grown["state_dict"]["ln.bias"] = torch.arange(5.0)
     assert torch.equal(copies.copy(grown)["state_dict"]["ln.bias"], torch.arange(5.0))
+
+
+def test_a_sharded_saves_shards_and_the_rest_of_its_checkpoint_are_copied_apart():
+    """Both copies of one save are written after it returns: the rest's copy must not land in
+    the staged shards' buffers (the same shape, the first tensor of each)."""
+    from litscale.async_checkpoint import CheckpointWriter
+
+    writer = CheckpointWriter()
+    try:
+        shards = writer.stager().stage({"state_dict": {"w": torch.ones(3)}})
+        rest = writer.snapshot({"rng": torch.zeros(3)})
+        assert torch.equal(shards["state_dict"]["w"], torch.ones(3)) and torch.equal(rest["rng"], torch.zeros(3))
+    finally:
+        writer.close()

@@ -45,7 +45,10 @@ class CheckpointWriter:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="litscale-checkpoint")
         self._pending: list[Future] = []
         self._group: Any = None
+        # Two sets of kept buffers: a sharded save stages its shards with one and copies the rest
+        # of the checkpoint with the other, and both copies are written after the save returns.
         self._stager: KeptCopies | None = None
+        self._copies: KeptCopies | None = None
 
     def submit(self, work: Callable[[], None]) -> Future:
         future = self._executor.submit(work)
@@ -63,12 +66,13 @@ class CheckpointWriter:
             self.wait()
         finally:
             self._executor.shutdown(wait=True)
-            if self._stager is not None:
-                self._stager.close()
+            for copies in (self._stager, self._copies):
+                if copies is not None:
+                    copies.close()
 
     def stager(self) -> KeptCopies:
-        """The stager kept for every save (DCP's, and the files'): a copy of the state on the CPU
-        (pinned where CUDA is there), into the memory of the last copy."""
+        """DCP's stager, kept for every save: a copy of the shards on the CPU (pinned where CUDA
+        is there), into the memory of the last copy."""
         if self._stager is None:
             self._stager = KeptCopies(pinned=torch.cuda.is_available())
         return self._stager
@@ -76,7 +80,9 @@ class CheckpointWriter:
     def snapshot(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint with each tensor copied: training may change the originals in place
         while the copy is written."""
-        return self.stager().copy(checkpoint)
+        if self._copies is None:
+            self._copies = KeptCopies(pinned=torch.cuda.is_available())
+        return self._copies.copy(checkpoint)
 
     def process_group(self) -> Any:
         """The gloo group DCP's background saves synchronise on (created on first use, by
