@@ -186,7 +186,8 @@ def summarize(raw: dict) -> dict:
     sync, blocked = median(raw["sync_s"]), median(later)
     during = raw["steps_during_write_s"]
     return {"sync_save_s": round(sync, 3), "async_blocked_s": round(blocked, 3),
-            "blocked_over_sync": round(blocked / sync, 3), "first_async_blocked_s": round(first, 3), "async_write_s": round(median(raw["async_written_s"]), 3),
+            "blocked_over_sync": round(blocked / sync, 3), "first_async_blocked_s": round(first, 3),
+            "async_write_s": round(median(raw["async_written_s"]), 3),
             "step_s_without_write": round(median(raw["steps_without_write_s"]), 3),
             "step_s_during_write": round(median(during), 3) if during else None,
             "steps_during_write": len(during), "state_mib": round(raw["state_bytes"] / 2**20, 1)}
