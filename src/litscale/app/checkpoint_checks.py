@@ -72,7 +72,9 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     to_deepspeed = not contract_value(strategy, "shares_checkpoint_formats")
     shown = repr(ckpt_path) if cfg.ckpt_path == ckpt_path else f"{cfg.ckpt_path} ({ckpt_path})"
     ours = f"strategy={choices.get('strategy', type(strategy).__name__)}"
-    if saved_by_deepspeed and not (to_deepspeed and reads_as_saved(ckpt_path, strategy.stage, world_size)):
+    # DeepSpeed's own loader takes it (as many ranks, the same partition format); else it moves
+    native = saved_by_deepspeed and to_deepspeed and reads_as_saved(ckpt_path, strategy.stage, world_size)
+    if saved_by_deepspeed and not native:
         from litscale.deepspeed_moves import why_not_movable
 
         reason = why_not_movable(ckpt_path)
@@ -84,7 +86,7 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
                 f"DeepSpeed's own loader, not by {ours} on {_ranks(world_size)}: {reason}; allowed: "
                 f"strategy=deepspeed_zero {stages} on {_ranks(ranks)} (trainer.devices x trainer.num_nodes), or start "
                 "from its weights (DeepSpeed's zero_to_fp32.py) with ckpt_path=null")
-    if to_deepspeed and not (saved_by_deepspeed and reads_as_saved(ckpt_path, strategy.stage, world_size)):
+    if to_deepspeed and not native:
         kind = ("a DeepSpeed checkpoint of another layout" if saved_by_deepspeed else
                 "a sharded directory" if os.path.isdir(ckpt_path) else "a file")
         reason = into_zero_refusal(cfg, strategy)
