@@ -39,3 +39,25 @@ def test_no_other_module_imports_lightning_private_names():
     offenders = {str(path.relative_to(SRC)): names for path in SRC.rglob("*.py")
                  if path != fence and (names := _private_lightning_imports(path))}
     assert offenders == {}
+
+
+STRATEGIES = ("DDPStrategy", "FSDPStrategy", "TensorParallelStrategy", "PipelineParallelStrategy",
+              "DeepSpeedZeroStrategy", "LocalSGDStrategy", "FederatedStrategy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_one_process_gets_no_launcher_and_several_keep_lightnings(name, monkeypatch):
+    """Lightning's script launcher in one process starts no rank but a thread watching none
+    that outlives ``fit`` by five seconds; for several processes (a user's own script) it is
+    what starts the other ranks."""
+    import lightning.pytorch as pl
+
+    import litscale.strategies as strategies
+
+    for variable in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(variable, raising=False)
+    one = pl.Trainer(strategy=getattr(strategies, name)(), accelerator="cpu", devices=1, logger=False)
+    two = pl.Trainer(strategy=getattr(strategies, name)(), accelerator="cpu", devices=2, logger=False)
+    assert one.strategy.launcher is None
+    assert type(two.strategy.launcher).__name__ == "_SubprocessScriptLauncher"

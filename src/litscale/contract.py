@@ -241,6 +241,14 @@ class StrategyContract:
         else:
             self.checkpoint_writer.submit(lambda: super(StrategyContract, self).remove_checkpoint(filepath))
 
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher, except for one process: there its script launcher starts no
+        rank but a thread that watches none, which outlives ``fit`` by five seconds (in a
+        notebook, in a user's loop of fits, in a worker that runs one job after another)."""
+        super()._configure_launcher()
+        if getattr(self, "num_processes", 1) * getattr(self, "num_nodes", 1) == 1:
+            self._launcher = None
+
     def teardown(self) -> None:
         writer, self.checkpoint_writer = self.checkpoint_writer, None
         if writer is not None:
