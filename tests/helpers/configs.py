@@ -24,7 +24,7 @@ def config_groups() -> list[str]:
 
 def compose_full(overrides: list[str] = ()) -> DictConfig:
     """``conf/train.yaml`` composed with ``overrides``, the ``hydra`` node included: a copy of
-    its own for each call (a composition takes about 0.14 s, and some tests ask for the same
+    its own for each call (a composition takes about 0.15 s, and some tests ask for the same
     ones again)."""
     return copy.deepcopy(_composed(tuple(overrides)))
 
@@ -40,7 +40,7 @@ def _compose(overrides: tuple[str, ...]) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), files_read_once():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), faster_composition():
         return compose("train", overrides=list(overrides), return_hydra_config=True)
 
 
@@ -52,17 +52,24 @@ _READ: dict[tuple, object] = {}
 
 
 @contextlib.contextmanager
-def files_read_once():
-    """Hydra reads each config file of a composition once per ``compose`` (its
-    ``CachingConfigRepository`` lives for one call): about 28 YAML files per composition, a
-    third of its time. Inside this block each file is read once per test session and handed
-    out as a deep copy (a composition edits what it was handed: an override of one
-    composition showed in the next without the copy). Only the tests' compositions from
-    ``conf/`` use it (the files do not change during a session); ``test_configs.py`` checks
-    that compositions come out the same with it and without."""
+def faster_composition():
+    """Hydra's composition, the same result in about half the time (0.21 s to 0.15 s for the
+    combination generator's, idle), for the tests' compositions from ``conf/`` (its files do
+    not change during a session); ``test_configs.py`` checks that compositions come out the
+    same with it and without.
+
+    - Each config file is read once per test session, then handed out as a deep copy: Hydra
+      reads each again in every ``compose`` (its ``CachingConfigRepository`` lives for one
+      call), about 28 YAML files per composition, a third of its time. (The copy: a
+      composition edits what it was handed; an override of one composition showed in the next
+      without it.)
+    - The map that resolves a defaults list's interpolated entries (``group: ${...}``) is built
+      only for a list that has one: Hydra builds it for each of a composition's 27 nodes, a
+      third of the rest, and none of ``conf/`` interpolates a default."""
+    from hydra._internal import defaults_list
     from hydra._internal.config_repository import ConfigRepository
 
-    original = ConfigRepository.load_config
+    original, original_map = ConfigRepository.load_config, defaults_list._create_interpolation_map
 
     def load_config(self, config_path: str):
         key = (tuple(source.full_path() for source in self.sources), config_path)
@@ -70,11 +77,19 @@ def files_read_once():
             _READ[key] = original(self, config_path)
         return copy.deepcopy(_READ[key])
 
+    def interpolation_map(overrides, defaults, self_added):
+        # Read only to resolve an interpolated entry of ``defaults`` (defaults_list.py).
+        if not any(default.is_interpolation() for default in defaults):
+            return None
+        return original_map(overrides, defaults, self_added)
+
     ConfigRepository.load_config = load_config
+    defaults_list._create_interpolation_map = interpolation_map
     try:
         yield
     finally:
         ConfigRepository.load_config = original
+        defaults_list._create_interpolation_map = original_map
 
 
 def as_job(cfg: DictConfig, output_dir: Path) -> tuple[DictConfig, dict[str, str]]:
@@ -98,7 +113,7 @@ def compose_options(options: list[tuple[str, str]]) -> DictConfig:
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), files_read_once():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"), faster_composition():
         # `+g@p=o` adds option o of group g at package p: one pass instead of one per option.
         cfg = compose("train", overrides=[f"+{g}@options.{g}.{o}={o}" for g, o in options])
     return cfg.options
