@@ -8,7 +8,9 @@ devices x accumulation x Hydra launcher x sweeper x checkpoints (none, or saved 
 thread or in the background, which a trained combination must leave complete). Each is checked in this process as ``train.py``
 checks a job before launching it (``litscale.app.preflight.validate_job``): refused with a
 one-line ``ConfigError`` that names a key of the combination, or accepted. A sample of the
-accepted ones then trains 2 steps on the rank pool and matches one process with the same
+accepted ones then trains 2 steps on the rank pool, each rank handed the job as litscale's
+launcher hands it (the config composed and validated here, once) and running
+``litscale.app.run.train``, and matches one process with the same
 global batch (every layout trains step ``k`` on the same samples and logs their mean loss),
 except where the result differs by design (``NO_REFERENCE``, ``PER_RANK_STATISTICS``). ``LITSCALE_COMBINATION_SEED=<seed>`` reproduces a failing sample; the seed is
 printed with every failure.
@@ -16,13 +18,17 @@ printed with every failure.
 
 from __future__ import annotations
 
+import copy
 import math
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
-from helpers.cli import explain, summaries
+from helpers.cli import summaries
 from helpers.combinations import Combination, combination_seed, cross_product_size, sample
-from helpers.configs import as_job, compose_full, compose_once
-from helpers.inprocess import train_on_pool
+from helpers.configs import compose_once
+from helpers.inprocess import train_job_on_pool
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from litscale.checkpoints import is_complete_checkpoint
 from litscale.errors import ConfigError
@@ -35,20 +41,53 @@ NO_REFERENCE = ("local_sgd", "federated")
 # Models whose loss is not linear in the samples of a data-parallel split: BatchNorm normalises
 # by the rank's micro batch, the MoE balance loss weighs the experts' load in the rank's tokens.
 PER_RANK_STATISTICS = ("resnet", "moe")
+# The samples' seeds (LITSCALE_COMBINATION_SEED replaces both): make test validates 100 and trains
+# 20 of them (up to 2 ranks); make test-full validates 500 and trains 12 (up to 4 ranks).
+SEED, FULL_SEED = 40, 2026
 
 
-def checked(combination: Combination, tmp_path) -> str | None:
-    """``None`` if the combination is accepted; its one-line refusal otherwise. Anything but a
-    ``ConfigError`` is a defect and propagates."""
+@dataclass
+class Checked:
+    """A command line as ``train.py`` checked it: its one-line refusal, or the job it accepted
+    (its run dir set when it trains) and the job's group choices."""
+
+    refusal: str | None
+    job: DictConfig | None = None
+    choices: dict[str, str] = field(default_factory=dict)
+
+
+# Command line -> its check, for every test of this module: the trained sample is drawn from
+# the validated one (same seed), so each combination is composed once.
+CHECKED: dict[tuple[str, ...], Checked] = {}
+
+
+def checked(overrides: list[str], root: Path, *, multirun: bool = False) -> Checked:
+    """``overrides`` checked as ``train.py`` checks a job before launching it, its outputs under
+    ``root``. Anything but a ``ConfigError`` is a defect and propagates."""
     from litscale.app.preflight import validate_job
 
-    cfg = compose_once(combination.overrides())
-    cfg.paths.root_dir = str(tmp_path)
-    try:
-        validate_job(cfg, multirun=combination.multirun)
-    except ConfigError as error:
-        return str(error)
-    return None
+    key = (*overrides, f"-m={multirun}")
+    if key not in CHECKED:
+        cfg = compose_once(overrides)
+        cfg.paths.root_dir = str(root)
+        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
+        try:
+            validate_job(cfg, multirun=multirun)  # leaves cfg as the job sees it
+        except ConfigError as error:
+            CHECKED[key] = Checked(str(error))
+        else:
+            CHECKED[key] = Checked(None, cfg, choices)
+    return CHECKED[key]
+
+
+def refusal_of(combination: Combination, root: Path) -> str | None:
+    return checked(combination.overrides(), root, multirun=combination.multirun).refusal
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Where every combination of the module puts its outputs."""
+    return tmp_path_factory.mktemp("combinations")
 
 
 def names_a_key_of(message: str, combination: Combination) -> bool:
@@ -58,12 +97,12 @@ def names_a_key_of(message: str, combination: Combination) -> bool:
     return any(key in message for key in keys)
 
 
-def check_sample(count: int, seed: int, tmp_path) -> dict[str, int]:
+def check_sample(count: int, seed: int, root: Path) -> dict[str, int]:
     """Validate ``count`` combinations; every refusal one line naming a key. Returns counts."""
     problems, counts = [], {"accepted": 0, "refused": 0}
     for combination in sample(count, seed):
         try:
-            refusal = checked(combination, tmp_path)
+            refusal = refusal_of(combination, root)
         except Exception as error:  # noqa: BLE001 - a crash in validation is the defect reported
             problems.append(f"{combination}\n    crashed: {type(error).__name__}: {error}")
             continue
@@ -80,20 +119,20 @@ def test_the_cross_product_has_more_combinations_than_any_sample():
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # 100 Hydra compositions, about 0.15 s each on a quiet machine
-def test_a_sample_of_combinations_is_refused_in_one_line_or_accepted(tmp_path):
-    seed = combination_seed(40)  # 38 drew 13 accepted once the clipping dimension came: too few to train
-    counts = check_sample(100, seed, tmp_path)
+def test_a_sample_of_combinations_is_refused_in_one_line_or_accepted(root):
+    seed = combination_seed(SEED)
+    counts = check_sample(100, seed, root)
     assert counts["accepted"] >= 20, f"seed {seed}: {counts}: too few accepted to train a sample"
 
 
 @pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_every_combination_of_a_large_sample_is_refused_in_one_line_or_accepted(tmp_path):
-    check_sample(300, combination_seed(2026), tmp_path)  # 500 took 198 s
+def test_every_combination_of_a_large_sample_is_refused_in_one_line_or_accepted(root):
+    check_sample(500, combination_seed(FULL_SEED), root)
 
 
-def accepted(count: int, seed: int, tmp_path, *, max_devices: int) -> list[Combination]:
+def accepted(count: int, seed: int, root: Path, *, max_devices: int) -> list[Combination]:
     """The first ``count`` accepted combinations of a seeded sample on at most ``max_devices``
     ranks (basic launcher and sweeper: what a cluster launcher's job runs is the same job;
     replica groups train in tests/test_fault_tolerance.py, as the rank pool runs one group)."""
@@ -102,15 +141,15 @@ def accepted(count: int, seed: int, tmp_path, *, max_devices: int) -> list[Combi
         job = Combination(**{**combination.__dict__, "launcher": "basic", "sweeper": "basic"})
         if job.fault_tolerance != "none":
             continue
-        if job.devices <= max_devices and job not in found and checked(job, tmp_path) is None:
+        if job.devices <= max_devices and job not in found and refusal_of(job, root) is None:
             found.append(job)
         if len(found) == count:
             return found
     raise AssertionError(f"seed {seed}: fewer than {count} accepted combinations in the sample")
 
 
-def reference_of(combination: Combination, tmp_path) -> tuple[list[str], dict] | None:
-    """The single-process run that must give the same loss, and the tolerance: one process with
+def reference_of(combination: Combination, root: Path) -> tuple[Checked, dict] | None:
+    """The single-process job that must give the same loss, and the tolerance: one process with
     the global micro batch (every layout trains step ``k`` on the same samples, and logs their
     mean loss); ``None`` where the result differs by design (compression, local SGD, a model
     whose loss takes statistics of the rank's micro batch)."""
@@ -118,37 +157,41 @@ def reference_of(combination: Combination, tmp_path) -> tuple[list[str], dict] |
 
     if combination.compression != "none" or combination.strategy in NO_REFERENCE or combination.devices == 1:
         return None
-    cfg, choices = as_job(compose_full(combination.overrides()), tmp_path / "reference-check")
-    layout = validate(cfg, choices=choices, this_machine=False)
+    check = checked(combination.job_overrides(), root)
+    layout = validate(check.job, choices=check.choices, this_machine=False)
     invariant = combination.determinism == "layout_invariant"
     if layout.mesh.data > 1 and not invariant and combination.model in PER_RANK_STATISTICS:
         return None
     single = Combination(**{**combination.__dict__, "strategy": "single", "devices": 1})
     micro = layout.micro_batch * layout.mesh.data
-    tolerance = FP32_TOLERANCE if combination.precision == "fp32" else BF16_TOLERANCE
-    return [*single.job_overrides(), f"data.batch_size={micro}"], tolerance
+    reference = checked([*single.job_overrides(), f"data.batch_size={micro}"], root)
+    assert reference.refusal is None, f"{single}: the reference is refused: {reference.refusal}"
+    return reference, FP32_TOLERANCE if combination.precision == "fp32" else BF16_TOLERANCE
 
 
-def train(overrides: list[str], devices: int, outputs) -> dict:
-    process = train_on_pool(*overrides, outputs=outputs, devices=devices, timeout=180)
-    assert process.returncode == 0, explain(process)
+def train(check: Checked, devices: int, outputs: Path) -> dict:
+    """The accepted job trained on ``devices`` pool ranks into ``outputs``; its summary."""
+    job = copy.deepcopy(check.job)
+    with open_dict(job):
+        job.paths.output_dir = str(outputs)
+    train_job_on_pool(OmegaConf.to_container(job, resolve=True), check.choices, devices=devices, timeout=180)
     return summaries(outputs)[-1]
 
 
-def check_trains(count: int, seed: int, tmp_path, *, max_devices: int) -> None:
+def check_trains(count: int, seed: int, root: Path, *, max_devices: int) -> None:
     problems = []
-    for index, combination in enumerate(accepted(count, seed, tmp_path, max_devices=max_devices)):
-        outputs = tmp_path / f"run{index}"
+    for index, combination in enumerate(accepted(count, seed, root, max_devices=max_devices)):
+        outputs = root / f"seed{seed}" / f"run{index}"
         print(f"combination {index} (seed {seed}): {' '.join(combination.job_overrides())}", flush=True)
         try:
-            summary = train(combination.job_overrides(), combination.devices, outputs)
+            summary = train(checked(combination.job_overrides(), root), combination.devices, outputs)
             loss, saved = summary["train/loss"], summary.get("checkpoint")
             if combination.checkpoint != "none" and not (saved and is_complete_checkpoint(saved)):
                 problems.append(f"{combination}\n    no complete checkpoint: {saved}")
-            reference = reference_of(combination, tmp_path)
+            reference = reference_of(combination, root)
             if reference is not None:
-                overrides, tolerance = reference
-                expected = train(overrides, 1, tmp_path / f"reference{index}")["train/loss"]
+                job, tolerance = reference
+                expected = train(job, 1, outputs.with_name(f"reference{index}"))["train/loss"]
                 if not math.isclose(loss, expected, **tolerance):
                     problems.append(f"{combination}\n    train/loss {loss} != {expected} of one process")
         except AssertionError as error:
@@ -158,17 +201,24 @@ def check_trains(count: int, seed: int, tmp_path, *, max_devices: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_a_sample_of_accepted_combinations_trains_and_matches_one_process(tmp_path):
-    # NOTE: 8 runs of up to 2 ranks here (20 took 344 s of make test's 12 minutes): a 4-rank run
-    # oversubscribes the 2 cores (about 60 s each, against 10-30 s at 2 ranks); the 4-rank
-    # layouts (EP 2, CP 2, TP 2 x CP 2, PP 2 x DP 2) train in make test-full.
-    check_trains(8, combination_seed(38), tmp_path, max_devices=2)
+def test_a_sample_of_accepted_combinations_trains_and_matches_one_process(root):
+    # Up to 2 ranks here: a 4-rank run oversubscribes the 2 cores; the 4-rank layouts (EP 2,
+    # CP 2, TP 2 x CP 2, PP 2 x DP 2) train in make test-full.
+    check_trains(20, combination_seed(SEED), root, max_devices=2)
+
+
+@pytest.mark.full
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_a_large_sample_of_accepted_combinations_trains_and_matches_one_process(root):
+    # NOTE: 12, not 100: about 5 s a combination with its reference (20 s for the first at each
+    # world size, which starts its rank pool), twice that beside the other worker: 100 would
+    # take over half of CI's 30 minutes on 2 cores.
+    check_trains(12, combination_seed(FULL_SEED), root, max_devices=4)
 
 
 @pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_a_large_sample_of_accepted_combinations_trains_and_matches_one_process(tmp_path):
-    # NOTE: 9, not 100: 30 runs at up to 4 ranks took 26 min of .ci/run on 2 cores (its budget
-    # is 30), 12 took 8 min; another seed (LITSCALE_COMBINATION_SEED) trains another sample.
-    check_trains(9, combination_seed(2026), tmp_path, max_devices=4)
+def test_a_hundred_accepted_combinations_train_and_match_one_process(root):
+    check_trains(100, combination_seed(FULL_SEED), root, max_devices=4)

@@ -66,6 +66,31 @@ def train_on_pool(
     )
 
 
+def train_job_on_pool(job: dict, choices: dict[str, str], *, devices: int, timeout: float = 240) -> tuple[str, str]:
+    """``litscale.app.run.train`` of a job composed and validated in the test process, on
+    ``devices`` pool ranks: what a launcher hands its ranks (the resolved config as data, the
+    group choices), without the command line's composition on every rank (about a second of
+    each rank's time per run, for a claim about what the job computes). Each rank's printed
+    lines come back as ``(stdout, stderr)``; a rank that fails raises with its traceback."""
+    replies = run_distributed(_train_job_on_this_rank, devices, job, choices, timeout=timeout)
+    return "".join(out for out, _ in replies), "".join(err for _, err in replies)
+
+
+def _train_job_on_this_rank(rank: int, world_size: int, job: dict, choices: dict[str, str]) -> tuple[str, str]:
+    from omegaconf import OmegaConf
+
+    from litscale.app.run import train
+
+    if world_size == 1:  # as train.py on one device: no launcher environment, no process group
+        _leave_the_pool_launch()
+    with _captured(1) as stdout, _captured(2) as stderr:
+        try:
+            train(OmegaConf.create(job), choices=choices)
+        finally:
+            _end_threads_an_exit_would_end()
+    return stdout.read(), stderr.read()
+
+
 def refusal_on_pool(*overrides: str, outputs: Path) -> str:
     """The one line ``train.py <overrides>`` is refused with: exit code 2, that line alone on
     stderr, and nothing written under ``outputs`` (no rank started)."""
@@ -83,9 +108,7 @@ def _train_py_on_this_rank(
     """``train.py argv`` as this rank's ``__main__``: (exit code, stdout, stderr)."""
     os.environ.update(environment)  # the pool puts its own environment back after the task
     if world_size == 1:  # not one rank of an external launch: a plain single-process run
-        for name in POOL_LAUNCHER_ENV:
-            os.environ.pop(name, None)
-        dist.destroy_process_group()
+        _leave_the_pool_launch()
     saved_argv = sys.argv
     sys.argv = [str(REPO / "train.py"), *argv]
     code = 0
@@ -98,6 +121,14 @@ def _train_py_on_this_rank(
             sys.argv = saved_argv
             _end_threads_an_exit_would_end()
     return code, stdout.read(), stderr.read()
+
+
+def _leave_the_pool_launch() -> None:
+    """This one rank as a plain single process: no launcher environment, no process group (the
+    pool puts its environment back after the task)."""
+    for name in POOL_LAUNCHER_ENV:
+        os.environ.pop(name, None)
+    dist.destroy_process_group()
 
 
 def _end_threads_an_exit_would_end() -> None:
