@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,13 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # The suite loads the machine itself (two workers, multi-rank runs): the planner would refuse to
 # keep what a test times (litscale/planner/machine.py). The tests of that refusal set it.
 os.environ.setdefault("LITSCALE_MAX_LOAD", "1000")
+# The cache of every run a test starts (this machine's calibration, timed profiles, tokenized
+# data) is this worker's own, not the user's (~/.cache/litscale or $LITSCALE_CACHE): the suite left
+# its runs' contradicted predictions in the user's profile cache, and its runs read the user's
+# calibration (each then paid the planner's prediction after fit, where CI's fresh machine has none).
+_CACHE = tempfile.mkdtemp(prefix="litscale-tests-cache-")
+os.environ["LITSCALE_CACHE"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 import litscale  # noqa: E402, F401
 
 
