@@ -2,16 +2,15 @@
 #   make train   create .venv, install litscale, train GPT-nano on the default config
 #   make test    install the dev extras and run the test suite (all but the `full` set): the
 #                in-process tests, the 2-rank parity table, the combination sample, the refusals
-#   make test-full  the `full` set: the end-to-end runs, parity at 4 and 8 ranks
-#   make test-ci    make test's tests and make test-full's in one pytest session (what CI runs)
+#   make test-full  the `full` set: the end-to-end runs, parity at 4 and 8 ranks (CI runs it too)
 #   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (not in CI: run it before a release)
 #   make image      the Docker image cluster jobs run (make image-cuda: its CUDA variant)
-#   make durations  the slowest tests and the seconds per file of the last make test / test-full / test-ci
+#   make durations  the slowest tests and the seconds per file of the last make test / test-full
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test test-full test-ci test-soak durations install install-dev lint clean image image-cuda
+.PHONY: train test test-full test-soak durations install install-dev lint clean image image-cuda
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,11 +43,6 @@ test: install-dev
 
 test-full: install-dev
 	$(BIN)/python -m pytest -m "full and not soak" --junitxml=$(TIMES)/make-test-full.xml $(PYTEST_ARGS)
-
-# One session for both sets: each pytest worker collects the tests and starts its rank pools
-# (an interpreter per rank importing torch and Lightning) once, not once per set.
-test-ci: install-dev
-	$(BIN)/python -m pytest -m "not soak" --junitxml=$(TIMES)/make-test-ci.xml $(PYTEST_ARGS)
 
 test-soak: install-dev
 	$(BIN)/python -m pytest -m soak --junitxml=$(TIMES)/make-test-soak.xml $(PYTEST_ARGS)
