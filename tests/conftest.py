@@ -26,12 +26,16 @@ os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 # keep what a test times (litscale/planner/machine.py). The tests of that refusal set it.
 os.environ.setdefault("LITSCALE_MAX_LOAD", "1000")
 # The cache of every run a test starts (this machine's calibration, timed profiles, tokenized
-# data) is this worker's own, not the user's (~/.cache/litscale or $LITSCALE_CACHE): the suite left
+# data) is the session's own, not the user's (~/.cache/litscale or $LITSCALE_CACHE): the suite left
 # its runs' contradicted predictions in the user's profile cache, and its runs read the user's
-# calibration (each then paid the planner's prediction after fit, where CI's fresh machine has none).
-_CACHE = tempfile.mkdtemp(prefix="litscale-tests-cache-")
-os.environ["LITSCALE_CACHE"] = _CACHE
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# calibration (each then paid the planner's prediction after fit, where CI's fresh machine has
+# none). Made by the first process that imports this file (pytest's, before its workers start:
+# they inherit it and share what one of them calibrated); removed when that process exits.
+SESSION_CACHE_ENV = "LITSCALE_TESTS_CACHE"
+if SESSION_CACHE_ENV not in os.environ:
+    os.environ[SESSION_CACHE_ENV] = tempfile.mkdtemp(prefix="litscale-tests-cache-")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHE_ENV], ignore_errors=True)
+os.environ["LITSCALE_CACHE"] = os.environ[SESSION_CACHE_ENV]
 import litscale  # noqa: E402, F401
 
 
