@@ -11,6 +11,10 @@ the exit code ``train.py`` would end with and every rank's stdout and stderr, as
 shows them. With one device the rank is a plain ``python train.py``: the pool's launcher
 environment and process group are gone before it starts.
 
+``train_job_on_pool`` skips the command line too: the test composes and validates the job
+once, and each rank runs ``litscale.app.run.train`` on it, as litscale's launcher hands its
+ranks the resolved config (the combination test, whose claim is what an accepted job computes).
+
 A ``train.py`` subprocess pays 4-7 s of imports, per rank; here the imports are paid once
 per pool. Claims about litscale's launcher, ``torchrun``, signals sent to a job from outside,
 the hang watchdog stopping a job, or what a fresh interpreter imports stay with
