@@ -70,29 +70,27 @@ def train_on_pool(
     )
 
 
-def train_job_on_pool(job: dict, choices: dict[str, str], *, devices: int, timeout: float = 240) -> tuple[str, str]:
+def train_job_on_pool(job: dict, choices: dict[str, str], *, devices: int, timeout: float = 240) -> None:
     """``litscale.app.run.train`` of a job composed and validated in the test process, on
     ``devices`` pool ranks: what a launcher hands its ranks (the resolved config as data, the
     group choices), without the command line's composition on every rank (about a second of
-    each rank's time per run, for a claim about what the job computes). Each rank's printed
-    lines come back as ``(stdout, stderr)``; a rank that fails raises with its traceback."""
-    replies = run_distributed(_train_job_on_this_rank, devices, job, choices, timeout=timeout)
-    return "".join(out for out, _ in replies), "".join(err for _, err in replies)
+    each rank's time per run, for a claim about what the job computes). What the ranks print is
+    kept off the terminal; a rank that fails raises with its traceback."""
+    run_distributed(_train_job_on_this_rank, devices, job, choices, timeout=timeout)
 
 
-def _train_job_on_this_rank(rank: int, world_size: int, job: dict, choices: dict[str, str]) -> tuple[str, str]:
+def _train_job_on_this_rank(rank: int, world_size: int, job: dict, choices: dict[str, str]) -> None:
     from omegaconf import OmegaConf
 
     from litscale.app.run import train
 
     if world_size == 1:  # as train.py on one device: no launcher environment, no process group
         _leave_the_pool_launch()
-    with _captured(1) as stdout, _captured(2) as stderr:
+    with _captured(1), _captured(2):
         try:
             train(OmegaConf.create(job), choices=choices)
         finally:
             _end_threads_an_exit_would_end()
-    return stdout.read(), stderr.read()
 
 
 def refusal_on_pool(*overrides: str, outputs: Path) -> str:
