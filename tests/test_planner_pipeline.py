@@ -121,6 +121,22 @@ def test_the_interleaved_schedule_holds_its_warm_up_forwards_of_each_local_stage
     assert rank_activation_bytes(v_shaped, facts, whole=1000.0) is None  # the even split's counts
 
 
+def test_each_rank_holds_the_schedules_receive_buffers_and_the_interleaved_sends():
+    """The blocks above, with 10-byte tensors between stages and 4 micro-batches. Each stage
+    keeps a buffer per micro-batch to receive its input (all but the first stage) and its
+    output's gradient (all but the last): 1F1B's rank 0 (stage 0) and rank 1 (stage 1) 4 each,
+    +40. Interleaved, rank 0 (stages 0 and 2) keeps 12, rank 1 (1 and 3) 12, +120; and what a
+    stage has sent (its output, its input's gradient) is held from the micro-batch's backward to
+    the step's end: rank 0 then peaks at the second forward of stage 2 after its warm-up, 1.15
+    micro-batches' whole with 2 backwards of stage 2 and 1 of stage 0 sent (1.1 without), rank 1
+    at its fourth forward of stage 1, 1.24 (1.2 without)."""
+    facts = facts_of_blocks(params=(1, 10, 10, 1), saved=(10, 40, 40, 10), backward=(0, 5, 5, 0))
+    assert rank_activation_bytes(plan(2), facts, whole=1000.0, boundary=10.0) == pytest.approx([1050 + 40, 550 + 40])
+    facts = facts_of_blocks(params=(1, 10, 10, 1), saved=(10, 40, 40, 10), backward=(0, 0, 0, 0))
+    looped = dataclasses.replace(plan(2, "interleaved_1f1b"), virtual_stages=2, microbatches=4)
+    assert rank_activation_bytes(looped, facts, whole=1000.0, boundary=10.0) == pytest.approx([1150 + 120, 1240 + 120])
+
+
 @pytest.mark.parametrize(("pipeline", "local", "microbatches"), [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 3, 4), (2, 3, 2)])
 def test_the_interleaved_order_is_torchs_own(pipeline, local, microbatches):
     """The walk the planner takes is the order torch's ScheduleInterleaved1F1B builds its actions in."""

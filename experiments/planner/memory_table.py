@@ -31,7 +31,7 @@ MODELS = {
     "llama_tiny": ["model=llama"],
     "moe_tiny": ["model=moe"],
 }
-# (name, ranks, overrides): single, ddp, fsdp, ZeRO 1-3, TP, PP and EP, CP where a model splits its sequence.
+# (name, ranks, overrides): single, ddp, fsdp, ZeRO 1-3, TP, PP (three schedules) and EP, CP where a model splits its sequence.
 LAYOUTS = [
     ("single", 1, ["strategy=single"]),
     ("ddp", 2, ["strategy=ddp"]),
@@ -43,6 +43,8 @@ LAYOUTS = [
     ("tp", 2, ["strategy=tensor_parallel"]),
     ("pp_1f1b", 2, ["strategy=pipeline", "strategy.microbatches=4"]),
     ("pp_gpipe", 2, ["strategy=pipeline", "strategy.schedule=gpipe", "strategy.microbatches=4"]),
+    ("pp_interleaved", 2, ["strategy=pipeline", "strategy.schedule=interleaved_1f1b", "strategy.virtual_stages=2",
+                           "strategy.microbatches=4"]),
 ]
 EXTRA = [
     ("llama_tiny", "fsdp_cp2", 2, ["strategy=fsdp", "strategy.context_parallel_size=2"]),

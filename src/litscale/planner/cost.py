@@ -81,7 +81,7 @@ def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str
     """The busiest rank's bytes at the step's peak: a pipeline's ranks each with their own
     stages' parameters and activations (``pipeline_cost``), where the model's blocks are known."""
     shares = rank_param_shares(plan, facts) or [1 / plan.mesh.pipeline]
-    activations = rank_activation_bytes(plan, facts, pipeline_whole_bytes(plan, facts)) \
+    activations = rank_activation_bytes(plan, facts, pipeline_whole_bytes(plan, facts), stage_boundary_bytes(plan, facts)) \
         or [activation_bytes(plan, facts)] * len(shares)
     ranks = [_rank_memory(plan, facts, cluster, share * plan.mesh.pipeline, held)
              for share, held in zip(shares, activations, strict=True)]
@@ -148,12 +148,35 @@ def pipeline_whole_bytes(plan: Plan, facts: ModelFacts) -> float:
         + tensor_parallel_whole_bytes(plan, facts) / mesh.context
 
 
-def backward_working_bytes(plan: Plan, facts: ModelFacts) -> float:
-    """Backward's working set beside the saved activations (the logits' gradient, a layer's
-    activation gradients): once per rank, not once per micro-batch in flight."""
+def stage_boundary_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """What a pipeline stage sends or receives for one micro-batch (its output, or its input's
+    gradient), in the compute dtype, split as context and tensor parallel split the sequence."""
     mesh = plan.mesh
-    return facts.backward_working_bytes(plan.pipeline_micro_batch) * activation_scale(plan, facts) \
+    return facts.boundary_bytes(plan.pipeline_micro_batch, DTYPE_BYTES[plan.compute_dtype]) / mesh.context / mesh.tensor
+
+
+def backward_working_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """The step's working set beside the saved activations, once per rank (not once per
+    micro-batch in flight): backward's (the logits' gradient, a layer's activation gradients), or
+    where it is larger the logits' gather for the loss (``logits_gather_bytes``)."""
+    mesh = plan.mesh
+    traced = facts.backward_working_bytes(plan.pipeline_micro_batch) * activation_scale(plan, facts) \
         / mesh.context / mesh.tensor
+    return max(traced, logits_gather_bytes(plan, facts))
+
+
+def logits_gather_bytes(plan: Plan, facts: ModelFacts) -> float:
+    """Tensor parallel without loss parallel gathers the head's vocabulary-split logits whole for
+    the loss, at the end of forward, with every activation saved: the all-gather's output and its
+    concatenation along the vocabulary (each the whole vocabulary's logits) beside the rank's own
+    shard, before the log-probabilities (counted as saved) exist: 1 + 1/t whole logits beyond
+    the saved activations. Measured on CPU (``tests/test_memory_table.py``): without it, GPT-nano
+    and Llama tiny on 2 tensor-parallel ranks were predicted 7-10% below their peaks."""
+    tensor = plan.mesh.tensor
+    if tensor == 1 or plan.options.get("loss_parallel"):
+        return 0.0
+    logits = plan.pipeline_micro_batch * facts.seq_len * facts.vocab_size * DTYPE_BYTES[plan.compute_dtype]
+    return logits / plan.mesh.context * (1 + 1 / tensor)
 
 
 def activation_bytes(plan: Plan, facts: ModelFacts) -> float:

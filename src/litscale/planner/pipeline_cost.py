@@ -46,14 +46,15 @@ def rank_param_shares(plan: Plan, facts: ModelFacts) -> list[float] | None:
     return [sum(facts.block_params[b] for _, blocks in stages for b in blocks) / total for stages in held]
 
 
-def rank_activation_bytes(plan: Plan, facts: ModelFacts, whole: float) -> list[float] | None:
+def rank_activation_bytes(plan: Plan, facts: ModelFacts, whole: float, boundary: float = 0.0) -> list[float] | None:
     """Each pipeline rank's activations at its peak, of a model whose saved activations for one
     pipeline micro-batch are ``whole`` bytes: each stage's blocks' share of them times the
     micro-batches in flight on that stage (GPipe: all; 1F1B: stage s of p holds p - s; the
     interleaved 1F1B: its warm-up's forwards, ``interleaved_peak``), plus the largest backward
-    working set of its blocks, which it runs with all of them held. None where the blocks are
-    unknown or another schedule places several stages on a rank (its in-flight counts are the
-    even split's, in ``cost.activation_bytes``)."""
+    working set of its blocks, which it runs with all of them held, plus what the schedule keeps
+    to pass ``boundary``-byte tensors between stages (``receive_buffers``, and the interleaved
+    schedule's sends). None where the blocks are unknown or another schedule places several
+    stages on a rank (its in-flight counts are the even split's, in ``cost.activation_bytes``)."""
     from litscale.strategies.pipeline import SCHEDULES
 
     held = rank_stages(plan, facts)
@@ -62,10 +63,14 @@ def rank_activation_bytes(plan: Plan, facts: ModelFacts, whole: float) -> list[f
     saved, backward = facts.block_shares(plan.pipeline_micro_batch)
     if not saved:
         return None
+    last = plan.mesh.pipeline * plan.virtual_stages - 1
+    received = [boundary * receive_buffers([stage for stage, _ in stages], last, plan.microbatches) for stages in held]
     if plan.schedule == "interleaved_1f1b":
+        sent = boundary / whole if whole > 0 else 0.0
         return [whole * interleaved_peak(plan, rank, {stage: (sum(saved[b] for b in blocks),
-                                                              max(backward[b] for b in blocks))
-                                                      for stage, blocks in stages})
+                                                              max(backward[b] for b in blocks),
+                                                              sent * ((stage != last) + (stage != 0)))
+                                                      for stage, blocks in stages}) + received[rank]
                 for rank, stages in enumerate(held)]
     if SCHEDULES[plan.schedule][1] != "single":
         return None
@@ -73,22 +78,32 @@ def rank_activation_bytes(plan: Plan, facts: ModelFacts, whole: float) -> list[f
     return [sum(whole * (sum(saved[b] for b in blocks)
                          * (plan.microbatches if gpipe else min(plan.microbatches, pipeline - stage))
                          + max(backward[b] for b in blocks))
-                for stage, blocks in stages) for stages in held]
+                for stage, blocks in stages) + received[rank] for rank, stages in enumerate(held)]
 
 
-def interleaved_peak(plan: Plan, rank: int, stages: dict[int, tuple[float, float]]) -> float:
+def receive_buffers(stages: list[int], last: int, microbatches: int) -> int:
+    """Tensors torch's pipeline stages keep to receive into, for the whole run: one per
+    micro-batch for a stage's input (every stage but the first) and one for its output's
+    gradient (every stage but the last), made at the first step (``_prepare_forward_infra``,
+    ``_prepare_backward_infra``)."""
+    return microbatches * sum((stage != 0) + (stage != last) for stage in stages)
+
+
+def interleaved_peak(plan: Plan, rank: int, stages: dict[int, tuple[float, float, float]]) -> float:
     """The peak of pipeline rank ``rank``'s activations under torch's ``ScheduleInterleaved1F1B``,
     as shares of one micro-batch's whole model: ``stages`` maps each of the rank's stages to its
-    (saved, backward working set) shares, held from a micro-batch's forward on a stage to its
-    backward there, the working set on top while that backward runs."""
+    (saved, backward working set, sent) shares. A micro-batch's saved share is held from its
+    forward on a stage to its backward there, the working set on top while that backward runs.
+    The sent share is what a stage has sent for a micro-batch (its output, its input's
+    gradient), which the schedule waits for only at the step's end: held from its backward on."""
     held = peak = 0.0
     for kind, stage in interleaved_order(plan.mesh.pipeline, sorted(stages), plan.microbatches, rank):
-        saved, working = stages[stage]
+        saved, working, sent = stages[stage]
         if kind == "F":
             held += saved
             peak = max(peak, held)
         else:
-            peak, held = max(peak, held + working), held - saved
+            peak, held = max(peak, held + working), held - saved + sent
     return peak
 
 
