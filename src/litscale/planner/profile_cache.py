@@ -132,8 +132,11 @@ def contradict(identity: dict, layout: str, record: dict) -> Path:
 
 
 def _write(identity: dict, content: dict) -> Path:
+    return write_atomically(cache_path(identity), content)
+
+
+def write_atomically(path: Path, content: dict) -> Path:
     """The whole file at once: a reader never sees half of it."""
-    path = cache_path(identity)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(content, indent=1, default=str))

@@ -111,15 +111,23 @@ def with_muon(facts: ModelFacts, *, ns_steps: int = 5, ns_dtype: str = "float32"
 
 
 def facts_of(cfg: DictConfig) -> ModelFacts:
-    """The composed model's facts, read off a meta-device copy; a mixture of experts' load
+    """The composed model's facts, read off a meta-device copy (traced once per model and code:
+    ``planner.facts_cache``); a mixture of experts' load
     imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
     of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
     from litscale.app.safety import locate_target
     from litscale.app.validation import meta_net
     from litscale.muon import wants_parameter_roles
+    from litscale.planner import facts_cache
 
-    facts = model_facts(meta_net(cfg), seq_len=int(cfg.data.seq_len), vocab_size=int(cfg.data.vocab_size),
-                        compute_dtype=cfg.precision.compute_dtype, param_dtype=cfg.precision.param_dtype)
+    shape = {"seq_len": int(cfg.data.seq_len), "vocab_size": int(cfg.data.vocab_size),
+             "compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
+    key = facts_cache.identity(OmegaConf.to_container(cfg.model.net, resolve=True), **shape)
+    net = meta_net(cfg)
+    facts = facts_cache.load(key, net)
+    if facts is None:
+        facts = model_facts(net, **shape)
+        facts_cache.store(key, facts)
     if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
         facts = with_muon(facts, ns_steps=int(cfg.optimizer.get("ns_steps", 5)),
                           ns_dtype=str(cfg.optimizer.get("ns_dtype", "float32")))
