@@ -1,5 +1,5 @@
 """Beyond this machine: the planner's cost model with ``cluster=h100_8x`` against torchtitan's
-published H100 runs, and its predicted scaling up to 1,024 devices.
+and Megatron-Bridge's published H100 runs, and its predicted scaling up to 1,024 devices.
 
     python experiments/planner/simulate.py           # writes simulation.json, scaling.png, README
     python experiments/planner/simulate.py --no-write
@@ -13,12 +13,14 @@ torchtitan 9dec370): Llama 3.1 8B with FSDP on 8 and 128 H100s (tables 1 and 3, 
 sequence 8192, selective activation checkpointing, no torch.compile, bf16) and Llama 3.1 405B on
 512 H100s, FSDP 8 x TP 8 x PP 8, 1F1B against interleaved 1F1B (table 5, local batch 32,
 full activation checkpointing; with torch.compile, Float8 and async TP, which the model does not
-have: its absolute figure is bf16, the ratio of the two schedules is what it can check).
+have: its absolute figure is bf16, the ratio of the two schedules is what it can check); and
+Megatron-Bridge's DGX-H100 rows for Llama 3 8B, Llama 3 70B and Qwen3-30B-A3B (``megatron_bridge``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -77,6 +79,49 @@ def published() -> list[dict]:
         prediction = predict(plan, llama405b, h100(64))
         rows.append({"case": f"Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, {schedule}", "table": 5,
                      "published_tps_per_gpu": tps, "published_gib": gib, **_figures(prediction, 512)})
+    return rows
+
+
+MEGATRON_SOURCE = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo container, DGX-H100 rows "
+                   "(NVIDIA-NeMo/Megatron-Bridge 00b7660)")
+# Llama 3 70B (Meta's model card): 80 layers, 64 heads, 8 key/value heads, width 8192.
+LLAMA_70B = {"n_layer": 80, "n_head": 64, "n_kv_heads": 8, "n_embd": 8192, "ffn_hidden_size": 28672}
+FP8_DENSE_PEAK = 1979e12  # H100 SXM5 datasheet, dense FP8 tensor-core FLOP/s (twice BF16's)
+
+
+def megatron_bridge() -> list[dict]:
+    """The model's figures beside Megatron-Bridge's H100 rows, each as published (GPUs, global
+    and micro batch, sequence) in the nearest layout litscale runs. Published in FP8 (current
+    scaling), which the planner does not model: each row is predicted in BF16, and again with
+    every FLOP at FP8's dense peak (an upper bound: attention, the norms and the element-wise
+    work stay in BF16 on the GPU)."""
+    from litscale.models.moe import build_moe
+
+    llama8b = facts_of(build_llama, 8192, preset="llama3_8b", vocab_size=128256, block_size=8192)
+    llama70b = facts_of(build_llama, 8192, preset="llama3_8b", vocab_size=128256, block_size=8192, **LLAMA_70B)
+    qwen3 = facts_of(build_moe, 4096, preset="qwen3_30b_a3b", vocab_size=151936, block_size=4096)
+    cases = [
+        # Megatron FSDP, MBS 1, GA 16, global batch 128: FSDP over 8, 16 accumulation steps.
+        ("Llama 3 8B, 8 GPUs, FSDP 8", "FSDP 1, TP 1, PP 1, MBS 1, GA 16", 14451, 8, llama8b,
+         bf16("fsdp", MeshSizes(data_shard=8), 1, accumulation=16)),
+        # TP 4 x PP 8 (VP 5) x DP 2 (DDP with the distributed optimizer), MBS 1, GA 64: litscale's
+        # pipeline shards its 2 data ranks with FSDP (whole parameters through the step).
+        ("Llama 3 70B, 64 GPUs, TP 4 x PP 8 (VP 5) x DP 2", "FSDP 0, TP 4, PP 8, VP 5, MBS 1, GA 64", 1602, 64,
+         llama70b, bf16("pipeline", MeshSizes(pipeline=8, data_shard=2, tensor=4), 64, microbatches=64,
+                        schedule="interleaved_1f1b", virtual_stages=5)),
+        # PP 2 (VP 24) x EP 8 x DP 8, MBS 2, GA 32: litscale's pipeline takes no expert parallel,
+        # so the nearest layout it runs: FSDP over 16 with EP 8, the same micro batch and batch.
+        ("Qwen3-30B-A3B, 16 GPUs, FSDP 16 x EP 8", "FSDP 0, PP 2, VP 24, EP 8, MBS 2, GA 32", 5275, 16, qwen3,
+         bf16("fsdp", MeshSizes(data_shard=16, expert=8), 2, accumulation=16)),
+    ]
+    rows = []
+    for case, layout, tps, gpus, facts, plan in cases:
+        cluster = h100(gpus // 8)
+        fp8 = dataclasses.replace(cluster, peak_flops={**cluster.peak_flops, "bfloat16": FP8_DENSE_PEAK})
+        at_fp8 = predict(plan, facts, fp8)
+        rows.append({"case": case, "published_layout": layout, "published_precision": "FP8-CS",
+                     "published_tps_per_gpu": tps, **_figures(predict(plan, facts, cluster), gpus),
+                     "predicted_tps_per_gpu_fp8_peak": at_fp8.tokens_per_s / gpus})
     return rows
 
 
@@ -152,6 +197,16 @@ def report(results: dict) -> str:
         predicted_ratio = a["predicted_tps_per_gpu"] / b["predicted_tps_per_gpu"]
         holds = (published_ratio > 1) == (predicted_ratio > 1)
         lines.append(f"| {label} | {published_ratio:.3f} | {predicted_ratio:.3f} | {'yes' if holds else '**no**'} |")
+    lines += ["", f"Published figures: {MEGATRON_SOURCE}, all FP8 (current scaling); predicted in BF16, and "
+              "with every FLOP at FP8's dense peak (an upper bound).", "",
+              "| case (litscale's layout) | published layout | published tokens/s/GPU | predicted BF16 | error | "
+              "at FP8 peak | error | predicted GiB |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results["megatron_bridge"]:
+        bf16_error = r["predicted_tps_per_gpu"] / r["published_tps_per_gpu"] - 1
+        fp8_error = r["predicted_tps_per_gpu_fp8_peak"] / r["published_tps_per_gpu"] - 1
+        lines.append(f"| {r['case']} | {r['published_layout']} | {r['published_tps_per_gpu']:,} | "
+                     f"{r['predicted_tps_per_gpu']:,.0f} | {bf16_error:+.0%} | "
+                     f"{r['predicted_tps_per_gpu_fp8_peak']:,.0f} | {fp8_error:+.0%} | {r['predicted_gib']:.1f} |")
     lines += ["", "Predicted weak scaling at 1,024 devices (efficiency: compute and optimizer time over the "
               "step; the rest is exposed communication and the pipeline bubble):", "",
               "| model, strategy | efficiency at 8 | at 1,024 | exposed comm at 1,024 | largest collective | "
@@ -196,7 +251,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    results = {"source": SOURCE, "published": published(), "scaling": scaling()}
+    results = {"source": SOURCE, "published": published(), "megatron_bridge": megatron_bridge(),
+               "scaling": scaling()}
     text = report(results)
     print(text)
     if args.no_write:
