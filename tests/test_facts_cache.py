@@ -1,6 +1,6 @@
 """A model's traced facts are traced once and read back: by the same model config, data shape,
 precision and code only, equal to a fresh trace, with the network rebuilt; never for a network
-read from a directory; and a file that cannot be read is traced again, not trusted."""
+read from files; and a file that cannot be read is traced again, not trusted."""
 
 from __future__ import annotations
 
@@ -57,9 +57,12 @@ def test_another_shape_precision_or_code_is_traced_again(tmp_path, traces, monke
     assert len(traces) == 4
 
 
-def test_a_network_read_from_a_directory_is_not_cached(tmp_path):
-    assert facts_cache.identity({"path": str(tmp_path)}, seq_len=8, vocab_size=8, compute_dtype="float32",
-                                param_dtype="float32") is None
+@pytest.mark.parametrize("read_from", [{"path": "checkpoint"}, {"from_hf": "checkpoint"},
+                                       {"config": "checkpoint/config.json"}], ids=["path", "from_hf", "config_file"])
+def test_a_network_read_from_files_is_not_cached(tmp_path, read_from):
+    shape = {"seq_len": 8, "vocab_size": 8, "compute_dtype": "float32", "param_dtype": "float32"}
+    assert facts_cache.identity({"_target_": "build", **read_from}, **shape) is None
+    assert facts_cache.identity({"_target_": "build", "config": {"hidden_size": 8}}, **shape) is not None
 
 
 def test_an_unreadable_file_is_traced_again_and_rewritten(tmp_path, traces):

@@ -244,14 +244,30 @@ def time_profiles(names: list[str]) -> None:
         )
 
 
-def measure(name: str, outputs: Path) -> dict:
+SETTLE_S = 180  # how long a run waits for the machine's load to fall back below its cores
+
+
+def quiet_load(name: str) -> float:
+    """The last minute's load average once it is at most the core count. The study's own last
+    2-rank run lifts it to about 2 for a minute after it ends, so a run waits for it to fall
+    (up to ``SETTLE_S``) before calling the machine busy and stopping the study."""
     from litscale.planner import machine
 
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        load = machine.load_average()
+        busy = machine.busy(load)
+        if not busy:
+            return load
+        if time.monotonic() > deadline:  # a step timed beside other work measures that work too
+            raise SystemExit(f"{name}: not recorded: {busy} {SETTLE_S} s before its run; record the study on a "
+                             "quiet machine")
+        time.sleep(5)
+
+
+def measure(name: str, outputs: Path) -> dict:
     overrides = overrides_of(name)
-    load = machine.load_average()  # before this run adds to it
-    busy = machine.busy(load)
-    if busy:  # a step timed beside other work measures that work too
-        raise SystemExit(f"{name}: not recorded: {busy} before its run; record the study on a quiet machine")
+    load = quiet_load(name)  # before this run adds to it
     print(f"$ python train.py {' '.join(overrides)}", flush=True)
     env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "LITSCALE_THREADS_PER_RANK": "1"}
     started = time.perf_counter()

@@ -7,8 +7,9 @@ One JSON file per identity under ``$LITSCALE_CACHE/facts/``. The identity holds 
 trace depends on: the network's config, the sequence length, the vocabulary, the precision,
 and the code (litscale's version and a digest of the models' and the tracer's sources, torch's
 and transformers' versions). The meta-device network the facts carry is not stored: the caller
-builds it again (``net``). A network read from a directory (``model.net.path``) is not cached:
-its files can change under the same config.
+builds it again (``net``). A network read from files (``model.net.path``, ``model.net.from_hf``,
+a ``model.net.config`` that names a config.json) is not cached: they can change under the same
+config.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ NOT_STORED = ("net", "profiles")  # the network (built again), and the profiles 
 
 def identity(net_config: dict, *, seq_len: int, vocab_size: int, compute_dtype: str, param_dtype: str) -> dict | None:
     """What a trace of ``net_config``'s network depends on; None where it cannot be cached."""
-    if net_config.get("path"):
+    if net_config.get("path") or net_config.get("from_hf") or isinstance(net_config.get("config"), str):
         return None
     try:
         transformers = metadata.version("transformers")
