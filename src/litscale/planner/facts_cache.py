@@ -15,7 +15,6 @@ config.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from importlib import metadata
 from pathlib import Path
@@ -24,7 +23,7 @@ from torch import nn
 
 from litscale.planner.calibrate import calibration_path
 from litscale.planner.model_facts import ModelFacts, MoEFacts
-from litscale.planner.profile_cache import code_identity, write_atomically
+from litscale.planner.profile_cache import code_identity, file_name, write_atomically
 
 NOT_STORED = ("net", "profiles")  # the network (built again), and the profiles (profile_cache's)
 
@@ -44,8 +43,7 @@ def identity(net_config: dict, *, seq_len: int, vocab_size: int, compute_dtype: 
 
 
 def _path(key: dict) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
-    return calibration_path().parent / "facts" / f"{digest[:24]}.json"
+    return calibration_path().parent / "facts" / file_name(key)
 
 
 def load(key: dict | None, net: nn.Module) -> ModelFacts | None:

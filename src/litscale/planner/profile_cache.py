@@ -63,8 +63,12 @@ def code_identity() -> dict:
 def cache_path(identity: dict) -> Path:
     """The file for ``identity`` (plain data: the network's config, sequence length, vocabulary,
     compression, the cluster file it was timed against, ``code_identity``)."""
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
-    return cache_dir() / f"{digest[:24]}.json"
+    return cache_dir() / file_name(identity)
+
+
+def file_name(identity: dict) -> str:
+    """A cache file's name: a digest of ``identity`` (plain data)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24] + ".json"
 
 
 def _read(identity: dict) -> dict:
