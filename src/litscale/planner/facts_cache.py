@@ -1,7 +1,7 @@
 """A model's traced facts (``model_facts``: a forward and a forward-backward traced on fake
 tensors, about a second on a 2-core machine), kept per model so that the planner traces a model
 once per installation: each run's summary prediction after ``fit`` and each ``plan=show`` of
-the same model read it back instead (a few milliseconds).
+the same model read it back instead (0.05 s for GPT-nano, its meta-device network rebuilt).
 
 One JSON file per identity under ``$LITSCALE_CACHE/facts/``. The identity holds everything the
 trace depends on: the network's config, the sequence length, the vocabulary, the precision,
