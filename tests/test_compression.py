@@ -12,7 +12,7 @@ from helpers.distributed import destroy_process_groups
 
 from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook, bf16, fp16, powersgd, qsgd, signsgd, terngrad, topk
-from litscale.compression.allgather import encode_with_error_feedback
+from litscale.compression.allgather import _from_bytes, _to_bytes, encode_with_error_feedback
 from litscale.compression.codecs import QSGD, ScaledSign, TernGrad, TopK, pack_bits, unpack_bits
 from litscale.compression.state import BucketTensors
 
@@ -99,6 +99,19 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes_of_each_parameter():
         largest = piece.abs().topk(k).indices
         assert torch.equal(sent[largest], piece[largest])
         assert torch.count_nonzero(sent) == k
+
+
+def test_a_bf16_top_k_payload_reads_back_behind_an_odd_number_of_values():
+    """bf16 values then int32 indices, as the all-gather carries them: an odd k leaves the
+    indices off their 4-byte alignment in the payload (a 4-rank bf16 run crashed there)."""
+    torch.manual_seed(0)
+    gradient, segments = torch.randn(500, dtype=torch.bfloat16), (300, 200)
+    codec = TopK(ratio=0.01)
+    parts = codec.encode(gradient, segments)
+    assert parts[0].numel() % 2 == 1
+    read = _from_bytes(_to_bytes(parts), parts)
+    assert all(torch.equal(got, sent) for got, sent in zip(read, parts, strict=True))
+    assert torch.equal(codec.decode(read, segments), codec.decode(parts, segments))
 
 
 def test_scaled_sign_keeps_signs_with_mean_magnitude_per_block():

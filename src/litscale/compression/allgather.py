@@ -43,7 +43,12 @@ def _from_bytes(payload: Tensor, like: list[Tensor]) -> list[Tensor]:
     parts, offset = [], 0
     for part in like:
         size = part.numel() * part.element_size()
-        parts.append(payload[offset: offset + size].view(part.dtype).view(part.shape))
+        piece = payload[offset: offset + size]
+        if offset % part.element_size():
+            # A part after an odd number of 2-byte values (top-k's bf16 values, then its int32
+            # indices) starts off its type's alignment, where a view is refused: read a copy.
+            piece = piece.clone()
+        parts.append(piece.view(part.dtype).view(part.shape))
         offset += size
     return parts
 
