@@ -124,6 +124,17 @@ def test_deepspeed_takes_muon_at_stages_1_2_with_the_settings_its_zero_muon_step
     assert _refusal([*CPU2, "strategy=deepspeed_zero", "optimizer=muon", *overrides], tmp_path) == refusal
 
 
+@pytest.mark.parametrize(("optimizer", "stage"), [("lars", 1), ("lamb", 3)])
+def test_deepspeed_refuses_a_layerwise_optimizer_at_every_stage(optimizer, stage, tmp_path):
+    """Found by the combination test: LARS under ZeRO-1 on 2 ranks trained its second step 1% off
+    one process (ZeRO steps flat partitions: the trust ratio took a partition's norms)."""
+    assert _refusal([*CPU2, "strategy=deepspeed_zero", f"strategy.stage={stage}", f"optimizer={optimizer}"],
+                    tmp_path) == (
+        f"optimizer={optimizer} is not supported with strategy=deepspeed_zero: ZeRO hands the optimizer flat "
+        "partitions of the parameters, so a layer-wise trust ratio would take the norms of a partition, not of "
+        "each weight tensor; allowed: optimizer=adamw, sgd or muon, or any strategy but deepspeed_zero")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("option", "line"), [
     ("checkpoint.async_save=true", "error: checkpoint.async_save=true is not supported with strategy=deepspeed_zero: "

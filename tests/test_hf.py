@@ -391,6 +391,28 @@ def test_model_hf_config_composes_validates_and_follows_the_datas_vocabulary(tmp
     assert net(torch.randint(cfg.data.vocab_size, (2, 32))).shape == (2, 32, cfg.data.vocab_size)
 
 
+@pytest.mark.parametrize(("devices", "refusal"), [
+    (4, "strategy.tensor_parallel_size=4 does not divide model.net.config.num_key_value_heads=2; allowed: a "
+        "divisor of 2"),
+    (2, None),
+], ids=["tp4", "tp2"])
+def test_a_tensor_parallel_size_the_key_value_heads_do_not_split_by_is_one_line(devices, refusal, tmp_path,
+                                                                                  outputs_root):
+    """Found by the combination test: the default Qwen3's 2 key/value heads at TP 4 were accepted,
+    and its attention failed in the first forward ("shape '[8, 32, -1, 32]' is invalid")."""
+    from litscale.app.validation import ConfigError, validate
+
+    cfg, choices = compose_job(["model=hf", "data=synthetic", "data.seq_len=32", "strategy=tensor_parallel",
+                                "trainer.accelerator=cpu", f"trainer.devices={devices}",
+                                "launcher.oversubscribe=true"], tmp_path / "run")
+    try:
+        validate(cfg, choices=choices, this_machine=False)
+    except ConfigError as error:
+        assert str(error) == refusal
+    else:
+        assert refusal is None
+
+
 @pytest.mark.parametrize("strategy", [["strategy=single"], ["strategy=ddp", "trainer.devices=2"],
                                       ["strategy=fsdp", "trainer.devices=2"]])
 def test_a_missing_checkpoint_is_one_line_before_any_rank_starts_whatever_the_strategy(

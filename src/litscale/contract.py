@@ -52,6 +52,7 @@ class Option(StrEnum):
     PIPELINE_PARALLEL = "strategy.pipeline_parallel_size"
     ASYNC_SAVE = "checkpoint.async_save=true"
     MATRIX_OPTIMIZER = "optimizer=muon"
+    LAYERWISE_OPTIMIZER = "optimizer=lars or lamb"
     WIDTH_SCALING = "lr_scaling=mup"
     REPLICA_GROUPS = "fault_tolerance=replicas"
 
@@ -77,6 +78,7 @@ ALTERNATIVES = {
     Option.PIPELINE_PARALLEL: "strategy=pipeline",
     Option.ASYNC_SAVE: "checkpoint.async_save=false, or any strategy but deepspeed_zero",
     Option.MATRIX_OPTIMIZER: "optimizer=adamw, or any strategy but deepspeed_zero stage 3",
+    Option.LAYERWISE_OPTIMIZER: "optimizer=adamw, sgd or muon, or any strategy but deepspeed_zero",
     Option.WIDTH_SCALING: "lr_scaling=none, linear or sqrt",
     Option.REPLICA_GROUPS: "fault_tolerance=none, or strategy=single, ddp or fsdp inside each group",
 }

@@ -2,8 +2,10 @@
 
 A model family declares, beside its code, which submodules are sharding units
 (``sharding_units``, FSDP), a tensor-parallel plan (``tensor_parallel_plan``) and the ordered
-blocks a pipeline may cut between (``pipeline_blocks``) and the modules holding stacked
-expert weights (``expert_modules``): each an attribute, or a method that returns it. A LightningModule may declare them itself or leave them to its network, ``net``.
+blocks a pipeline may cut between (``pipeline_blocks``), the modules holding stacked expert
+weights (``expert_modules``) and the sizes a tensor-parallel split divides
+(``tensor_parallel_sizes``, keyed as a user sets them): each an attribute, or a method that
+returns it. A LightningModule may declare them itself or leave them to its network, ``net``.
 Module names in plans and patterns are dotted paths whose components may hold ``fnmatch``
 wildcards, one component each.
 

@@ -47,13 +47,25 @@ MATRIX, OTHER = "matrix", "other"
 AdjustLR = Literal["match_rms_adamw", "original"]
 
 
-def wants_parameter_roles(optimizer: object) -> bool:
-    """The optimizer (a class, or a factory of one: a ``functools.partial``, the LR-scaling
-    rule's wrapper) treats hidden matrices apart from embeddings and output layers: it is built
-    from ``parameter_roles``' groups."""
+def _unwrapped(optimizer: object) -> object:
+    """The optimizer class inside a factory of one (a ``functools.partial``, the LR-scaling
+    rule's wrapper)."""
     while (inner := getattr(optimizer, "original", None) or getattr(optimizer, "func", None)) is not None:
         optimizer = inner
-    return bool(getattr(optimizer, "wants_parameter_roles", False))
+    return optimizer
+
+
+def wants_parameter_roles(optimizer: object) -> bool:
+    """The optimizer (a class, or a factory of one) treats hidden matrices apart from embeddings
+    and output layers: it is built from ``parameter_roles``' groups."""
+    return bool(getattr(_unwrapped(optimizer), "wants_parameter_roles", False))
+
+
+def adapts_each_tensor(optimizer: object) -> bool:
+    """The optimizer (a class, or a factory of one) scales each weight tensor's step by that
+    tensor's own norms (LARS's and LAMB's trust ratio): it must be handed whole tensors, or their
+    DTensor shards, whose norms DTensor reduces, never a flat partition of several."""
+    return bool(getattr(_unwrapped(optimizer), "adapts_each_tensor", False))
 
 
 def parameter_roles(net: nn.Module, weight_decay: float) -> list[dict]:

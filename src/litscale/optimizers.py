@@ -32,6 +32,8 @@ class LARS(pytorch_optimizer.LARS):
     modules set it per group: ``model.weight_decay`` on matrices, 0 on 1-D tensors).
     """
 
+    adapts_each_tensor = True  # the trust ratio takes each tensor's norms (litscale.muon.adapts_each_tensor)
+
     def __init__(
         self,
         params: Iterable,
@@ -68,6 +70,8 @@ class LAMB(ParameterwiseOptimizer):
     (biases, norm gains) take the plain step ``x - lr * u``, as the paper's BERT runs exclude
     LayerNorm and bias from layer adaptation. Norms stay on the device: no host sync.
     """
+
+    adapts_each_tensor = True  # the trust ratio takes each tensor's norms (litscale.muon.adapts_each_tensor)
 
     def __init__(
         self,

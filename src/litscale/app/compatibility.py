@@ -24,7 +24,7 @@ HEADINGS = {
     Option.FP16_MIXED: "fp16_mixed", Option.COMPRESSION: "compression", Option.LAYOUT_INVARIANT: "layout_invariant",
     Option.MIXTURE_OF_EXPERTS: "model=moe", Option.EXPERT_PARALLEL: "EP", Option.CONTEXT_PARALLEL: "CP",
     Option.TENSOR_PARALLEL: "TP", Option.PIPELINE_PARALLEL: "PP", Option.ASYNC_SAVE: "async save",
-    Option.MATRIX_OPTIMIZER: "muon", Option.WIDTH_SCALING: "µP", Option.REPLICA_GROUPS: "replica groups",
+    Option.MATRIX_OPTIMIZER: "muon", Option.LAYERWISE_OPTIMIZER: "lars, lamb", Option.WIDTH_SCALING: "µP", Option.REPLICA_GROUPS: "replica groups",
 }
 
 

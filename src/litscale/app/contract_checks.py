@@ -16,7 +16,7 @@ from litscale.app.safety import locate_target
 from litscale.app.width_checks import base_width_of, width_rule
 from litscale.contract import Option, missing_requirement, refusal_line, why_not, why_not_with
 from litscale.errors import ConfigError
-from litscale.muon import wants_parameter_roles
+from litscale.muon import adapts_each_tensor, wants_parameter_roles
 
 
 def strategy_name(cfg: DictConfig, choices: dict[str, str]) -> str:
@@ -33,8 +33,12 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.COMPRESSION] = f"compression={choices.get('compression', cfg.compression._target_)}"
     if "_target_" in (cfg.get("determinism") or {}):
         chosen[Option.LAYOUT_INVARIANT] = f"determinism={choices.get('determinism', 'layout_invariant')}"
-    if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
-        chosen[Option.MATRIX_OPTIMIZER] = f"optimizer={choices.get('optimizer', cfg.optimizer._target_)}"
+    optimizer = locate_target(cfg.optimizer._target_, "optimizer")
+    typed_optimizer = f"optimizer={choices.get('optimizer', cfg.optimizer._target_)}"
+    if wants_parameter_roles(optimizer):
+        chosen[Option.MATRIX_OPTIMIZER] = typed_optimizer
+    if adapts_each_tensor(optimizer):
+        chosen[Option.LAYERWISE_OPTIMIZER] = typed_optimizer
     if (cfg.get("checkpoint") or {}).get("async_save"):
         chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
     if base_width_of(cfg) is not None:

@@ -33,6 +33,7 @@ from litscale.models.hf_parallel import (
     LAYER_BY_LAYER_FAMILIES,
     pipeline_blocks,
     tensor_parallel_plan,
+    tensor_parallel_sizes,
 )
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ class HFCausalLM(nn.Module):
 
     # Model-parallel declarations, derived from the transformers model (see hf_parallel.py).
     tensor_parallel_plan = tensor_parallel_plan
+    tensor_parallel_sizes = tensor_parallel_sizes
     pipeline_blocks = pipeline_blocks
 
     def __init__(self, config: HFModelConfig) -> None:

@@ -31,6 +31,20 @@ TRANSLATIONS: dict[str, str] = {"colwise": "colwise", "rowwise": "rowwise", "seq
 OUTPUT_LAYER_STYLE = "colwise_rep"  # column-wise, logits gathered: litscale's `head`
 
 
+# The transformers config fields a tensor-parallel split divides: the heads (query and
+# key/value: q/k/v split by heads), the MLP's hidden features, the vocabulary (the embedding).
+TENSOR_PARALLEL_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def tensor_parallel_sizes(net: nn.Module) -> dict[str, int]:
+    """Each field of ``TENSOR_PARALLEL_FIELDS`` the config has, under the key a user sets it by
+    (``model.net.config.<field>``). NOTE: found by the combination test: the default Qwen3's 2
+    key/value heads at TP 4 were accepted and its attention failed in the first forward."""
+    config = net.transformers_model.config
+    return {f"model.net.config.{field}": value for field in TENSOR_PARALLEL_FIELDS
+            if isinstance(value := getattr(config, field, None), int)}
+
+
 def tensor_parallel_plan(net: nn.Module) -> dict[str, str] | None:
     """Module-name pattern (relative to ``net``) -> litscale style, or ``None`` for a model
     with no ``base_model_tp_plan`` (GPT-2): litscale then asks for ``strategy.plan``."""

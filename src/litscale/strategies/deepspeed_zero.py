@@ -59,6 +59,13 @@ ZERO3_MIXTURE_OF_EXPERTS = ("DeepSpeed's ZeRO-3 does not train a mixture of expe
                             "size of tensor b (64)\")")
 
 
+# NOTE: found by the combination test: LARS under ZeRO-1 on 2 ranks trained, and its second step's
+# loss was 1% off one process's (5.528 against 5.585): the trust ratio took the norms of the rank's
+# flat partition. Refused at every stage.
+LAYERWISE_ON_PARTITIONS = ("ZeRO hands the optimizer flat partitions of the parameters, so a layer-wise trust "
+                           "ratio would take the norms of a partition, not of each weight tensor")
+
+
 # NOTE: DeepSpeed's ZeRO-3 orthogonalises in its sub-group loop, which no parity test here checks.
 ZERO3_MUON = ("ZeRO hands the optimizer flat partitions of the parameters, and litscale hands Muon's whole "
               "matrices to DeepSpeed's ZeRO Muon at stages 1 and 2 only")
@@ -103,7 +110,8 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
     # to take a gradient computed elsewhere, so the fixed tree's sum cannot replace its reduction.
     refuses = {Option.LAYOUT_INVARIANT: "DeepSpeed's engine reduces gradients in its own backward hooks into the "
                "partitioned buffers its optimizer steps, and takes no gradient summed outside them",
-               Option.ASYNC_SAVE: "DeepSpeed's engine writes its own partitioned checkpoint files, on the training thread"}
+               Option.ASYNC_SAVE: "DeepSpeed's engine writes its own partitioned checkpoint files, on the training thread",
+               Option.LAYERWISE_OPTIMIZER: LAYERWISE_ON_PARTITIONS}
     requires = (Requirement("deepspeed", "extras"),)
     conditions = {Option.MATRIX_OPTIMIZER: MUON_CONDITIONS}
     untraced = "its engine is not built on the fake process group the check traces on (it flattens the parameters into buffers on its device)"

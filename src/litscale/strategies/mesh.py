@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from litscale.declarations import declared
 from litscale.layout import CONTEXT, DATA, PIPELINE, TENSOR, MeshSizes
 from litscale.lightning_private import optimizers_to_device
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
@@ -62,17 +63,28 @@ def resolve_mesh_sizes(
                      tensor=given["tensor_parallel_size"], context=context)
 
 
+def tensor_parallel_sizes(net: nn.Module) -> dict[str, int]:
+    """The sizes a tensor-parallel split divides, each under the key a user sets it by: what the
+    model declares (``tensor_parallel_sizes``: a transformers model names its config's fields),
+    else the zoo's config fields (heads, key/value heads, width, and the vocabulary, which the
+    embedding splits)."""
+    found = declared(net, "tensor_parallel_sizes")
+    if found is not None:
+        return dict(found[1])
+    config = getattr(net, "config", None)
+    return {f"model.net.{field}": value for field in ("n_head", "n_kv_heads", "n_embd", "vocab_size")
+            if isinstance(value := getattr(config, field, None), int)}
+
+
 def check_tensor_parallel_fits(net: nn.Module, tensor_parallel_size: int) -> None:
-    """Heads, hidden sizes (and the vocabulary, which the embedding splits) divide by the TP size."""
+    """Every size the split divides (``tensor_parallel_sizes``) divides by the TP size."""
     if tensor_parallel_size == 1:
         return
-    config = getattr(net, "config", None)
-    for field in ("n_head", "n_kv_heads", "n_embd", "vocab_size"):
-        value = getattr(config, field, None)
-        if isinstance(value, int) and value % tensor_parallel_size:
+    for key, value in tensor_parallel_sizes(net).items():
+        if value % tensor_parallel_size:
             raise ValueError(
                 f"strategy.tensor_parallel_size={tensor_parallel_size} does not divide "
-                f"model.net.{field}={value}; allowed: a divisor of {value}")
+                f"{key}={value}; allowed: a divisor of {value}")
 
 
 # --- what the mesh strategies share ------------------------------------------------------------
