@@ -41,9 +41,10 @@ NO_REFERENCE = ("local_sgd", "federated")
 # Models whose loss is not linear in the samples of a data-parallel split: BatchNorm normalises
 # by the rank's micro batch, the MoE balance loss weighs the experts' load in the rank's tokens.
 PER_RANK_STATISTICS = ("resnet", "moe")
-# The samples' seeds (LITSCALE_COMBINATION_SEED replaces both): make test validates 100 and trains
-# 20 of them (up to 2 ranks); make test-full validates 500 and trains 8 (up to 4 ranks).
-SEED, FULL_SEED = 40, 2026
+# The samples' seeds (LITSCALE_COMBINATION_SEED replaces each): make test validates 100 and trains
+# 20 of them (up to 2 ranks); make test-full validates 500 and trains 100 (up to 4 ranks); make
+# test-soak trains 100 more, of another draw.
+SEED, FULL_SEED, SOAK_SEED = 40, 2026, 7
 
 
 @dataclass
@@ -179,10 +180,16 @@ def train(check: Checked, devices: int, outputs: Path) -> dict:
 
 
 def check_trains(count: int, seed: int, root: Path, *, max_devices: int) -> None:
+    check_each_trains(accepted(count, seed, root, max_devices=max_devices), f"seed {seed}", root)
+
+
+def check_each_trains(combinations: list[Combination], label: str, root: Path) -> None:
+    """Each combination trains (a complete checkpoint where it saves one) and matches one
+    process where it has a reference; ``label`` names the draw in what a failure prints."""
     problems = []
-    for index, combination in enumerate(accepted(count, seed, root, max_devices=max_devices)):
-        outputs = root / f"seed{seed}" / f"run{index}"
-        print(f"combination {index} (seed {seed}): {' '.join(combination.job_overrides())}", flush=True)
+    for index, combination in enumerate(combinations):
+        outputs = root / label.replace(" ", "") / f"run{index}"
+        print(f"combination {index} ({label}): {' '.join(combination.job_overrides())}", flush=True)
         try:
             summary = train(checked(combination.job_overrides(), root), combination.devices, outputs)
             loss, saved = summary["train/loss"], summary.get("checkpoint")
@@ -196,7 +203,26 @@ def check_trains(count: int, seed: int, root: Path, *, max_devices: int) -> None
                     problems.append(f"{combination}\n    train/loss {loss} != {expected} of one process")
         except AssertionError as error:
             problems.append(f"{combination}\n    {str(error)[-1500:]}")
-    assert not problems, f"seed {seed} ({len(problems)} of {count}):\n" + "\n".join(problems)
+    assert not problems, f"{label} ({len(problems)} of {len(combinations)}):\n" + "\n".join(problems)
+
+
+# Accepted combinations a sample found training wrong, kept in make test once fixed. (The ones it
+# found that are refused now are refusal tests: LARS and LAMB under ZeRO in test_compatibility.py,
+# a transformers model's key/value heads at TP 4 in test_hf.py; top-k's bf16 payload in
+# test_compression.py.)
+FOUND_BY_SAMPLES = {
+    # Aborted by gloo in the first step: the stages broadcast the loss in two dtypes (seed 7).
+    "pipeline-bf16_true": Combination("pipeline", "bf16_true", "none", "llama", "none", "adamw", 2, 1, "basic",
+                                      "basic"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(FOUND_BY_SAMPLES))
+def test_a_combination_a_sample_found_wrong_trains_and_matches_one_process(name, root):
+    assert refusal_of(FOUND_BY_SAMPLES[name], root) is None
+    check_each_trains([FOUND_BY_SAMPLES[name]], name, root)
 
 
 @pytest.mark.slow
@@ -210,15 +236,14 @@ def test_a_sample_of_accepted_combinations_trains_and_matches_one_process(root):
 @pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_a_large_sample_of_accepted_combinations_trains_and_matches_one_process(root):
-    # NOTE: 8, not 100: about 5 s a combination with its reference (20 s for the first at each
-    # world size, which starts its rank pool), twice that beside the other worker: 12 took 151 s
-    # of CI's 30 minutes on 2 cores, 100 would take over half of them.
-    check_trains(8, combination_seed(FULL_SEED), root, max_devices=4)
+def test_a_hundred_accepted_combinations_train_and_match_one_process(root):
+    # About 2 s a combination with its reference on a quiet machine once its world size's rank
+    # pool runs (7-20 s to start one): 100 took 283 s alone.
+    check_trains(100, combination_seed(FULL_SEED), root, max_devices=4)
 
 
 @pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
-def test_a_hundred_accepted_combinations_train_and_match_one_process(root):
-    check_trains(100, combination_seed(FULL_SEED), root, max_devices=4)
+def test_a_hundred_more_accepted_combinations_train_and_match_one_process(root):
+    check_trains(100, combination_seed(SOAK_SEED), root, max_devices=4)

@@ -346,7 +346,11 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
             run(*args, target=targets if has_last else None, losses=losses)
         else:
             losses = self._forward_in_order(inputs, targets)
-        loss = torch.stack(losses).mean().detach() if has_last else torch.zeros((), device=self.root_device)
+        # float32 on every rank: the last stage's loss comes out of the loss function in its own
+        # dtype, and under bf16_true the others' zeros would be bfloat16 (Lightning's default
+        # dtype inside the step): gloo aborted the job on the sizes' mismatch (4 vs 2 bytes).
+        loss = (torch.stack(losses).mean().detach().float() if has_last
+                else torch.zeros((), dtype=torch.float32, device=self.root_device))
         group = self.device_mesh[PIPELINE].get_group()
         dist.broadcast(loss, src=dist.get_global_rank(group, self._stage_rank[-1]), group=group)
         return loss
