@@ -110,7 +110,7 @@ def with_step(built: dict[str, Any], cfg: Any, strategy: Any, holder: nn.Module,
     reason = fake_step.why_not(cfg, strategy, holder, stages)
     if reason is None:
         try:
-            built["step_peak_bytes"] = fake_step.peak_of_one_step(cfg, holder)
+            built["step_peak_bytes"] = fake_step.peak_of_one_step(cfg, holder, strategy)
         except Exception as error:  # a what-if beside the prediction, never a reason for plan=show to fail
             reason = f"{type(error).__name__}: {error}".splitlines()[0]
     if reason is not None:

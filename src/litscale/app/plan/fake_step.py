@@ -5,11 +5,14 @@ steps of forward, loss, backward and the configured optimizer, in Lightning's or
 holds the state the first made, and the first's gradients through its forward). Its peak is what one rank of the planned job allocates, set beside the planner's
 prediction by ``plan=show|auto plan.fake_step=true``; torchtitan estimates memory the same way.
 
-Nothing is stored, so 64 ranks of GPT-2 small at 1,024 tokens take seconds on 2 cores. Not
-run (and said why): DDP and the strategies built on it (its gradient buckets); a pipeline, whose stages exchange activations point to point; a mixture of
-experts, whose routing reads the router's values, which fake tensors do not have; context
-parallel, whose ranks take their chunks of each sequence in the training loop; a network that
-is not a causal language model; DeepSpeed, which the dry run does not build.
+Nothing is stored, so 64 ranks of GPT-2 small at 1,024 tokens take seconds on 2 cores. Under
+DDP the gradients live in its reducer's buckets, which its C++ reducer makes and fake tensors
+cannot build; the step keeps them as the reducer does (``ReducerBuckets``). Not run (and said
+why): the strategies built on DDP with their own averaging (local SGD, federated); a pipeline,
+whose stages exchange activations point to point; a mixture of experts, whose routing reads
+the router's values, which fake tensors do not have; context parallel, whose ranks take their
+chunks of each sequence in the training loop; a network that is not a causal language model;
+DeepSpeed, which the dry run does not build.
 """
 
 from __future__ import annotations
@@ -22,20 +25,18 @@ PIPELINE = "a pipeline's stages exchange activations point to point, which the f
 EXPERTS = "a mixture of experts routes each token by the router's values, which fake tensors do not have"
 CONTEXT = "context parallel feeds each rank its chunks of every sequence in the training loop, which this step does not"
 NOT_CAUSAL_LM = "the model is not a causal language model (the step feeds it tokens)"
-# NOTE: a step of the bare network drops its gradients before the backward; DDP's gradient
-# buckets keep every gradient's memory for the whole run, beside the backward's temporaries.
-DDP_REDUCER = ("DDP's gradient buckets are made by its C++ reducer, which fake tensors cannot run, and a step "
-               "without them leaves out that they hold every gradient for the whole run")
+# NOTE: local SGD and federated averaging keep copies of the model and run steps without DDP's
+# reduction; their memory is not DDP's step.
+OWN_AVERAGING = "the strategy averages its ranks' models on its own schedule, which this step does not run"
 
 
 def why_not(cfg: Any, strategy: Any, holder: nn.Module, stages: list) -> str | None:
     """Why one step of this run cannot run on the fake process group; None: it can."""
-    from lightning.pytorch.strategies import DDPStrategy
-
+    from litscale.contract import contract_value
     from litscale.declarations import find_expert_modules
 
-    if isinstance(strategy, DDPStrategy):
-        return DDP_REDUCER
+    if not contract_value(strategy, "plannable"):
+        return OWN_AVERAGING
     if stages:
         return PIPELINE
     if find_expert_modules(holder["net"]):
@@ -47,10 +48,39 @@ def why_not(cfg: Any, strategy: Any, holder: nn.Module, stages: list) -> str | N
     return None
 
 
-def peak_of_one_step(cfg: Any, holder: nn.Module) -> int:
+class ReducerBuckets:
+    """DDP's gradient buckets as far as memory goes: one flat buffer per dtype for every
+    gradient, made when DDP wraps the model and kept for the run (torch's reducer splits it into
+    25 MiB buckets; the bytes are the same). Each backward's new gradient is copied in and freed;
+    with ``gradient_as_bucket_view`` (litscale's default) the parameter's ``.grad`` then is its
+    view of the bucket, else the gradient stays beside its copy, as the reducer leaves them."""
+
+    def __init__(self, net: nn.Module, *, as_view: bool) -> None:
+        import torch
+
+        params = [p for p in net.parameters() if p.requires_grad]
+        self.buffers = {dtype: torch.empty(sum(p.numel() for p in params if p.dtype == dtype), dtype=dtype)
+                        for dtype in {p.dtype for p in params}}
+        offsets = dict.fromkeys(self.buffers, 0)
+        for param in params:
+            start = offsets[param.dtype]
+            offsets[param.dtype] += param.numel()
+            view = self.buffers[param.dtype][start:offsets[param.dtype]].view_as(param)
+            param.register_post_accumulate_grad_hook(self._copy_in(view, as_view))
+
+    @staticmethod
+    def _copy_in(view, as_view: bool):
+        def hook(param) -> None:
+            view.copy_(param.grad)
+            if as_view:
+                param.grad = view
+        return hook
+
+
+def peak_of_one_step(cfg: Any, holder: nn.Module, strategy: Any = None) -> int:
     """Bytes one rank holds at the peak of a training step of ``holder["net"]`` (already split
     on the fake process group, on the meta device), with the configured optimizer, micro batch,
-    sequence and precision."""
+    sequence and precision; under DDP (``strategy``), with its reducer's buckets."""
     import contextlib
 
     import torch
@@ -71,6 +101,9 @@ def peak_of_one_step(cfg: Any, holder: nn.Module) -> int:
         tracker = total_only_tracker()
         tracker.track_external(net, optimizer)
         with tracker:
+            if _reduces_in_buckets(strategy):  # made when DDP wraps the model, before the first step
+                # NOTE: Lightning's private attribute: the keywords its DDPStrategy wraps the model with.
+                ReducerBuckets(net, as_view=strategy._ddp_kwargs.get("gradient_as_bucket_view", False))
             for _ in range(2):
                 with autocast:
                     logits = net(tokens[:, :-1])
@@ -81,3 +114,9 @@ def peak_of_one_step(cfg: Any, holder: nn.Module) -> int:
                 loss.backward()
                 optimizer.step()
         return int(tracker.get_tracker_snapshot("peak")[torch.device("cpu")][TOTAL])
+
+
+def _reduces_in_buckets(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return isinstance(strategy, DDPStrategy)
