@@ -7,12 +7,12 @@ prediction by ``plan=show|auto plan.fake_step=true``; torchtitan estimates memor
 
 Nothing is stored, so 64 ranks of GPT-2 small at 1,024 tokens take seconds on 2 cores. Under
 DDP the gradients live in its reducer's buckets, which its C++ reducer makes and fake tensors
-cannot build; the step keeps them as the reducer does (``ReducerBuckets``). Not run (and said
-why): the strategies built on DDP with their own averaging (local SGD, federated); a pipeline,
-whose stages exchange activations point to point; a mixture of experts, whose routing reads
-the router's values, which fake tensors do not have; context parallel, whose ranks take their
-chunks of each sequence in the training loop; a network that is not a causal language model;
-DeepSpeed, which the dry run does not build.
+cannot build; the step keeps them as the reducer does (``ReducerBuckets``). Under context
+parallel the step is fed rank 0's two chunks of each sequence, as the strategy cuts its batches.
+Not run (and said why): the strategies built on DDP with their own averaging (local SGD,
+federated); a pipeline, whose stages exchange activations point to point; a mixture of experts,
+whose routing reads the router's values, which fake tensors do not have; a network that is not
+a causal language model; DeepSpeed, which the dry run does not build.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from torch import nn
 
 PIPELINE = "a pipeline's stages exchange activations point to point, which the fake process group does not carry"
 EXPERTS = "a mixture of experts routes each token by the router's values, which fake tensors do not have"
-CONTEXT = "context parallel feeds each rank its chunks of every sequence in the training loop, which this step does not"
 NOT_CAUSAL_LM = "the model is not a causal language model (the step feeds it tokens)"
 # NOTE: local SGD and federated averaging keep copies of the model and run steps without DDP's
 # reduction; their memory is not DDP's step.
@@ -41,8 +40,6 @@ def why_not(cfg: Any, strategy: Any, holder: nn.Module, stages: list) -> str | N
         return PIPELINE
     if find_expert_modules(holder["net"]):
         return EXPERTS
-    if int(cfg.strategy.get("context_parallel_size") or 1) > 1:
-        return CONTEXT
     if not str(cfg.model.get("_target_", "")).endswith("CausalLMModule"):
         return NOT_CAUSAL_LM
     return None
@@ -98,6 +95,7 @@ def peak_of_one_step(cfg: Any, holder: nn.Module, strategy: Any = None) -> int:
         factory = build(cfg.optimizer, trusted=trusted_targets(cfg))
         optimizer = factory(optimizer_groups(net, factory, float(cfg.model.get("weight_decay", 0.0))))
         tokens = torch.zeros(int(cfg.data.batch_size), int(cfg.data.seq_len) + 1, dtype=torch.long)
+        inputs, targets = _this_ranks_share(tokens[:, :-1], cfg), _this_ranks_share(tokens[:, 1:], cfg)
         tracker = total_only_tracker()
         tracker.track_external(net, optimizer)
         with tracker:
@@ -106,8 +104,8 @@ def peak_of_one_step(cfg: Any, holder: nn.Module, strategy: Any = None) -> int:
                 ReducerBuckets(net, as_view=strategy._ddp_kwargs.get("gradient_as_bucket_view", False))
             for _ in range(2):
                 with autocast:
-                    logits = net(tokens[:, :-1])
-                    loss = next_token_loss(logits, tokens[:, 1:])  # CausalLMModule's: its fp32 copy is in the peak
+                    logits = net(inputs)
+                    loss = next_token_loss(logits, targets)  # CausalLMModule's: its fp32 copy is in the peak
                 # In Lightning's order (its closure): the last step's gradients are dropped after
                 # the forward, not before it, so they are part of the forward's peak.
                 optimizer.zero_grad(set_to_none=True)
@@ -120,3 +118,12 @@ def _reduces_in_buckets(strategy: Any) -> bool:
     from lightning.pytorch.strategies import DDPStrategy
 
     return isinstance(strategy, DDPStrategy)
+
+
+def _this_ranks_share(tokens: Any, cfg: Any) -> Any:
+    """Rank 0's share of each sequence under context parallel, as the strategy cuts its batches
+    (two chunks of every sequence: the load-balanced split); the whole sequences otherwise."""
+    from litscale.strategies.context_parallel import shard_sequence
+
+    context = int(cfg.strategy.get("context_parallel_size") or 1)
+    return shard_sequence(tokens, 0, context) if context > 1 else tokens
