@@ -19,16 +19,17 @@ printed with every failure.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from helpers.cli import summaries
-from helpers.combinations import Combination, combination_seed, cross_product_size, sample
+from helpers.combinations import BASE, Combination, combination_seed, cross_product_size, sample
 from helpers.configs import compose_once
 from helpers.inprocess import train_job_on_pool
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from litscale.checkpoints import is_complete_checkpoint
 from litscale.errors import ConfigError
@@ -60,25 +61,53 @@ class Checked:
 # Command line -> its check, for every test of this module: the trained sample is drawn from
 # the validated one (same seed), so each combination is composed once.
 CHECKED: dict[tuple[str, ...], Checked] = {}
+# A -m command line (another launcher or sweeper) -> its composition before its check: Hydra
+# composes the engines into the ``hydra`` node alone, so the job it holds is the job of the same
+# command line under the basic engines (``checked_as_basic_job``), without a second composition.
+COMPOSED_WITH_ENGINES: dict[tuple[str, ...], DictConfig] = {}
 
 
 def checked(overrides: list[str], root: Path, *, multirun: bool = False) -> Checked:
     """``overrides`` checked as ``train.py`` checks a job before launching it, its outputs under
     ``root``. Anything but a ``ConfigError`` is a defect and propagates."""
-    from litscale.app.preflight import validate_job
-
     key = (*overrides, f"-m={multirun}")
     if key not in CHECKED:
-        cfg = compose_once(overrides)
-        cfg.paths.root_dir = str(root)
-        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
-        try:
-            validate_job(cfg, multirun=multirun)  # leaves cfg as the job sees it
-        except ConfigError as error:
-            CHECKED[key] = Checked(str(error))
-        else:
-            CHECKED[key] = Checked(None, cfg, choices)
+        cfg = _composed_in(overrides, root)
+        if multirun:
+            COMPOSED_WITH_ENGINES[key] = copy.deepcopy(cfg)
+        CHECKED[key] = check_composed(cfg, multirun=multirun)
     return CHECKED[key]
+
+
+@functools.cache
+def default_engines() -> dict[str, str]:
+    """The launcher and sweeper a command line gets when it names none (conf/train.yaml's)."""
+    choices = compose_once(BASE).hydra.runtime.choices
+    return {group: choices[group] for group in ("hydra/launcher", "hydra/sweeper")}
+
+
+def check_composed(cfg: DictConfig, *, multirun: bool) -> Checked:
+    from litscale.app.preflight import validate_job
+
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
+    try:
+        validate_job(cfg, multirun=multirun)  # leaves cfg as the job sees it
+    except ConfigError as error:
+        return Checked(str(error))
+    return Checked(None, cfg, choices)
+
+
+def checked_as_basic_job(combination: Combination, root: Path) -> tuple[Combination, Checked]:
+    """The combination under the basic launcher and sweeper, and its check as ``train.py`` checks
+    it without ``-m``: from the combination's own composition where it has one."""
+    job = Combination(**{**combination.__dict__, "launcher": "basic", "sweeper": "basic"})
+    key = (*job.overrides(), "-m=False")
+    composed = COMPOSED_WITH_ENGINES.pop((*combination.overrides(), "-m=True"), None)
+    if key not in CHECKED and composed is not None:
+        with read_write(composed.hydra), open_dict(composed.hydra):
+            composed.hydra.runtime.choices.update(default_engines())
+        CHECKED[key] = check_composed(composed, multirun=False)
+    return job, checked(job.overrides(), root)
 
 
 def refusal_of(combination: Combination, root: Path) -> str | None:
@@ -134,19 +163,49 @@ def test_every_combination_of_a_large_sample_is_refused_in_one_line_or_accepted(
 
 
 def accepted(count: int, seed: int, root: Path, *, max_devices: int) -> list[Combination]:
-    """The first ``count`` accepted combinations of a seeded sample on at most ``max_devices``
-    ranks (basic launcher and sweeper: what a cluster launcher's job runs is the same job;
-    replica groups train in tests/test_fault_tolerance.py, as the rank pool runs one group)."""
+    """The first ``count`` combinations of a seeded sample on at most ``max_devices`` ranks that
+    are accepted as drawn and as the job under the basic launcher and sweeper (what a cluster
+    launcher's job runs is the same job), each as that job; replica groups train in
+    tests/test_fault_tolerance.py, as the rank pool runs one group."""
     found = []
     for combination in sample(20 * count, seed):
-        job = Combination(**{**combination.__dict__, "launcher": "basic", "sweeper": "basic"})
-        if job.fault_tolerance != "none":
+        if combination.fault_tolerance != "none" or combination.devices > max_devices:
             continue
-        if job.devices <= max_devices and job not in found and refusal_of(job, root) is None:
+        if refusal_of(combination, root) is not None:  # as validated, engines included
+            continue
+        job, check = checked_as_basic_job(combination, root)
+        if check.refusal is None and job not in found:
             found.append(job)
         if len(found) == count:
             return found
     raise AssertionError(f"seed {seed}: fewer than {count} accepted combinations in the sample")
+
+
+@pytest.mark.slow
+def test_a_jobs_check_read_from_its_composition_with_other_engines_is_the_fresh_one(root):
+    """``checked_as_basic_job`` reads the job from the composition under a cluster launcher or
+    Optuna: the same job, choices and refusal as the basic command line composed afresh."""
+    drawn = [Combination("ddp", "fp32", "none", "gpt", "none", "adamw", 2, 1, "ray", "basic"),
+             Combination("fsdp", "bf16_mixed", "none", "llama", "none", "muon", 2, 2, "basic", "optuna"),
+             Combination("ddp", "fp32", "none", "mlp", "powersgd", "sgd", 2, 1, "slurm_local", "optuna"),
+             *[c for c in sample(100, SEED) if c.multirun][:3]]  # refused ones among them
+    compared = 0
+    for combination in drawn:
+        refusal_of(combination, root)
+        job, reused = checked_as_basic_job(combination, root)
+        fresh = check_composed(_composed_in(job.overrides(), root), multirun=False)
+        assert reused.refusal == fresh.refusal and reused.choices == fresh.choices, combination
+        if fresh.job is not None:
+            assert OmegaConf.to_container(reused.job) == OmegaConf.to_container(fresh.job), combination
+            compared += 1
+    assert compared, "no accepted job among the drawn: nothing compared"
+    assert any(c.sweeper != "basic" for c in drawn) and any(c.launcher != "basic" for c in drawn)
+
+
+def _composed_in(overrides: list[str], root: Path) -> DictConfig:
+    cfg = compose_once(overrides)
+    cfg.paths.root_dir = str(root)
+    return cfg
 
 
 def reference_of(combination: Combination, root: Path) -> tuple[Checked, dict] | None:

@@ -203,6 +203,10 @@ STEPS = [
     pytest.param([*GPT, "data.batch_size=8", "strategy=ddp"], 2, id="nano-ddp2", marks=pytest.mark.full),
     pytest.param(["model=llama", "data.batch_size=8", "strategy=fsdp", "strategy.context_parallel_size=2"], 2,
                  id="llama-cp2", marks=pytest.mark.full),
+    pytest.param(["model=moe", "data=synthetic", "data.batch_size=8", "strategy=fsdp"], 2, id="moe-fsdp2",
+                 marks=pytest.mark.full),
+    pytest.param(["model=moe", "data=synthetic", "data.batch_size=8", "strategy=fsdp", "strategy.expert_parallel_size=2"],
+                 2, id="moe-ep2", marks=pytest.mark.full),
     pytest.param(["model=llama", "data.batch_size=8", "strategy=fsdp", "strategy.context_parallel_size=2"], 4,
                  id="llama-cp2-dp2", marks=pytest.mark.full),
     pytest.param(["model=llama", "data.batch_size=8", "strategy=ddp", "strategy.gradient_as_bucket_view=false"], 2,
@@ -231,8 +235,7 @@ def test_one_step_at_the_configured_world_peaks_within_ten_percent_of_the_predic
 @pytest.mark.parametrize(("overrides", "reason"), [
     (["strategy=local_sgd"], "OWN_AVERAGING"),
     (["strategy=pipeline"], "PIPELINE"),
-    (["model=moe", "strategy=fsdp"], "EXPERTS"),
-], ids=["local_sgd", "pipeline", "moe"])
+], ids=["local_sgd", "pipeline"])
 def test_a_step_the_fake_group_cannot_run_is_skipped_with_the_reason(overrides, reason, tmp_path):
     from litscale.app.plan import fake_step
 

@@ -97,6 +97,8 @@ class TokenExchange:
 
         rows, tokens_per_expert = inputs
         ranks, group = mesh.size(), mesh.get_group()
+        if _shapes_only(rows):
+            return self._dispatch_evenly(rows, tokens_per_expert, ranks, group)
         received = torch.empty_like(tokens_per_expert)
         # Peer j gets the counts of its experts: [ranks, local experts] row j.
         dist.all_to_all_single(received, tokens_per_expert, group=group)
@@ -109,6 +111,19 @@ class TokenExchange:
         local_expert = torch.arange(received.shape[1], device=rows.device).repeat(ranks)
         self._order = torch.sort(local_expert.repeat_interleave(received.flatten()), stable=True).indices
         return arrived[self._order], received.sum(0)
+
+    def _dispatch_evenly(self, rows: Tensor, tokens_per_expert: Tensor, ranks: int, group) -> tuple[Tensor, Tensor]:
+        """A shape trace (the planner's step on fake tensors) has no counts to exchange: each
+        peer is sent an even share of the rows and sends as many back (a balanced routing, as
+        the planner costs it), and this rank's experts split what arrives evenly."""
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        share, rest = divmod(rows.shape[0], ranks)
+        self._sent = self._received = [share + (peer < rest) for peer in range(ranks)]
+        self._order = torch.arange(rows.shape[0], device=rows.device)
+        arrived = all_to_all_single_autograd(rows, self._received, self._sent, group)
+        local_experts = tokens_per_expert.numel() // ranks
+        return arrived, tokens_per_expert.new_full((local_experts,), rows.shape[0] // local_experts)
 
     def combine(self, module: nn.Module, outputs: Tensor, mesh: DeviceMesh) -> Tensor:
         """The experts' outputs back to the ranks and places their rows came from."""
@@ -153,3 +168,10 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, *, expert_paralle
             # rank: there torch 2.13 divides by the factor with no reduction, then again after it.
             experts_module.set_force_sum_reduction_for_comms(True)
 
+
+
+def _shapes_only(rows: Tensor) -> bool:
+    """A meta or fake tensor: shapes traced, nothing computed."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return rows.is_meta or is_fake(rows)

@@ -9,10 +9,12 @@ Nothing is stored, so 64 ranks of GPT-2 small at 1,024 tokens take seconds on 2 
 DDP the gradients live in its reducer's buckets, which its C++ reducer makes and fake tensors
 cannot build; the step keeps them as the reducer does (``ReducerBuckets``). Under context
 parallel the step is fed rank 0's two chunks of each sequence, as the strategy cuts its batches.
+A mixture of experts routes by the router's values, which fake tensors do not have: its
+shapes are those of an even routing (every expert its share of the rows, and under expert
+parallel every peer as many rows as it sends: ``TokenExchange``), as the planner costs it.
 Not run (and said why): the strategies built on DDP with their own averaging (local SGD,
-federated); a pipeline, whose stages exchange activations point to point; a mixture of experts,
-whose routing reads the router's values, which fake tensors do not have; a network that is not
-a causal language model; DeepSpeed, which the dry run does not build.
+federated); a pipeline, whose stages exchange activations point to point; a network that is
+not a causal language model; DeepSpeed, which the dry run does not build.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from typing import Any
 from torch import nn
 
 PIPELINE = "a pipeline's stages exchange activations point to point, which the fake process group does not carry"
-EXPERTS = "a mixture of experts routes each token by the router's values, which fake tensors do not have"
 NOT_CAUSAL_LM = "the model is not a causal language model (the step feeds it tokens)"
 # NOTE: local SGD and federated averaging keep copies of the model and run steps without DDP's
 # reduction; their memory is not DDP's step.
@@ -32,14 +33,11 @@ OWN_AVERAGING = "the strategy averages its ranks' models on its own schedule, wh
 def why_not(cfg: Any, strategy: Any, holder: nn.Module, stages: list) -> str | None:
     """Why one step of this run cannot run on the fake process group; None: it can."""
     from litscale.contract import contract_value
-    from litscale.declarations import find_expert_modules
 
     if not contract_value(strategy, "plannable"):
         return OWN_AVERAGING
     if stages:
         return PIPELINE
-    if find_expert_modules(holder["net"]):
-        return EXPERTS
     if not str(cfg.model.get("_target_", "")).endswith("CausalLMModule"):
         return NOT_CAUSAL_LM
     return None
