@@ -9,6 +9,14 @@ import torch
 from torch.optim import Optimizer
 
 
+def shapes_only(tensor: torch.Tensor) -> bool:
+    """A meta or fake tensor: shapes traced (the planner's counts, its step on fake tensors),
+    nothing computed and no value to read."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
+
+
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank; any other tensor itself."""
     from torch.distributed.tensor import DTensor

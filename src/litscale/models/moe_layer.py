@@ -51,6 +51,7 @@ from torch.utils import flop_counter
 
 from litscale.models.llama import WHOLE_SEQUENCE, SwiGLU
 from litscale.models.moe_config import MoEConfig
+from litscale.tensor_bytes import shapes_only
 
 # --- grouped matmul --------------------------------------------------------------------------
 
@@ -64,14 +65,7 @@ def _fused_grouped_mm_runs(x: Tensor, weight: Tensor) -> bool:
         return False
     if x.dtype == torch.bfloat16:
         return True
-    return x.device.type == "cpu" and not torch.compiler.is_compiling() and not _shapes_only(x)
-
-
-def _shapes_only(x: Tensor) -> bool:
-    """A meta or fake tensor: shapes traced (the planner's activation count), nothing computed."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return x.is_meta or is_fake(x)
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and not shapes_only(x)
 
 
 def grouped_matmul(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
@@ -96,7 +90,7 @@ def grouped_matmul(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
             # from a sum); contiguous gradients are what any real loss hands back anyway.
             out.register_hook(torch.Tensor.contiguous)
         return out
-    if _shapes_only(x) and not torch.compiler.is_compiling():
+    if shapes_only(x) and not torch.compiler.is_compiling():
         # NOTE: the loop below reads the group sizes, which a shape trace does not have; one
         # matmul of the same shapes saves the same tensors and counts the same FLOPs.
         return x @ weight[0].T

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from litscale.declarations import find_expert_modules
 from litscale.layout import MeshAxis
+from litscale.tensor_bytes import shapes_only
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -97,7 +98,7 @@ class TokenExchange:
 
         rows, tokens_per_expert = inputs
         ranks, group = mesh.size(), mesh.get_group()
-        if _shapes_only(rows):
+        if shapes_only(rows):
             return self._dispatch_evenly(rows, tokens_per_expert, ranks, group)
         received = torch.empty_like(tokens_per_expert)
         # Peer j gets the counts of its experts: [ranks, local experts] row j.
@@ -168,10 +169,3 @@ def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, *, expert_paralle
             # rank: there torch 2.13 divides by the factor with no reduction, then again after it.
             experts_module.set_force_sum_reduction_for_comms(True)
 
-
-
-def _shapes_only(rows: Tensor) -> bool:
-    """A meta or fake tensor: shapes traced, nothing computed."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return rows.is_meta or is_fake(rows)
