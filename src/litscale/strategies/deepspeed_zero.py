@@ -34,6 +34,7 @@ from litscale.declarations import declared
 from litscale.muon import Muon
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding
+from litscale.strategies.fully_shard import norms_with_running_statistics
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 from litscale.strategies.zero_muon import MUON_CONDITIONS, deepspeed_muon, why_not_muon
@@ -77,8 +78,7 @@ def check_no_running_statistics_in_16_bit(net: nn.Module, dtypes: PrecisionDtype
     found Float", seen at ZeRO-3 with precision=bf16_mixed on model=resnet): refused up front."""
     if dtypes is None or dtypes.compute == torch.float32:
         return
-    norm = next((m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                 and m.track_running_stats), None)
+    norm = next(iter(norms_with_running_statistics(net)), None)
     if norm is not None:
         raise ValueError(f"strategy=deepspeed_zero with a {str(dtypes.compute).removeprefix('torch.')} precision: "
                          f"the network's {type(norm).__name__} keeps fp32 running statistics, which DeepSpeed's "

@@ -113,9 +113,13 @@ def keep_running_statistics_in_float32(module: nn.Module, *, reshard_after_forwa
     if policy.param_dtype in (None, torch.float32):
         return
     float32 = {**options, "mp_policy": dataclasses.replace(policy, param_dtype=None, output_dtype=None)}
-    for norm in module.modules():
-        if isinstance(norm, nn.modules.batchnorm._BatchNorm) and norm.track_running_stats:
-            fully_shard(norm, reshard_after_forward=reshard_after_forward, **float32)
+    for norm in norms_with_running_statistics(module):
+        fully_shard(norm, reshard_after_forward=reshard_after_forward, **float32)
+
+
+def norms_with_running_statistics(module: nn.Module) -> list[nn.Module]:
+    """The BatchNorm modules of ``module`` that keep running statistics in buffers."""
+    return [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
 
 def apply_fsdp(
