@@ -110,6 +110,30 @@ def test_fsdp_gathers_each_unit_twice_per_micro_batch_and_the_root_once():
     assert found["parameter all-gather"].seconds == pytest.approx(18 * 3 * 1e-5 + 7 / 8 * gathered / 10e9)
 
 
+def test_each_collective_is_timed_with_its_own_measured_figures_where_the_link_has_them():
+    """A link with a slower reduce-scatter (as gloo's is on CPU): the FSDP step's reduce-scatter
+    pays that kind's latency and bandwidth, its all-gather the link's own."""
+    with torch.device("meta"):
+        facts = model_facts(build_gpt(vocab_size=256, block_size=64), seq_len=64, vocab_size=256)
+    scatter = Link(bandwidth_bytes_s=1e9, latency_s=2e-3)
+    node = dataclasses.replace(NODE, collectives={"reduce-scatter": scatter})
+    cluster = dataclasses.replace(CLUSTER, nodes=1, devices_per_node=2, intra_node=node, inter_node=node)
+    found = {c.name: c for c in collectives(Plan("fsdp", MeshSizes(data_shard=2), micro_batch=2, accumulation=1),
+                                            facts, cluster)}
+    gather, reduce = found["parameter all-gather"], found["gradient reduce-scatter"]
+    assert reduce.seconds == pytest.approx(reduce.calls * 2e-3 + reduce.bytes_per_rank / 1e9)
+    assert gather.seconds == pytest.approx(gather.calls * 1e-5 + gather.bytes_per_rank / 100e9)
+
+
+def test_a_links_latency_and_bandwidth_are_fitted_back_from_times_they_make():
+    from litscale.planner.calibrate import KINDS, fit_link
+
+    for kind, (messages, sent_per_byte) in KINDS.items():
+        times = {n: messages * 8e-4 + sent_per_byte * n / 1.2e9 for n in (4096, 65536, 2**20, 2**24)}
+        fitted = fit_link(times, messages, sent_per_byte)
+        assert (fitted.latency_s, fitted.bandwidth_bytes_s) == (pytest.approx(8e-4), pytest.approx(1.2e9)), kind
+
+
 @pytest.mark.slow
 def test_a_plan_is_timed_as_its_rank_runs_the_network():
     """Profiles by how a rank runs the network: FSDP's, DeepSpeed's or a compression hook's own,
@@ -534,11 +558,15 @@ def test_calibration_measures_this_machine_and_local_cpu_reads_it(tmp_path, monk
     figures = json.loads((tmp_path / "cluster_local_cpu.json").read_text())
     assert figures["peak_flops"]["float32"] > 1e9 and figures["bandwidth_bytes_s"] > 1e6
     assert 0 < figures["latency_s"] < 0.1
-    from litscale.planner.calibrate import local_cpu
+    from litscale.planner.calibrate import KINDS, local_cpu
+
+    assert set(figures["collectives"]) == set(KINDS)
+    assert all(0 < kind["latency_s"] < 0.1 and kind["bandwidth_bytes_s"] > 1e6 for kind in figures["collectives"].values())
 
     cluster = local_cpu()
     assert cluster.peak_flops == figures["peak_flops"]
     assert cluster.intra_node.bandwidth_bytes_s == figures["bandwidth_bytes_s"]
+    assert cluster.intra_node.collectives["reduce-scatter"].latency_s == figures["collectives"]["reduce-scatter"]["latency_s"]
     assert cluster.devices_per_node == figures["cores"]
 
 

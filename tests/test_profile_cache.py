@@ -146,7 +146,9 @@ def fast_calibration(tmp_path, monkeypatch):
     monkeypatch.delenv(machine.MAX_LOAD_ENV, raising=False)
     monkeypatch.setattr(machine, "cores", lambda: 2)
     monkeypatch.setattr(calibrate, "probe_matmul_flops", lambda dtype, seconds: 1e10)
-    monkeypatch.setattr(calibrate, "measure_link", lambda: (Link(bandwidth_bytes_s=1e9, latency_s=1e-5), {4096: 1e-5}))
+    gather = Link(bandwidth_bytes_s=5e8, latency_s=2e-5)
+    link = Link(bandwidth_bytes_s=1e9, latency_s=1e-5, collectives={"all-gather": gather})
+    monkeypatch.setattr(calibrate, "measure_link", lambda: (link, {"all-gather": {4096: 2.4e-5}}))
     monkeypatch.setattr(calibrate, "measure_contention", lambda ranks, link: 1.2)
     return tmp_path / "cluster_local_cpu.json"
 
@@ -164,6 +166,17 @@ def test_a_calibration_timed_on_a_busy_machine_is_used_once_and_not_written(fast
     assert figures["load_average"] == 1.9 and figures["machine"] == machine.fingerprint()
 
 
+def test_each_collectives_measured_figures_are_written_and_read_back(fast_calibration, monkeypatch):
+    monkeypatch.setattr(machine, "load_average", lambda: 0.1)
+    calibrate.calibrate()
+    figures = json.loads(fast_calibration.read_text())
+    assert figures["collectives"] == {"all-gather": {"latency_s": 2e-5, "bandwidth_bytes_s": 5e8,
+                                                     "seconds_by_bytes": {"4096": 2.4e-5}}}
+    link = calibrate.local_cpu().intra_node
+    assert link.seconds(1e6, messages=3, kind="all-gather") == 3 * 2e-5 + 1e6 / 5e8
+    assert link.seconds(1e6, messages=3, kind="reduce-scatter") == 3 * 1e-5 + 1e6 / 1e9  # not measured: the link's
+
+
 def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibration, monkeypatch):
     monkeypatch.setattr(machine, "load_average", lambda: 0.1)
     figures = calibrate.calibrate()
@@ -175,6 +188,8 @@ def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibratio
     assert calibrate.stale(older).startswith("it was measured with torch 2.0.0, this is ")
     unrecorded = {k: v for k, v in figures.items() if k != "machine"}
     assert calibrate.stale(unrecorded) == "it was measured by an older litscale, which did not record the machine"
+    all_reduce_only = {k: v for k, v in figures.items() if k != "collectives"}
+    assert calibrate.stale(all_reduce_only) == "it was measured by an older litscale, which timed the all-reduce only"
     assert calibrate.stale(CALIBRATION) is None  # written by hand: taken as written
     monkeypatch.setattr(calibrate, "probe_matmul_flops", lambda dtype, seconds: 2e10)
     assert calibrate.local_cpu().peak_flops["float32"] == 2e10  # a plan measures this machine again

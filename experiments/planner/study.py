@@ -481,9 +481,19 @@ def addition_line(addition: dict) -> str:
         f"{', '.join(f'`{n}`' for n in addition['configurations'])}; the machine was shared, load average "
         f"(1, 5, 15 min) {' / '.join(f'{v:.1f}' for v in before)} before and "
         f"{' / '.join(f'{v:.1f}' for v in after)} after, `nice -n 10`; calibration ({calibration['measured']}): "
-        f"gloo latency {calibration['latency_s'] * 1e3:.2f} ms, bandwidth "
-        f"{calibration['bandwidth_bytes_s'] / 1e9:.2f} GB/s, contention {calibration['contention']:.3f}."
+        f"{link_figures(calibration)}, contention {calibration['contention']:.3f}."
     )
+
+
+def link_figures(calibration: dict) -> str:
+    """The calibration's gloo figures: each collective's own where it timed them apart."""
+    kinds = calibration.get("collectives")
+    if not kinds:
+        return (f"gloo latency {calibration.get('latency_s', 0) * 1e3:.2f} ms, bandwidth "
+                f"{calibration.get('bandwidth_bytes_s', 0) / 1e9:.2f} GB/s")
+    return "gloo latency and bandwidth, each between stretches of compute: " + "; ".join(
+        f"{kind} {fitted['latency_s'] * 1e3:.2f} ms, {fitted['bandwidth_bytes_s'] / 1e9:.2f} GB/s"
+        for kind, fitted in kinds.items())
 
 
 def report(results: dict) -> str:
@@ -494,8 +504,7 @@ def report(results: dict) -> str:
         f"{STEPS} steps per run, the last {STEPS - WARMUP} timed; one thread per rank; "
         f"{len(next(iter(runs.values())).get('measured_each', [0]))} pass(es), each configuration's median "
         "reported. Calibration "
-        f"({calibration.get('measured', '?')}): gloo latency {calibration.get('latency_s', 0) * 1e3:.2f} ms, "
-        f"bandwidth {calibration.get('bandwidth_bytes_s', 0) / 1e9:.2f} GB/s, contention "
+        f"({calibration.get('measured', '?')}): {link_figures(calibration)}, contention "
         f"{calibration.get('contention', 1.0):.3f}.",
         *map(addition_line, results.get("additions", [])),
         "",

@@ -1,10 +1,10 @@
 """``python -m litscale.planner.calibrate``: this machine's figures for ``cluster=local_cpu``.
 
-Times square matmuls on one rank's share of the cores (each CPU rank runs one thread), gloo
-all-reduces between two local processes at sizes from 4 KiB to 16 MiB (latency and bandwidth
-fitted to them), and a small training step alone and under DDP on two processes at once
-(contention, beyond the all-reduce those figures predict);
-writes them to ``$LITSCALE_CACHE/cluster_local_cpu.json`` (default ``~/.cache/litscale``). A plan for
+Times square matmuls on one rank's share of the cores (each CPU rank runs one thread), gloo's
+collectives between two local processes at sizes from 4 KiB to 16 MiB, each between stretches
+of compute as a step issues them (latency and bandwidth fitted to each kind), and a small
+training step alone and under DDP on two processes at once (contention, beyond the all-reduce
+those figures predict); writes them to ``$LITSCALE_CACHE/cluster_local_cpu.json`` (default ``~/.cache/litscale``). A plan for
 ``cluster=local_cpu`` reads that file, and calibrates first if it is missing.
 """
 
@@ -27,7 +27,7 @@ from litscale.planner import machine
 from litscale.planner.cluster import Cluster, Link
 
 SIZES = [2**k for k in range(12, 25, 2)]  # bytes: 4 KiB .. 16 MiB
-REPEATS = 15
+ROUNDS = 3  # each a mean over many calls; the median of the rounds is kept
 
 
 def calibration_path() -> Path:
@@ -41,53 +41,96 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _time_all_reduce(rank: int, port: int, out: str) -> None:
+# Each collective as the planner costs it at 2 ranks: (latency messages per call, bytes each
+# rank sends per byte of the buffer timed): a ring all-reduce sends the buffer in 2 messages;
+# an all-gather (of its output), a reduce-scatter (of its input) and an all-to-all half of it
+# in one; a send the whole buffer.
+KINDS = {"all-reduce": (2, 1.0), "all-gather": (1, 0.5), "reduce-scatter": (1, 0.5), "all-to-all": (1, 0.5),
+         "send": (1, 1.0)}
+
+
+def _collective_calls(dist, rank: int, size: int) -> dict:
+    whole, half, received = torch.ones(size // 4), torch.ones(size // 8), torch.ones(size // 4)
+    return {"all-reduce": lambda: dist.all_reduce(whole),
+            "all-gather": lambda: dist.all_gather_single(whole, half),
+            "reduce-scatter": lambda: dist.reduce_scatter_single(half, whole),
+            "all-to-all": lambda: dist.all_to_all_single(received, whole),
+            "send": (lambda: dist.send(whole, 1)) if rank == 0 else (lambda: dist.recv(received, 0))}
+
+
+def _time_collectives(rank: int, port: int, out: str) -> None:
+    """Each kind's mean time per call, at each size, issued as a training step issues them:
+    between stretches of compute on both ranks. Timed after a barrier, back to back, gloo's
+    small calls take a third of what they take there: its threads are asleep or busy on the
+    cores the ranks compute on, and a step pays for waking them at every call."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    work = torch.randn(256, 256)
+
+    def compute() -> None:  # about 2 ms on one core: a layer's matmuls between two collectives
+        for _ in range(4):
+            work @ work
+
     try:
-        times = {}
+        times: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
         for size in SIZES:
-            tensor = torch.ones(size // 4)
-            dist.all_reduce(tensor)  # first call sets up the buffers
-            samples = []
-            for _ in range(REPEATS):
-                dist.barrier()
-                start = time.perf_counter()
-                dist.all_reduce(tensor)
-                samples.append(time.perf_counter() - start)
-            times[size] = statistics.median(samples)
+            calls_per_round = 20 if size <= 2**20 else 6
+            for kind, call in _collective_calls(dist, rank, size).items():
+                call()  # the first call sets up the buffers
+                rounds = []
+                for _ in range(ROUNDS):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(calls_per_round):
+                        compute()
+                    alone = time.perf_counter() - start
+                    dist.barrier()
+                    start = time.perf_counter()
+                    for _ in range(calls_per_round):
+                        compute()
+                        call()
+                    rounds.append((time.perf_counter() - start - alone) / calls_per_round)
+                times[kind][size] = max(statistics.median(rounds), 1e-6)
         if rank == 0:
             Path(out).write_text(json.dumps(times))
     finally:
         dist.destroy_process_group()
 
 
-def measure_link() -> tuple[Link, dict[int, float]]:
-    """Latency and bandwidth of a 2-rank gloo ring on this machine, and the median all-reduce
-    time by size they were fitted to."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.json")
-        mp.spawn(_time_all_reduce, args=(_free_port(), out), nprocs=2)
-        times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
-    # A ring all-reduce of n bytes on 2 ranks sends n bytes per rank in 2 messages. Least
-    # squares on relative errors (weights 1 / t^2): plain least squares lets the 16 MiB
-    # times set the intercept, and the latency came out 10x what a 4 KiB all-reduce takes.
-    xs, ys = list(times), [times[n] for n in times]
+def fit_link(times: dict[int, float], messages: int, sent_per_byte: float) -> Link:
+    """Latency and bandwidth of ``seconds = messages x latency + sent_per_byte x bytes /
+    bandwidth`` fitted to median times by size. Least squares on relative errors (weights
+    1 / t^2): plain least squares lets the 16 MiB times set the intercept, and the latency came
+    out 10x what a 4 KiB call takes."""
+    xs, ys = [sent_per_byte * n for n in times], list(times.values())
     weights = [1 / y**2 for y in ys]
     total = sum(weights)
     mean_x = sum(w * x for w, x in zip(weights, xs, strict=True)) / total
     mean_y = sum(w * y for w, y in zip(weights, ys, strict=True)) / total
     slope = sum(w * (x - mean_x) * (y - mean_y) for w, x, y in zip(weights, xs, ys, strict=True)) / sum(
         w * (x - mean_x) ** 2 for w, x in zip(weights, xs, strict=True))
-    latency = max(mean_y - slope * mean_x, 1e-7) / 2
-    return Link(bandwidth_bytes_s=1 / slope, latency_s=latency), times
+    slope = max(slope, 1e-12)  # a noisy sweep must not give a negative or infinite bandwidth
+    return Link(bandwidth_bytes_s=1 / slope, latency_s=max(mean_y - slope * mean_x, 1e-7) / messages)
+
+
+def measure_link() -> tuple[Link, dict[str, dict[int, float]]]:
+    """This machine's gloo link between two local processes: the all-reduce's latency and
+    bandwidth, each kind of collective's own (``Link.collectives``), and the mean time per call
+    by kind and size they were fitted to."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(_time_collectives, args=(_free_port(), out), nprocs=2)
+        times = {kind: {int(k): v for k, v in by_size.items()} for kind, by_size in json.loads(Path(out).read_text()).items()}
+    kinds = {kind: fit_link(times[kind], *KINDS[kind]) for kind in KINDS}
+    whole = kinds["all-reduce"]
+    return Link(bandwidth_bytes_s=whole.bandwidth_bytes_s, latency_s=whole.latency_s, collectives=kinds), times
 
 
 PROBE_SEQ, PROBE_MICRO = 128, 8  # the probe step: GPT-nano, micro batch 8 of 128 tokens
@@ -167,7 +210,9 @@ def calibrate() -> dict:
     figures = {"cores": cores, "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
                "peak_flops": peak, "bandwidth_bytes_s": link.bandwidth_bytes_s, "latency_s": link.latency_s,
                "contention": measure_contention(min(cores, 2), link),
-               "all_reduce_s_by_bytes": times,  # what latency and bandwidth were fitted to
+               "collectives": {kind: {"latency_s": fitted.latency_s, "bandwidth_bytes_s": fitted.bandwidth_bytes_s,
+                                      "seconds_by_bytes": times[kind]}  # what each was fitted to
+                               for kind, fitted in link.collectives.items()},
                "measured": time.strftime("%Y-%m-%d %H:%M"), "load_average": round(load, 2),
                "machine": machine.fingerprint(), "torch": torch.__version__}
     refused = machine.busy(load)
@@ -186,7 +231,9 @@ def stale(figures: dict) -> str | None:
     by hand (neither ``machine`` nor the all-reduce times this module records) is taken as written."""
     if "machine" not in figures:
         return "it was measured by an older litscale, which did not record the machine" if (
-            "all_reduce_s_by_bytes" in figures) else None
+            "collectives" in figures or "all_reduce_s_by_bytes" in figures) else None
+    if "collectives" not in figures:
+        return "it was measured by an older litscale, which timed the all-reduce only"
     if figures["machine"] != machine.fingerprint():
         return "it was measured on another machine"
     if figures.get("torch") != torch.__version__:
@@ -215,7 +262,9 @@ def local_cpu(*, achieved_fraction: Fraction = 0.5, allocator_overhead: NonNegat
         if "refused" in figures:
             print(f"litscale: this machine's calibration {figures['refused']}; used for this command only",
                   file=sys.stderr)
-    link = Link(bandwidth_bytes_s=figures["bandwidth_bytes_s"], latency_s=figures["latency_s"])
+    kinds = {kind: Link(bandwidth_bytes_s=fitted["bandwidth_bytes_s"], latency_s=fitted["latency_s"])
+             for kind, fitted in figures.get("collectives", {}).items()}
+    link = Link(bandwidth_bytes_s=figures["bandwidth_bytes_s"], latency_s=figures["latency_s"], collectives=kinds)
     return Cluster(name="local_cpu", nodes=1, devices_per_node=figures["cores"],
                    contention=figures.get("contention", 1.0),
                    device_memory_bytes=figures["memory_bytes"] / figures["cores"], peak_flops=figures["peak_flops"],

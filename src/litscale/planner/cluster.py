@@ -14,9 +14,15 @@ class Link:
 
     bandwidth_bytes_s: PositiveFloat
     latency_s: NonNegativeFloat
+    # A collective's own figures where they were measured apart (``calibrate.py`` on this
+    # machine), by kind: "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "send".
+    # Gloo's collectives cost more per call than the ring's bytes and latencies say, and not
+    # alike: at 2 CPU ranks a reduce-scatter takes about twice an all-gather of the same bytes.
+    collectives: dict[str, Link] = field(default_factory=dict)
 
-    def seconds(self, nbytes: float, messages: int = 1) -> float:
-        return messages * self.latency_s + nbytes / self.bandwidth_bytes_s
+    def seconds(self, nbytes: float, messages: int = 1, kind: str | None = None) -> float:
+        link = self.collectives.get(kind, self)
+        return messages * link.latency_s + nbytes / link.bandwidth_bytes_s
 
 
 @dataclass(frozen=True, kw_only=True)

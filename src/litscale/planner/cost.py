@@ -30,6 +30,8 @@ from litscale.sharding import Sharding, state_bytes_per_rank
 
 # Bytes per element by dtype name. (Optimizer state per parameter: ModelFacts'.)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 @dataclass(frozen=True)
 class Collective:
     name: str
@@ -246,6 +248,12 @@ def muon_update_gathers(plan: Plan, facts: ModelFacts, ring, shards: int, data_l
         ring("Muon update all-gather (tensor)", update, matrices, mesh.tensor, cluster.link_for(mesh.tensor, 1), 1)
 
 
+def collective_kind(name: str) -> str | None:
+    """The kind of collective a cost line names ("tensor-parallel all-gather": "all-gather"), as
+    ``Link.collectives`` keys its measured figures."""
+    return next((kind for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all") if kind in name), None)
+
+
 def latency_steps(group: int, factor: int) -> int:
     """Latencies one collective pays: a ring's ``factor x (n - 1)`` steps, or a tree's
     ``factor x ceil(log2 n)`` where that is fewer (NCCL picks trees where latency dominates),
@@ -270,7 +278,8 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     def ring(name: str, nbytes: float, calls: int, group: int, link, factor: int) -> None:
         if group > 1 and nbytes > 0 and calls > 0:
             per_rank = factor * (group - 1) / group * nbytes
-            found.append(Collective(name, per_rank, calls, link.seconds(per_rank, messages=calls * latency_steps(group, factor))))
+            found.append(Collective(name, per_rank, calls, link.seconds(
+                per_rank, messages=calls * latency_steps(group, factor), kind=collective_kind(name))))
 
     sharding = plan.sharding
     stage = sharding.peak_stage if shards > 1 else 0
@@ -345,9 +354,9 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         ends = 0 if mesh.pipeline > 2 else 1 + (plan.schedule in ("zbv_zero_bubble", "dualpipev"))
         calls = runs * (2 * plan.virtual_stages - ends)
         sent = calls * activation / mesh.tensor
-        found.append(Collective("pipeline send/recv", sent, calls, link.seconds(sent, calls)))
-        found.append(Collective("pipeline loss broadcast", 4 * plan.accumulation, plan.accumulation,
-                                link.seconds(4 * plan.accumulation, plan.accumulation * latency_steps(mesh.pipeline, 1))))
+        found.append(Collective("pipeline send/recv", sent, calls, link.seconds(sent, calls, kind="send")))
+        found.append(Collective("pipeline loss broadcast", 4 * plan.accumulation, plan.accumulation, link.seconds(
+            4 * plan.accumulation, plan.accumulation * latency_steps(mesh.pipeline, 1), kind="send")))
     return found
 
 

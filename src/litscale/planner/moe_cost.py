@@ -82,5 +82,5 @@ def all_to_all(plan, facts: ModelFacts, cluster: Cluster, dtype_bytes: int):
             ("expert-parallel all-to-all", rows * peers * moe.imbalance(ep), runs * moe.layers * (2 * forwards + 2)),
             ("expert-parallel count exchange", runs * moe.layers * forwards * moe.n_experts * COUNT_BYTES * peers,
              runs * moe.layers * forwards)):
-        found.append((name, nbytes, calls, link.seconds(nbytes, messages=calls * (ep - 1))))
+        found.append((name, nbytes, calls, link.seconds(nbytes, messages=calls * (ep - 1), kind="all-to-all")))
     return found
