@@ -125,6 +125,38 @@ def test_each_collective_is_timed_with_its_own_measured_figures_where_the_link_h
     assert gather.seconds == pytest.approx(gather.calls * 1e-5 + gather.bytes_per_rank / 100e9)
 
 
+def test_precision_fp8_runs_its_float8_layers_share_of_the_flops_at_the_float8_peak():
+    """torchao's float8 swaps every Linear layer but the head (``callbacks/float8.py``); the
+    planner runs their FLOPs at the cluster's float8 peak, the rest (attention, the head) in the
+    compute dtype; a cluster file without a float8 peak gains nothing."""
+    with torch.device("meta"):
+        net = build_llama(vocab_size=256, block_size=64)
+        facts = model_facts(net, seq_len=64, vocab_size=256)
+    swapped = [m for name, m in net.named_modules() if isinstance(m, nn.Linear) and not name.endswith("lm_head")]
+    assert len(swapped) == 7 * facts.layers  # q, k, v, o and the three MLP projections
+    assert facts.float8_flops_per_token == 6 * sum(m.weight.numel() for m in swapped)
+    share = facts.float8_flops_per_token / facts.flops_per_token
+    assert 0.3 < share < 1  # the head and attention's own FLOPs are the rest
+    plan = Plan("fsdp", MeshSizes(data_shard=8), micro_batch=2, accumulation=1, compute_dtype="bfloat16")
+    fp8 = dataclasses.replace(plan, float8=True)
+    cluster = dataclasses.replace(CLUSTER, peak_flops={**CLUSTER.peak_flops, "float8": 400e12})
+    bf16_s = predict(plan, facts, cluster).compute_s
+    assert predict(fp8, facts, cluster).compute_s == pytest.approx(bf16_s * (1 - share + share * 200e12 / 400e12))
+    assert predict(fp8, facts, CLUSTER).compute_s == pytest.approx(bf16_s)
+
+
+def test_a_runs_precision_fp8_is_the_plans_float8(tmp_path):
+    from helpers.configs import compose_job
+
+    from litscale.app.plan import ranking as plan_module
+    from litscale.app.validation import validate
+
+    for precision, float8 in (("fp8", True), ("bf16_mixed", False)):
+        cfg, choices = compose_job([f"precision={precision}", "cluster=h100_8x"], tmp_path / precision)
+        layout = validate(cfg, choices=choices, this_machine=False)  # float8 needs a GPU to run, not to plan
+        assert plan_module.configured_plan(cfg, choices, layout).float8 is float8
+
+
 def test_a_links_latency_and_bandwidth_are_fitted_back_from_times_they_make():
     from litscale.planner.calibrate import KINDS, fit_link
 

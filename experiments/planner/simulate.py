@@ -12,9 +12,10 @@ Published figures: torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` 
 torchtitan 9dec370): Llama 3.1 8B with FSDP on 8 and 128 H100s (tables 1 and 3, local batch 2,
 sequence 8192, selective activation checkpointing, no torch.compile, bf16) and Llama 3.1 405B on
 512 H100s, FSDP 8 x TP 8 x PP 8, 1F1B against interleaved 1F1B (table 5, local batch 32,
-full activation checkpointing; with torch.compile, Float8 and async TP, which the model does not
-have: its absolute figure is bf16, the ratio of the two schedules is what it can check); and
-Megatron-Bridge's DGX-H100 rows for Llama 3 8B, Llama 3 70B and Qwen3-30B-A3B (``megatron_bridge``).
+full activation checkpointing; with torch.compile, Float8 and async TP: predicted as
+precision=fp8 would run it, its Linear layers in float8; torch.compile and async TP are not
+modelled); and Megatron-Bridge's DGX-H100 rows for Llama 3 8B, Llama 3 70B and Qwen3-30B-A3B
+(``megatron_bridge``), all published in FP8, predicted in BF16 and as precision=fp8.
 """
 
 from __future__ import annotations
@@ -71,13 +72,14 @@ def published() -> list[dict]:
     for gpus, tps, gib, table in ((8, 5762, 82.4, 1), (128, 5605, 67.0, 3)):
         # Selective checkpointing recomputes cheap element-wise ops only: modelled as none.
         prediction = predict(bf16("fsdp", MeshSizes(data_shard=gpus), 2), llama8b, h100(gpus // 8))
-        rows.append({"case": f"Llama 3.1 8B, FSDP {gpus} GPUs", "table": table, "published_tps_per_gpu": tps,
+        rows.append({"case": f"Llama 3.1 8B, FSDP {gpus} GPUs", "table": table, "precision": "bf16",
+                     "published_tps_per_gpu": tps,
                      "published_gib": gib, **_figures(prediction, gpus)})
     for schedule, virtual, tps, gib in (("1f1b", 1, 100, 82.5), ("interleaved_1f1b", 2, 128, 72.7)):
         plan = bf16("pipeline", MeshSizes(pipeline=8, data_shard=8, tensor=8), 32, activation_checkpointing=True,
                     microbatches=32, schedule=schedule, virtual_stages=virtual)
-        prediction = predict(plan, llama405b, h100(64))
-        rows.append({"case": f"Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, {schedule}", "table": 5,
+        prediction = predict(dataclasses.replace(plan, float8=True), llama405b, h100(64))
+        rows.append({"case": f"Llama 3.1 405B, FSDP 8 x TP 8 x PP 8, {schedule}", "table": 5, "precision": "fp8",
                      "published_tps_per_gpu": tps, "published_gib": gib, **_figures(prediction, 512)})
     return rows
 
@@ -86,15 +88,14 @@ MEGATRON_SOURCE = ("Megatron-Bridge docs/performance-summary.md, 25.11 NeMo cont
                    "(NVIDIA-NeMo/Megatron-Bridge 00b7660)")
 # Llama 3 70B (Meta's model card): 80 layers, 64 heads, 8 key/value heads, width 8192.
 LLAMA_70B = {"n_layer": 80, "n_head": 64, "n_kv_heads": 8, "n_embd": 8192, "ffn_hidden_size": 28672}
-FP8_DENSE_PEAK = 1979e12  # H100 SXM5 datasheet, dense FP8 tensor-core FLOP/s (twice BF16's)
 
 
 def megatron_bridge() -> list[dict]:
     """The model's figures beside Megatron-Bridge's H100 rows, each as published (GPUs, global
     and micro batch, sequence) in the nearest layout litscale runs. Published in FP8 (current
-    scaling), which the planner does not model: each row is predicted in BF16, and again with
-    every FLOP at FP8's dense peak (an upper bound: attention, the norms and the element-wise
-    work stay in BF16 on the GPU)."""
+    scaling): each row is predicted in BF16 and as precision=fp8 runs it (torchao's float8 for
+    the Linear layers but the head, at the preset's FP8 peak; attention, the norms and the
+    element-wise work in BF16)."""
     from litscale.models.moe import build_moe
 
     llama8b = facts_of(build_llama, 8192, preset="llama3_8b", vocab_size=128256, block_size=8192)
@@ -117,11 +118,11 @@ def megatron_bridge() -> list[dict]:
     rows = []
     for case, layout, tps, gpus, facts, plan in cases:
         cluster = h100(gpus // 8)
-        fp8 = dataclasses.replace(cluster, peak_flops={**cluster.peak_flops, "bfloat16": FP8_DENSE_PEAK})
-        at_fp8 = predict(plan, facts, fp8)
+        fp8 = predict(dataclasses.replace(plan, float8=True), facts, cluster)
         rows.append({"case": case, "published_layout": layout, "published_precision": "FP8-CS",
                      "published_tps_per_gpu": tps, **_figures(predict(plan, facts, cluster), gpus),
-                     "predicted_tps_per_gpu_fp8_peak": at_fp8.tokens_per_s / gpus})
+                     "predicted_tps_per_gpu_fp8": fp8.tokens_per_s / gpus,
+                     "float8_flops_share": facts.float8_flops_per_token / facts.flops_per_token})
     return rows
 
 
@@ -180,11 +181,11 @@ def scaling() -> dict:
 
 def report(results: dict) -> str:
     lines = [f"Published figures: {SOURCE}. Cluster: `conf/cluster/h100_8x.yaml` as shipped.", "",
-             "| case (table) | published tokens/s/GPU | predicted | error | published GiB | predicted GiB |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "| case (table) | predicted as | published tokens/s/GPU | predicted | error | published GiB | "
+             "predicted GiB |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in results["published"]:
         error = r["predicted_tps_per_gpu"] / r["published_tps_per_gpu"] - 1
-        lines.append(f"| {r['case']} ({r['table']}) | {r['published_tps_per_gpu']:,} | "
+        lines.append(f"| {r['case']} ({r['table']}) | {r['precision']} | {r['published_tps_per_gpu']:,} | "
                      f"{r['predicted_tps_per_gpu']:,.0f} | {error:+.0%} | {r['published_gib']} | "
                      f"{r['predicted_gib']:.1f} |")
     rows = {r["case"]: r for r in results["published"]}
@@ -198,15 +199,17 @@ def report(results: dict) -> str:
         holds = (published_ratio > 1) == (predicted_ratio > 1)
         lines.append(f"| {label} | {published_ratio:.3f} | {predicted_ratio:.3f} | {'yes' if holds else '**no**'} |")
     lines += ["", f"Published figures: {MEGATRON_SOURCE}, all FP8 (current scaling); predicted in BF16, and "
-              "with every FLOP at FP8's dense peak (an upper bound).", "",
+              "as precision=fp8 runs it (float8 FLOPs: the float8 layers' share of the model's).", "",
               "| case (litscale's layout) | published layout | published tokens/s/GPU | predicted BF16 | error | "
-              "at FP8 peak | error | predicted GiB |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "predicted FP8 | error | float8 FLOPs | predicted GiB |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results["megatron_bridge"]:
         bf16_error = r["predicted_tps_per_gpu"] / r["published_tps_per_gpu"] - 1
-        fp8_error = r["predicted_tps_per_gpu_fp8_peak"] / r["published_tps_per_gpu"] - 1
+        fp8_error = r["predicted_tps_per_gpu_fp8"] / r["published_tps_per_gpu"] - 1
         lines.append(f"| {r['case']} | {r['published_layout']} | {r['published_tps_per_gpu']:,} | "
                      f"{r['predicted_tps_per_gpu']:,.0f} | {bf16_error:+.0%} | "
-                     f"{r['predicted_tps_per_gpu_fp8_peak']:,.0f} | {fp8_error:+.0%} | {r['predicted_gib']:.1f} |")
+                     f"{r['predicted_tps_per_gpu_fp8']:,.0f} | {fp8_error:+.0%} | {r['float8_flops_share']:.0%} | "
+                     f"{r['predicted_gib']:.1f} |")
     lines += ["", "Predicted weak scaling at 1,024 devices (efficiency: compute and optimizer time over the "
               "step; the rest is exposed communication and the pipeline bubble):", "",
               "| model, strategy | efficiency at 8 | at 1,024 | exposed comm at 1,024 | largest collective | "

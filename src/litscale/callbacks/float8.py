@@ -12,19 +12,8 @@ from __future__ import annotations
 from typing import Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from torch import nn
 
-# Layers left in bf16: the output head (its logits feed the loss directly; torchtitan keeps it
-# high-precision too).
-KEPT_IN_BF16 = ("lm_head", "head", "output")
-# torch._scaled_mm needs both matmul dimensions divisible by 16.
-FLOAT8_ALIGNMENT = 16
-
-
-def converts_to_float8(module: nn.Module, name: str) -> bool:
-    """Whether ``module`` (called ``name`` in the net) runs in float8."""
-    return (isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in KEPT_IN_BF16
-            and module.in_features % FLOAT8_ALIGNMENT == 0 and module.out_features % FLOAT8_ALIGNMENT == 0)
+from litscale.precision import converts_to_float8
 
 
 class Float8Training(Callback):

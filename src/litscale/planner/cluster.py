@@ -29,9 +29,10 @@ class Link:
 class Cluster:
     """``nodes`` x ``devices_per_node`` devices of ``device_memory_bytes`` each.
 
-    ``peak_flops`` by compute dtype (``float32``, ``bfloat16``); ``achieved_fraction`` is the
-    share of it a model's matmuls reach (calibrated: measured step FLOPs / peak); the allocator
-    keeps ``allocator_overhead`` more than the tensors it holds."""
+    ``peak_flops`` by compute dtype (``float32``, ``bfloat16``; ``float8``: precision=fp8's float8
+    layers, where the device has them); ``achieved_fraction`` is the share of it a model's matmuls
+    reach (calibrated: measured step FLOPs / peak); the allocator keeps ``allocator_overhead``
+    more than the tensors it holds."""
 
     name: str
     nodes: PositiveInt

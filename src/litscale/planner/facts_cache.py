@@ -71,6 +71,8 @@ def store(key: dict | None, facts: ModelFacts) -> None:
 def _tuples(values: dict) -> dict:
     """JSON's lists back into the tuples the dataclasses hold."""
     def tupled(value):
+        if isinstance(value, dict):
+            return {key: tupled(item) for key, item in value.items()}
         return tuple(tupled(item) for item in value) if isinstance(value, list) else value
 
     return {name: tupled(value) for name, value in values.items()}

@@ -5,6 +5,7 @@ mixture of experts, what expert parallel shards and moves (``MoEFacts``)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 import warnings
@@ -15,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from litscale.precision import float8_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,22 @@ class ModelFacts:
     matrix_tensors: int = 0
     newton_schulz_flops: float = 0.0
     newton_schulz_dtype: str = "float32"
+    # Of ``flops_per_token``, those of the layers precision=fp8 runs in float8 (its Linear layers
+    # but the head: ``litscale.precision.converts_to_float8``).
+    float8_flops_per_token: float = 0.0
+    # Under mixed precision (traced under autocast), the activation fields above traced again with
+    # the weights in the compute dtype and no autocast, as FSDP2's policy and DeepSpeed's 16-bit
+    # engine run the model (``with_weights_in_compute_dtype``); {} otherwise.
+    weights_in_compute_dtype: dict = field(default_factory=dict)
     profiles: dict[str, Profile] = field(default_factory=dict)  # by profile_key
     # The network read (on the meta device): what the strategies check a plan against.
     net: nn.Module | None = field(default=None, repr=False, compare=False)
+
+    def with_weights_in_compute_dtype(self) -> ModelFacts:
+        """These facts as a strategy that gathers its weights in the compute dtype runs the model
+        (no autocast: every activation in 16 bits, no weight casts saved); themselves where the
+        trace already ran so."""
+        return dataclasses.replace(self, **self.weights_in_compute_dtype) if self.weights_in_compute_dtype else self
 
     def activations(self, micro_batch: int) -> float:
         return self.activation_bytes_fixed + micro_batch * self.activation_bytes_per_sample
@@ -238,7 +254,10 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
             start = tracker.get_tracker_snapshot()[cpu][TOTAL]
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = fake_net(inputs)
-                loss = F.cross_entropy(output.flatten(0, 1), inputs.flatten()) if next_token_loss else output.sum()
+                # in fp32, as litscale's modules take it (``modules.next_token_loss``): under autocast
+                # the same, with 16-bit weights twice the log-probabilities' bytes of a 16-bit loss
+                loss = F.cross_entropy(output.flatten(0, 1).float(), inputs.flatten()) if next_token_loss \
+                    else output.sum()
             if backward:
                 windows.open(len(windows.backward) - 1)  # the loss's backward: the last unit's
                 loss.backward()
@@ -327,34 +346,48 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype:
     in_units = sum(p.numel() for unit in units for p in unit.parameters())
     hidden = _first(config, ("n_embd", "dim", "hidden_size"), 0)
     heads = _first(config, ("n_head", "n_heads", "num_attention_heads"), 1)
-    small, large = TRACED_BATCHES
     blocks = pipeline_block_names(net)
+    traced, moe_per_sample = traced_activations(net, seq_len, compute_dtype, param_dtype, blocks)
+    # Mixed precision runs two ways: under autocast (DDP, one process: fp32 weights, the residual
+    # stream and the norms in fp32) or with the weights gathered in 16 bits and no autocast
+    # (FSDP2's policy, DeepSpeed's engine: every activation 16-bit). Both are traced.
+    sixteen_bit = traced_activations(net, seq_len, compute_dtype, compute_dtype, blocks)[0] \
+        if traced["traced_under_autocast"] else {}
+    num_params = sum(p.numel() for p in net.parameters())
+    norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
+    return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
+                      float8_flops_per_token=float8_flops_per_token(net),
+                      layers=len(units), hidden=hidden, heads=heads, **traced, weights_in_compute_dtype=sixteen_bit,
+                      root_params=num_params - in_units,
+                      vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
+                      pipeline_blocks=len(blocks),
+                      block_params=tuple(sum(p.numel() for name in unit for p in net.get_submodule(name).parameters())
+                                         for unit in blocks),
+                      kv_width=context_parallel_kv_width(net), moe=moe_facts(net, saved_per_sample=moe_per_sample),
+                      net=net)
+
+
+def traced_activations(net: nn.Module, seq_len: int, compute_dtype: str, param_dtype: str,
+                       blocks: list[list[str]]) -> tuple[dict, float]:
+    """``ModelFacts``' activation fields, traced at two micro batches in the given precision (see
+    ``traced_precision``), and the bytes the MoE layers save per sample."""
+    small, large = TRACED_BATCHES
     with traced_precision(net, compute_dtype, param_dtype) as (traced_net, traced_dtype):
         at_small = traced_step_bytes(traced_net, torch.zeros(small, seq_len, dtype=torch.long, device="meta"),
                                      next_token_loss=True, backward=False, units=blocks)
         at_large = traced_step_bytes(traced_net, torch.zeros(large, seq_len, dtype=torch.long, device="meta"),
                                      next_token_loss=True, units=blocks)
-    saved_small, moe_small = at_small.saved, at_small.saved_in_moe
-    saved_large, step_large, moe_large = at_large.saved, at_large.step, at_large.saved_in_moe
+    saved_small, saved_large, step_large = at_small.saved, at_large.saved, at_large.step
     per_sample = (saved_large - saved_small) / (large - small)
     block_per_sample = [(b - a) / (large - small) for a, b in zip(at_small.saved_by_unit, at_large.saved_by_unit, strict=True)]
-    num_params = sum(p.numel() for p in net.parameters())
-    norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
-    return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
-                      layers=len(units), hidden=hidden, heads=heads, activation_bytes_per_sample=per_sample,
-                      activation_bytes_fixed=saved_small - small * per_sample,
-                      working_bytes_per_sample=max(0, step_large - saved_large) / large,
-                      traced_dtype=traced_dtype, traced_under_autocast=traced_dtype != param_dtype, root_params=num_params - in_units,
-                      vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),
-                      pipeline_blocks=len(blocks),
-                      block_params=tuple(sum(p.numel() for name in unit for p in net.get_submodule(name).parameters())
-                                         for unit in blocks),
-                      block_saved_per_sample=tuple(block_per_sample),
-                      block_backward_per_sample=tuple(b / large for b in at_large.backward_by_unit),
-                      block_saved_fixed=tuple(a - small * b for a, b in zip(at_small.saved_by_unit, block_per_sample,
-                                                                             strict=True)),
-                      kv_width=context_parallel_kv_width(net), moe=moe_facts(net, saved_per_sample=(moe_large - moe_small) / (large - small)),
-                      net=net)
+    fields = {"activation_bytes_per_sample": per_sample, "activation_bytes_fixed": saved_small - small * per_sample,
+              "working_bytes_per_sample": max(0, step_large - saved_large) / large,
+              "traced_dtype": traced_dtype, "traced_under_autocast": traced_dtype != param_dtype,
+              "block_saved_per_sample": tuple(block_per_sample),
+              "block_backward_per_sample": tuple(b / large for b in at_large.backward_by_unit),
+              "block_saved_fixed": tuple(a - small * b for a, b in zip(at_small.saved_by_unit, block_per_sample,
+                                                                        strict=True))}
+    return fields, (at_large.saved_in_moe - at_small.saved_in_moe) / (large - small)
 
 
 def pipeline_block_names(net: nn.Module) -> list[list[str]]:

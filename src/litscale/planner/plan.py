@@ -33,6 +33,7 @@ class Plan:
     schedule: str = "1f1b"
     virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules: 2 or more)
     compression: str = "none"  # DDP's gradient compression (litscale's compression= option)
+    float8: bool = False  # precision=fp8: the Linear layers' matmuls in float8 (the rest in compute_dtype)
     # The strategy's constructor options for this layout, as its ``candidate_meshes`` states them
     # (``{"stage": 1}``, ``{"tensor_parallel_size": 2, "data_parallel_size": 4, ...}``).
     options: dict[str, Any] = field(default_factory=dict, hash=False)

@@ -72,7 +72,7 @@ def knobs(cls: type) -> Iterator[dict[str, Any]]:
 
 
 def plans(cluster: Cluster, facts: ModelFacts, global_batch: int, *, compute_dtype: str = "float32",
-          param_dtype: str = "float32") -> list[Plan]:
+          param_dtype: str = "float32", float8: bool = False) -> list[Plan]:
     found = []
     for name, options, mesh in candidates(cluster, facts):
         if global_batch % mesh.data:
@@ -81,7 +81,7 @@ def plans(cluster: Cluster, facts: ModelFacts, global_batch: int, *, compute_dty
         per_rank = global_batch // mesh.data
         for micro, knob in itertools.product(divisors(per_rank), list(knobs(registered()[name]))):
             found.append(Plan(name, mesh, micro, per_rank // micro, compute_dtype=compute_dtype,
-                              param_dtype=param_dtype, options=options, **knob))
+                              param_dtype=param_dtype, float8=float8, options=options, **knob))
     return found
 
 
@@ -100,11 +100,11 @@ def why_not(plan: Plan, cluster: Cluster, facts: ModelFacts, global_batch: int,
 
 
 def search(cluster: Cluster, facts: ModelFacts, global_batch: int, *, refusals: Refusals | None = None,
-           **dtypes: str) -> tuple[list[Prediction], list[Pruned]]:
+           **precision) -> tuple[list[Prediction], list[Pruned]]:
     """Predictions of every plan that can run, fastest first, and the pruned plans with why."""
     ranked, pruned, layouts = [], [], {}
     refusals = refusals or Refusals(facts.net, facts.seq_len)
-    for plan in plans(cluster, facts, global_batch, **dtypes):
+    for plan in plans(cluster, facts, global_batch, **precision):
         layouts.setdefault(_layout(plan), len(layouts))
         reason = why_not(plan, cluster, facts, global_batch, refusals)
         if reason is None:

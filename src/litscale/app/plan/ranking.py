@@ -102,7 +102,8 @@ def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> Ran
         from litscale.app.plan.refit import refit
 
         cluster, refit_overrides = refit(cfg, choices, cluster)
-    dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
+    dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype,
+              "float8": bool(cfg.precision.get("float8"))}
     facts = facts_of(cfg)
     # Each layout asked once, for the timing and the ranking, with the run's own options (Muon,
     # the determinism mode, ...): a strategy that refuses them is never ranked.

@@ -32,7 +32,7 @@ def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout)
                 cfg.precision.param_dtype, microbatches, schedule,
                 int(cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)),
                 choices.get("compression", "none") if takes(cls, "compression") else "none",
-                options=configured_options(cfg, cls, layout))
+                bool(cfg.precision.get("float8")), options=configured_options(cfg, cls, layout))
 
 
 def configured_options(cfg: DictConfig, cls: type, layout: RunLayout) -> dict:
