@@ -407,20 +407,20 @@ def calibrated(cache, fraction_of_given: float) -> None:
 @pytest.mark.full
 @pytest.mark.slow  # over a second alone: out of the quick loop
 def test_a_trial_keeps_its_layout_unless_it_does_not_fit(tmp_path, monkeypatch, outputs_root):
-    """GPT-nano's group ranks below the bar: the trial keeps DDP x 2 at micro batch 16 where it
-    fits, and takes the planner's pick (the same global batch) where it would not."""
+    """A group ranked below the bar: the trial keeps DDP x 2 at micro batch 16 where it fits, and
+    takes the planner's pick (the same global batch) where it would not."""
     from litscale.app.experiment_file import PLAN_KEYS, without
     from litscale.app.plan.ranking import pick_layout
+    from litscale.planner import trust
 
     cache = tmp_path / "cache"
     cache.mkdir()
     monkeypatch.setenv("LITSCALE_CACHE", str(cache))
     calibrated(cache, 2.0)
-    from litscale.planner.trust import ACCURACY_FILE
-
-    shipped = json.loads(ACCURACY_FILE.read_text())  # the study's last recording
-    nano, recorded = shipped["groups"]["GPT-nano"]["spearman"], shipped["date"]
-    assert nano < 0.9, "GPT-nano's group now ranks above the bar: this test needs a group below it"
+    shipped = trust.load_accuracy()  # the study's last recording, GPT-nano's figure put below the bar
+    nano, recorded = 0.685, shipped["date"]  # (its figure in the fifth recording)
+    shipped["groups"]["GPT-nano"]["spearman"] = nano
+    monkeypatch.setattr(trust, "load_accuracy", lambda path=trust.ACCURACY_FILE: shipped)
     cfg, choices = compose_job([*TRIAL, "cluster=local_cpu"], tmp_path / "fits")
     assert pick_layout(cfg, choices) == ([], (
         f"plan=auto: model group GPT-nano's held-out Spearman is {nano:.3f}, below 0.9 "

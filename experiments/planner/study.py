@@ -557,6 +557,9 @@ def group_table(per_group: dict[str, dict]) -> list[str]:
         return " / ".join(f"{pair[key]:{form}}" for pair in pairs)
 
     some = next(iter(per_group.values()))
+    if "held_out_spearman" not in some:  # one pass: no pass to hold out against
+        return ["Per model group: one pass was run, so no cross-pass (held-out) figure exists; "
+                "`--passes 2` or more gives one."]
     heads = [
         " / ".join(f"{p['predicted_pass']}->{p['measured_pass']}" for p in some[kind])
         for kind in ("same", "cross")
