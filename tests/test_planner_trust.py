@@ -160,6 +160,11 @@ def test_plan_auto_in_a_sweep_picks_above_the_bar_and_names_an_unmeasured_model(
     longer["groups"]["GPT-micro at 512 tokens"] = {"net": longer["groups"]["GPT-micro"]["net"], "spearman": 0.4}
     twice = trust_for({**gpt, "preset": "micro"}, longer)  # measured in two groups: the worse one decides
     assert not twice.picks and twice.reason.startswith("model group GPT-micro at 512 tokens's held-out Spearman is 0.400")
+    longer["groups"]["GPT-micro"]["seq_len"], longer["groups"]["GPT-micro at 512 tokens"]["seq_len"] = 128, 512
+    at_128 = trust_for({**gpt, "preset": "micro"}, longer, seq_len=128)  # the group measured at the job's length
+    assert at_128.picks and at_128.reason.startswith("model group GPT-micro's held-out Spearman is 0.950")
+    assert not trust_for({**gpt, "preset": "micro"}, longer, seq_len=512).picks
+    assert not trust_for({**gpt, "preset": "micro"}, longer, seq_len=1024).picks  # at neither: the worse one
     for other in ({**gpt, "preset": "small"}, {**gpt, "preset": "nano", "n_layer": 8}):
         unmeasured = trust_for(other, accuracy(0.95))
         assert unmeasured.line() == (f"plan=auto: litscale.models.gpt.build_gpt preset {other['preset']} as "
@@ -184,3 +189,20 @@ def test_plan_auto_in_a_sweep_replaces_a_given_layout_that_does_not_fit_below_th
     assert experiment["data"]["batch_size"] == int(next(o for o in result["plan/winner"]
                                                         if o.startswith("data.batch_size=")).split("=")[1])
     assert experiment["data"]["batch_size"] < 16
+
+
+def test_a_job_is_trusted_by_the_group_measured_at_its_sequence_length(tmp_path):
+    """The shipped study measured Llama-tiny at 128 and at 512 tokens: a Llama-tiny job reads the
+    group at its own ``data.seq_len``, and the lower of the two at a length measured in neither."""
+    from helpers.configs import compose_job
+
+    from litscale.app.plan.ranking import configured_trust
+    from litscale.planner.trust import SPEARMAN_BAR, load_accuracy
+
+    groups = load_accuracy()["groups"]
+    by_length = {g["seq_len"]: g["spearman"] for name, g in groups.items() if name.startswith("Llama-tiny")}
+    assert set(by_length) == {128, 512}
+    for seq_len, expected in (*by_length.items(), (256, min(by_length.values()))):
+        cfg, _ = compose_job(["model=llama", f"data.seq_len={seq_len}"], tmp_path / str(seq_len))
+        trust = configured_trust(cfg)
+        assert f"held-out Spearman is {expected:.3f}" in trust.reason and trust.picks is (expected >= SPEARMAN_BAR)

@@ -448,15 +448,15 @@ def accuracy_record(results: dict) -> dict:
             stats = results["metrics"]["per_group"].get(group)
             if stats is None or "held_out_spearman" not in stats:
                 continue
-            net = OmegaConf.to_container(
-                compose(config_name="train", overrides=MODELS[model]).model.net, resolve=True
-            )
+            composed = compose(config_name="train", overrides=MODELS[model])
+            net = OmegaConf.to_container(composed.model.net, resolve=True)
             held = stats["held_out_spearman"]
             dates = {
                 added[n] for n, r in results["runs"].items() if r["model"] == model and n in added
             }
             groups[group] = {
                 "net": architecture(net),
+                "seq_len": int(composed.data.seq_len),  # plan=auto reads the group at a job's length first
                 **({"date": ", ".join(sorted(dates))} if dates else {}),
                 "configurations": stats["configurations"],
                 "spearman": round(held["spearman"], 4),

@@ -39,14 +39,17 @@ def architecture(net: dict) -> dict:
     return {key: value for key, value in net.items() if key not in DATA_SHAPE_KEYS}
 
 
-def trust_for(net: dict, accuracy: dict | None = None) -> Trust:
-    """May the planner pick the layout for the network ``net`` (``model.net`` as composed)?"""
+def trust_for(net: dict, accuracy: dict | None = None, *, seq_len: int | None = None) -> Trust:
+    """May the planner pick the layout for the network ``net`` (``model.net`` as composed) at
+    ``seq_len`` tokens?"""
     accuracy = load_accuracy() if accuracy is None else accuracy
     groups = accuracy["groups"]
     # A network measured in several groups (Llama-tiny at 128 and at 512 tokens) is trusted as
-    # far as its worst ranking: the groups differ by the data's shape, which names no group.
+    # far as its worst ranking at the job's sequence length where a group was measured at it,
+    # else at any: the groups differ by the data's shape, which the architecture does not name.
     measured = [name for name, g in groups.items() if g["net"] == architecture(net)]
-    group = min(measured, key=lambda name: groups[name]["spearman"], default=None)
+    at_length = [name for name in measured if seq_len is not None and groups[name].get("seq_len") == seq_len]
+    group = min(at_length or measured, key=lambda name: groups[name]["spearman"], default=None)
     where = f"(experiments/planner/study.py, {accuracy['date']})"
     if group is None:
         model = str(net.get("_target_")) + (f" preset {net['preset']}" if net.get("preset") else "")

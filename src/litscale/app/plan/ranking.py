@@ -132,8 +132,7 @@ def pick_layout(cfg: DictConfig, choices: dict[str, str]) -> tuple[list[str], st
     if not ranked:
         return [], f"plan=auto: no plan fits on cluster={choices.get('cluster', cluster.name)}: this job keeps its given layout"
     fits = configured is None or predict(configured, facts, cluster).peak_bytes <= cluster.device_memory_bytes
-    net = cfg.model.get("net") or {"_target_": cfg.model.get("_target_")}
-    trust = trust_for(OmegaConf.to_container(net, resolve=True))
+    trust = configured_trust(cfg)
     picked = overrides(ranked[0].plan, cluster) if trust.picks or not fits else []
     return picked, trust.line(given_fits=fits)
 
@@ -146,8 +145,14 @@ def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
 
     if verified or job_context(cfg).sweep_dir is None:
         return None
+    return configured_trust(cfg)
+
+
+def configured_trust(cfg: DictConfig) -> Trust:
+    """``trust_for`` the job's network (``model.net`` as composed) at its sequence length."""
     net = cfg.model.get("net") or {"_target_": cfg.model.get("_target_")}
-    return trust_for(OmegaConf.to_container(net, resolve=True))
+    seq_len = cfg.get("data", {}).get("seq_len")
+    return trust_for(OmegaConf.to_container(net, resolve=True), seq_len=int(seq_len) if seq_len is not None else None)
 
 
 def check_devices_per_node(layout: RunLayout, cluster: Cluster, choices: dict[str, str]) -> None:
