@@ -153,9 +153,7 @@ def pipeline_whole_bytes(plan: Plan, facts: ModelFacts) -> float:
     micro-batch: with context parallel, its share of the sequence's, plus each layer's keys and
     values gathered whole (kept for backward)."""
     mesh, micro, scale = plan.mesh, plan.pipeline_micro_batch, activation_scale(plan, facts)
-    whole = facts.activations(micro) * scale
-    if facts.traced_under_autocast and (plan.sharding.zero_stage or plan.sharding.fp32_master_copy):
-        whole -= facts.activation_bytes_fixed * scale  # no weight casts: see ModelFacts.traced_under_autocast
+    whole = facts.activations(micro) * scale  # as the strategy computes: ``facts_as_run``
     if plan.activation_checkpointing:  # every layer keeps its input; one layer is recomputed at a time
         # NOTE: counting the embedding and the head apart from the layers (each block's traced
         # share, the head's freed before the first recompute or not) was tried: against the

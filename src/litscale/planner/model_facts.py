@@ -101,9 +101,9 @@ class ModelFacts:
     # The compute dtype the activations were traced in (autocast or 16-bit weights); a plan of
     # another scales the fp32 trace by its dtype's size.
     traced_dtype: str = "float32"
-    # Traced under autocast: the fixed part of the activations is then mostly the 16-bit copies
-    # of the fp32 weights each matmul saves, which a strategy gathering 16-bit weights (FSDP2's
-    # mixed-precision policy, DeepSpeed's 16-bit engine) does not make.
+    # Traced under autocast (fp32 weights, 16-bit matmuls): the fixed part of the activations is
+    # then mostly the 16-bit copies of the weights each matmul saves, which a strategy gathering
+    # 16-bit weights does not make (``weights_in_compute_dtype`` holds its own trace).
     traced_under_autocast: bool = False
     root_params: int = 0  # parameters outside the sharding units (embeddings, final norm, head)
     vocab_size: int = 0
