@@ -6,11 +6,13 @@
 #   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (not in CI: run it before a release)
 #   make image      the Docker image cluster jobs run (make image-cuda: its CUDA variant)
 #   make durations  the slowest tests and the seconds per file of the last make test / test-full
+#   make mutants    plant each defect of tests/mutants/catalog.py and run the tests that must catch it
+#                   (the table in tests/README.md; ARGS="--only <name>" for some)
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test test-full test-soak durations install install-dev lint clean image image-cuda
+.PHONY: train test test-full test-soak durations mutants install install-dev lint clean image image-cuda
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +51,9 @@ test-soak: install-dev
 
 durations:
 	$(BIN)/python tests/durations.py $(wildcard $(TIMES)/*.xml) $(ARGS)
+
+mutants: install-dev
+	$(BIN)/python tests/mutants/run.py $(ARGS)
 
 # The image the Kubernetes manifests run by default (docker/Dockerfile; hydra/launcher=k8s names
 # litscale:<version>-cpu for trainer.accelerator=cpu, else -cuda).

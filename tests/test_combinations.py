@@ -20,15 +20,23 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from helpers.cli import summaries
-from helpers.combinations import BASE, Combination, combination_seed, cross_product_size, sample
+from helpers.combinations import (
+    BASE,
+    STEPS,
+    Combination,
+    combination_seed,
+    cross_product_size,
+    sample,
+)
 from helpers.configs import compose_once
 from helpers.inprocess import train_job_on_pool
+from helpers.run_trace import RunTrace, differences, read_trace
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from litscale.checkpoints import is_complete_checkpoint
@@ -46,6 +54,8 @@ PER_RANK_STATISTICS = ("resnet", "moe")
 # 20 of them (up to 2 ranks); make test-full validates 500 and trains 100 (up to 4 ranks); make
 # test-soak trains 100 more, of another draw.
 SEED, FULL_SEED, SOAK_SEED = 40, 2026, 7
+# Set (make mutants): a trained sample stops at its first combination that fails.
+FAIL_FAST_ENV = "LITSCALE_COMBINATIONS_FAIL_FAST"
 
 
 @dataclass
@@ -209,7 +219,7 @@ def _composed_in(overrides: list[str], root: Path) -> DictConfig:
 
 
 def reference_of(combination: Combination, root: Path) -> tuple[Checked, dict] | None:
-    """The single-process job that must give the same loss, and the tolerance: one process with
+    """The single-process job that must train the same, and the tolerance: one process with
     the global micro batch (every layout trains step ``k`` on the same samples, and logs their
     mean loss); ``None`` where the result differs by design (compression, local SGD, a model
     whose loss takes statistics of the rank's micro batch)."""
@@ -229,40 +239,93 @@ def reference_of(combination: Combination, root: Path) -> tuple[Checked, dict] |
     return reference, FP32_TOLERANCE if combination.precision == "fp32" else BF16_TOLERANCE
 
 
-def train(check: Checked, devices: int, outputs: Path) -> dict:
-    """The accepted job trained on ``devices`` pool ranks into ``outputs``; its summary."""
+def scale_revealing_pair(combination: Combination) -> Combination | None:
+    """The combination with SGD and no clipping, where its optimizer or clipping hides a
+    gradient's scale (Adam's first update is ``lr * g / |g|``; Muon orthogonalises; LARS and
+    LAMB divide by norms; norm clipping rescales a large gradient to norm 1): a gradient of
+    the wrong size then moves every weight by that factor. None where it trains so already."""
+    if combination.optimizer == "sgd" and combination.clipping == "none":
+        return None
+    return Combination(**{**combination.__dict__, "optimizer": "sgd", "clipping": "none", "checkpoint": "none"})
+
+
+def logs_the_gradient_norm_as_one_process(combination: Combination) -> bool:
+    """Whether the run's ``train/grad_norm`` is the norm one process takes. NOTE: DeepSpeed's
+    ZeRO Muon takes its norm over the orthogonalised updates it clips, not the gradients."""
+    return not (combination.strategy.startswith("zero") and combination.optimizer == "muon")
+
+
+def train(check: Checked, devices: int, outputs: Path) -> tuple[dict, RunTrace]:
+    """The accepted job trained on ``devices`` pool ranks into ``outputs``: its summary and its
+    trace (each step's loss and gradient norm, the final weights)."""
     job = copy.deepcopy(check.job)
     with open_dict(job):
         job.paths.output_dir = str(outputs)
     train_job_on_pool(OmegaConf.to_container(job, resolve=True), check.choices, devices=devices, timeout=180)
-    return summaries(outputs)[-1]
+    return summaries(outputs)[-1], read_trace(outputs)
 
 
 def check_trains(count: int, seed: int, root: Path, *, max_devices: int) -> None:
-    check_each_trains(accepted(count, seed, root, max_devices=max_devices), f"seed {seed}", root)
+    compared = check_each_trains(accepted(count, seed, root, max_devices=max_devices), f"seed {seed}", root)
+    assert compared >= count // 4, f"seed {seed}: only {compared} of {count} had a reference to compare with"
 
 
-def check_each_trains(combinations: list[Combination], label: str, root: Path) -> None:
-    """Each combination trains (a complete checkpoint where it saves one) and matches one
-    process where it has a reference; ``label`` names the draw in what a failure prints."""
-    problems = []
+def check_each_trains(combinations: list[Combination], label: str, root: Path) -> int:
+    """Each combination trains (a complete checkpoint where it saves one) and, where it has a
+    reference, matches one process at every step (the loss, the gradient's norm before
+    clipping) and at the end (every weight); where its optimizer or clipping hides a
+    gradient's scale, so does its SGD pair without clipping. ``label`` names the draw in what
+    a failure prints; what was compared is printed too. Returns how many were compared."""
+    problems, compared, unreferenced = [], 0, []
     for index, combination in enumerate(combinations):
         outputs = root / label.replace(" ", "") / f"run{index}"
         print(f"combination {index} ({label}): {' '.join(combination.job_overrides())}", flush=True)
         try:
-            summary = train(checked(combination.job_overrides(), root), combination.devices, outputs)
-            loss, saved = summary["train/loss"], summary.get("checkpoint")
+            summary, trace = train(checked(combination.job_overrides(), root), combination.devices, outputs)
+            saved = summary.get("checkpoint")
             if combination.checkpoint != "none" and not (saved and is_complete_checkpoint(saved)):
                 problems.append(f"{combination}\n    no complete checkpoint: {saved}")
-            reference = reference_of(combination, root)
-            if reference is not None:
-                job, tolerance = reference
-                expected = train(job, 1, outputs.with_name(f"reference{index}"))["train/loss"]
-                if not math.isclose(loss, expected, **tolerance):
-                    problems.append(f"{combination}\n    train/loss {loss} != {expected} of one process")
+            if reference_of(combination, root) is None:
+                unreferenced.append(combination)
+                continue
+            problems += matches_one_process(combination, trace, outputs, root)
+            pair = scale_revealing_pair(combination)
+            if pair is not None and refusal_of(pair, root) is None:
+                _, pair_trace = train(checked(pair.job_overrides(), root), pair.devices, outputs.with_name(f"sgd{index}"))
+                problems += matches_one_process(pair, pair_trace, outputs.with_name(f"sgd{index}"), root)
+            compared += 1
         except AssertionError as error:
             problems.append(f"{combination}\n    {str(error)[-1500:]}")
+        if problems and os.environ.get(FAIL_FAST_ENV):
+            break
+    print(f"{label}: {compared} of {len(combinations)} combinations compared with one process; "
+          f"{len(unreferenced)} have no reference by design", flush=True)
     assert not problems, f"{label} ({len(problems)} of {len(combinations)}):\n" + "\n".join(problems)
+    return compared
+
+
+# A reference job's overrides -> its trace: combinations of a sample often share one (the same
+# model, optimizer, precision and global batch on other layouts), trained once.
+REFERENCE_TRACES: dict[str, RunTrace] = {}
+
+
+def reference_key(check: Checked) -> str:
+    """What a reference trains, less where it writes (each composition its own run dir)."""
+    job = {k: v for k, v in OmegaConf.to_container(check.job).items() if k not in ("paths", "hydra")}
+    return repr(sorted(job.items()))
+
+
+def matches_one_process(combination: Combination, trace: RunTrace, outputs: Path, root: Path) -> list[str]:
+    """How the trained combination's trace differs from one process's with the same global
+    batch (each line of the answer one difference, prefixed by the combination)."""
+    job, tolerance = reference_of(combination, root)
+    key = reference_key(job)
+    if key not in REFERENCE_TRACES:
+        REFERENCE_TRACES[key] = train(job, 1, outputs.with_name(f"reference-{outputs.name}"))[1]
+    found = differences(trace, REFERENCE_TRACES[key], **tolerance, steps=STEPS,
+                        gradient_norms=logs_the_gradient_norm_as_one_process(combination),
+                        weights_by_norm=combination.precision != "fp32")
+    return [f"{combination}\n    {line} of one process" for line in found[:8]]
 
 
 # Accepted combinations a sample found training wrong, kept in make test once fixed. (The ones it

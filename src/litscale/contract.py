@@ -156,6 +156,9 @@ class StrategyContract:
     shares_checkpoint_formats: ClassVar[bool] = True
     # Each rank holds only some of the layers (pipeline stages): a whole-model export gathers them.
     splits_layers_over_ranks: ClassVar[bool] = False
+    # Its gradients live in buffers of its own, not in each parameter's ``.grad`` (DeepSpeed
+    # ZeRO's partitions): it logs ``train/grad_norm`` itself, as its engine takes the norm.
+    keeps_gradients_apart: ClassVar[bool] = False
     # Set by the run from ``checkpoint.async_save`` (or by a user's own script): saves written
     # in the background (``litscale.async_checkpoint``) from the strategy's first save on.
     async_save: bool = False

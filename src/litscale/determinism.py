@@ -108,6 +108,7 @@ class LayoutInvariance:
             raise ValueError(f"determinism.chunks must be a power of two, got {chunks}")
         self.chunks, self.seed, self.threads = int(chunks), int(seed), int(threads)
         self.losses: list[Tensor] = []  # the global batch's loss at each step
+        self.gradient_norm: Tensor | None = None  # the last step's, before clipping
         self._replica: nn.Module | None = None
         self._subtree = _Subtree()
         self._chunk_losses: list[Tensor] = []
@@ -204,6 +205,8 @@ class LayoutInvariance:
         self.losses.append(flat[-1].clone())
         targets = [p for p in module.net.parameters() if p.requires_grad]
         count = sum(p.numel() for p in targets)
+        # before clipping, as every strategy logs it (train/grad_norm)
+        self.gradient_norm = torch.linalg.vector_norm(flat[:count])
         gradient, statistics = _clip(flat[:count], module.trainer), flat[count:-1]
         for param, part in zip(targets, _pieces(gradient, targets), strict=True):
             _set_gradient(param, part)

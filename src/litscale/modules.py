@@ -104,6 +104,7 @@ class TaskModule(LightningModule):
             loss = self.determinism.finish(self)
             if is_logging_step(self._trainer):
                 self.log("train/loss", loss, prog_bar=True)
+                self.log("train/grad_norm", self.determinism.gradient_norm)
             return
         if self._window_losses and not self._strategy_accumulates_on():
             # The logged loss is the global batch's: the mean of the accumulation window's micro
@@ -113,6 +114,25 @@ class TaskModule(LightningModule):
             window, self._window_losses = torch.stack(self._window_losses).mean(), []
             together = getattr(self._trainer.strategy, "ranks_step_together", True)
             self.log("train/loss", window, prog_bar=True, sync_dist=together)
+            self._log_gradient_norm(optimizer)
+
+    def _log_gradient_norm(self, optimizer) -> None:
+        """``train/grad_norm``: the 2-norm of the whole gradient the optimizer steps on (the
+        global batch's mean gradient, summed over shards and stages), before clipping; the same
+        number on every layout of a synchronous strategy, as one process takes it. A strategy
+        that keeps gradients apart (DeepSpeed) logs its engine's instead."""
+        from litscale.contract import contract_value
+        from litscale.layout import MeshSizes
+        from litscale.strategies.mesh import global_gradient_norm
+
+        strategy = self._trainer.strategy
+        if contract_value(strategy, "keeps_gradients_apart"):
+            return
+        resolve = getattr(strategy, "resolve_mesh", None)
+        world = self._trainer.world_size
+        sizes = resolve(world) if resolve is not None else MeshSizes(data_replicate=world)
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        self.log("train/grad_norm", global_gradient_norm(parameters, sizes=sizes))
 
     def _strategy_accumulates_on(self) -> bool:
         """A strategy that accumulates gradients itself (DeepSpeed) has Lightning call

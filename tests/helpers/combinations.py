@@ -61,9 +61,11 @@ CLIPPINGS = ("norm", "none")
 # fault_tolerance=replicas: replica groups of the layout (trained by tests/test_fault_tolerance.py:
 # the rank pool runs one group of ranks, not a lighthouse and its groups).
 FAULT_TOLERANCE = ("none", "replicas")
-# What every combination shares: a CPU run of 2 steps with a micro batch that 4 microbatches split.
-BASE = ["trainer.accelerator=cpu", "trainer.max_steps=2", "launcher.oversubscribe=true",
-        "data.batch_size=8", "logger=none", "callbacks=none"]
+# What every combination shares: a CPU run of 4 steps (the loss after 3 updates) with a micro
+# batch that 4 microbatches split, each step's loss and gradient norm logged (metrics.csv).
+STEPS = 4
+BASE = ["trainer.accelerator=cpu", f"trainer.max_steps={STEPS}", "launcher.oversubscribe=true",
+        "data.batch_size=8", "logger=csv", "trainer.log_every_n_steps=1", "callbacks=none"]
 SEED_ENV = "LITSCALE_COMBINATION_SEED"
 
 

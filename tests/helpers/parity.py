@@ -79,12 +79,16 @@ class ParitySetup:
 class Trace:
     """What a run did: the global batch's loss at each step, every parameter's full gradient
     at each step (before clipping; empty unless recorded), the full weights at the end, and the
-    shapes of the token batches this rank's module was given (a context-parallel rank's share)."""
+    shapes of the token batches this rank's module was given (a context-parallel rank's share),
+    and the whole gradient's norm at each step."""
 
     losses: list[float]
     gradients: list[dict[str, torch.Tensor]]
     weights: dict[str, torch.Tensor]
     input_shapes: set[tuple[int, ...]] = dataclasses.field(default_factory=set)
+    # The whole gradient's 2-norm before clipping at each step: as the run logs it
+    # (``train/grad_norm``), or as one process takes it from its full gradients.
+    gradient_norms: list[float] = dataclasses.field(default_factory=list)
 
 
 # --- the data ---------------------------------------------------------------------------------
@@ -138,6 +142,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
+def norm_of(gradients: dict[str, torch.Tensor]) -> float:
+    """The 2-norm of a whole gradient (every parameter's, concatenated), in float64."""
+    return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in gradients.values()])))
+
+
 def full_gradients(net: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: full(p.grad) for name, p in net.named_parameters() if p.grad is not None}
 
@@ -152,7 +161,7 @@ def loop_trace(net: torch.nn.Module, setup: ParitySetup, *, loss_context=None) -
         width.apply()
         module.optimizer_factory = ScaledOptimizerFactory(module.optimizer_factory, base_lr_of(module.optimizer_factory), width)
     optimizer = module.configure_optimizers()
-    losses, gradients = [], []
+    losses, gradients, norms = [], [], []
     for tokens in global_batches(setup):
         optimizer.zero_grad()
         with (loss_context or contextlib.nullcontext)():
@@ -162,10 +171,11 @@ def loop_trace(net: torch.nn.Module, setup: ParitySetup, *, loss_context=None) -
             loss.backward()
         losses.append(float(full(loss)))
         gradients.append(full_gradients(net))
+        norms.append(norm_of(gradients[-1]))
         if setup.gradient_clip_val:
             torch.nn.utils.clip_grad_norm_(net.parameters(), setup.gradient_clip_val)
         optimizer.step()
-    return Trace(losses, gradients, {k: full(v) for k, v in net.state_dict().items()})
+    return Trace(losses, gradients, {k: full(v) for k, v in net.state_dict().items()}, gradient_norms=norms)
 
 
 @functools.cache
@@ -192,7 +202,7 @@ def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
     batches = [list(rank_loader(setup, world_size, rank)) for rank in range(world_size)]
     anchor = [p.detach().clone() for p in nets[0].parameters()]
     outer = outer_lr and _outer_optimizer(outer_optimizer, anchor, outer_lr, outer_momentum)
-    losses, gradients = [], [[] for _ in nets]
+    losses, gradients, norms = [], [[] for _ in nets], [[] for _ in nets]
     for step in range(setup.steps):
         step_losses = []
         for rank, (net, module, optimizer) in enumerate(zip(nets, modules, optimizers, strict=True)):
@@ -205,6 +215,8 @@ def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
                     param.grad += proximal_mu * (param - start)
             step_losses.append(loss.item())
             gradients[rank].append(full_gradients(net))
+            # each replica's own gradient, as its rank logs it (train/grad_norm)
+            norms[rank].append(norm_of({name: p.grad for name, p in net.named_parameters()}))
             optimizer.step()
         losses.append(sum(step_losses) / world_size)
         if (step + 1) % sync_every:
@@ -222,8 +234,8 @@ def local_sgd_reference(setup: ParitySetup, world_size: int, sync_every: int, *,
                     param.copy_(mean)
             for start, mean in zip(anchor, means, strict=True):
                 start.copy_(mean)
-    return [Trace(losses, gradients[rank], {k: full(v) for k, v in net.state_dict().items()})
-            for rank, net in enumerate(nets)]
+    return [Trace(losses, gradients[rank], {k: full(v) for k, v in net.state_dict().items()},
+                  gradient_norms=norms[rank]) for rank, net in enumerate(nets)]
 
 
 def _outer_optimizer(kind: str, anchor: list[torch.Tensor], lr: float, momentum: float):
@@ -250,6 +262,7 @@ class StepRecorder(Callback):
     def __init__(self, *, gradients: bool = False) -> None:
         self.record_gradients = gradients
         self.losses: dict[int, float] = {}
+        self.gradient_norms: dict[int, float] = {}  # as the run logs it, by step
         self.gradients: list[dict[str, torch.Tensor]] = []
         self._step = 0
         self.input_shapes: set[tuple[int, ...]] = set()
@@ -274,6 +287,8 @@ class StepRecorder(Callback):
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         self.losses[self._step] = self.losses.get(self._step, 0.0) + float(loss)
+        if trainer.global_step == self._step and "train/grad_norm" in trainer.callback_metrics:  # the step ended
+            self.gradient_norms[self._step] = float(trainer.callback_metrics["train/grad_norm"])
 
 
 def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
@@ -296,7 +311,7 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
     trainer = L.Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=setup.steps,
         accumulate_grad_batches=setup.accumulation, precision=precision,
-        gradient_clip_val=setup.gradient_clip_val, logger=False,
+        gradient_clip_val=setup.gradient_clip_val, logger=False, log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder, *callbacks],
     )
@@ -308,7 +323,7 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
     weights = ({name: full(value) for name, value in module.net.state_dict().items()} if local_weights
                else consolidated_state_dict(trainer, module))
     return Trace([recorder.losses[step] for step in sorted(recorder.losses)], recorder.gradients, weights,
-                 recorder.input_shapes)
+                 recorder.input_shapes, [recorder.gradient_norms.get(step) for step in sorted(recorder.losses)])
 
 
 def fit_on_mesh(rank: int, world_size: int, strategy, setup: ParitySetup, **options) -> Trace:
@@ -348,13 +363,24 @@ def assert_weights_match(actual: dict, expected: dict, **tolerance) -> None:
 
 
 def assert_traces_match(actual: Trace, expected: Trace, *, losses: bool = True,
-                        gradients: bool = True, weights: bool = True, **tolerance) -> None:
-    """Step by step, then at the end: each step's loss, each step's gradients (which ``fit``
-    records only when asked), the final weights."""
+                        gradients: bool = True, weights: bool = True, gradient_norms: bool | None = None,
+                        **tolerance) -> None:
+    """Step by step, then at the end: each step's loss and the gradient's norm before clipping
+    (as the run logged it: every strategy logs ``train/grad_norm``), each step's gradients
+    (which ``fit`` records only when asked), the final weights. ``gradient_norms`` follows
+    ``losses`` unless given (False where the run's norm is another quantity by design)."""
     tolerance = {**TOLERANCE, **tolerance}
     if losses:
         torch.testing.assert_close(torch.tensor(actual.losses), torch.tensor(expected.losses),
                                    **tolerance, msg=lambda message: f"losses by step: {message}")
+    if losses if gradient_norms is None else gradient_norms:
+        # a reference that recorded only its gradients: their norms
+        want = expected.gradient_norms or [norm_of(step) for step in expected.gradients]
+        assert None not in actual.gradient_norms and len(actual.gradient_norms) == len(want), \
+            f"train/grad_norm not logged at every step: {actual.gradient_norms}"
+        torch.testing.assert_close(torch.tensor(actual.gradient_norms, dtype=torch.float64),
+                                   torch.tensor(want, dtype=torch.float64), **tolerance,
+                                   msg=lambda message: f"gradient norms by step: {message}")
     if gradients:
         assert len(actual.gradients) == len(expected.gradients), \
             f"gradients of {len(actual.gradients)} steps, not {len(expected.gradients)}: fit(..., gradients=True)"
@@ -365,7 +391,7 @@ def assert_traces_match(actual: Trace, expected: Trace, *, losses: bool = True,
 
 
 def assert_ranks_match(traces: list[Trace], expected: list[Trace], *, gradients: bool = True,
-                       weights_on_every_rank: bool = True, **tolerance) -> None:
+                       weights_on_every_rank: bool = True, gradient_norms: bool = True, **tolerance) -> None:
     """Each rank's trace against its own expected one (the same reference for every rank of a
     synchronous strategy), where a rank may hold part of the network (a pipeline stage): its
     gradients and weights are compared with those names of the expected ones, and the ranks
@@ -377,9 +403,10 @@ def assert_ranks_match(traces: list[Trace], expected: list[Trace], *, gradients:
         assert names <= set(want.weights), f"rank {rank}: unknown tensors {sorted(names - set(want.weights))}"
         held |= names
         stage = Trace(want.losses, [{k: v for k, v in step.items() if k in names} for step in want.gradients],
-                      {k: v for k, v in want.weights.items() if k in names})
+                      {k: v for k, v in want.weights.items() if k in names}, gradient_norms=want.gradient_norms)
         try:
-            assert_traces_match(actual, stage, gradients=gradients, weights=False, **tolerance)
+            assert_traces_match(actual, stage, gradients=gradients, weights=False, gradient_norms=gradient_norms,
+                                **tolerance)
             if weights_on_every_rank or rank == 0:
                 assert names, "no weights"
                 _assert_tensors_close(actual.weights, stage.weights, "", {**TOLERANCE, **tolerance})

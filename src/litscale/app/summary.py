@@ -81,6 +81,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
     layout = built.layout
     summary = {
         "train/loss": _metric(trainer, "train/loss"),
+        "train/grad_norm": _metric(trainer, "train/grad_norm"),
         "val/loss": _metric(trainer, "val/loss"),
         "val/loss_initial": getattr(module, "initial_val_loss", None),
         "val/bpb": _metric(trainer, "val/bpb"),

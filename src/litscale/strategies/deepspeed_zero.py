@@ -117,6 +117,8 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
     untraced = "its engine is not built on the fake process group the check traces on (it flattens the parameters into buffers on its device)"
     phase_collectives = {"backward": "gradient reduction", "optimizer": "parameter all-gather"}
     shares_checkpoint_formats = False  # its own partitioned files, which only DeepSpeed reads
+    keeps_gradients_apart = True  # in ZeRO's partitions: its engine's norm is logged
+    steps_muon = False  # DeepSpeed's ZeRO Muon steps the optimizer (set when the engine is built)
 
     @checked_arguments("strategy")
     def __init__(
@@ -242,6 +244,23 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
 
     @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """DeepSpeed's step; at the end of an accumulation window, ``train/grad_norm`` as its
+        engine took it (the gradient before clipping, unscaled): ZeRO keeps the gradients in its
+        own partitions, so the module's norm of ``.grad`` would see none.
+
+        NOTE: none under Muon: DeepSpeed's ZeRO Muon takes its norm over the orthogonalised
+        updates it clips, not over the gradients, and no other is at hand."""
+        from litscale.loggers import is_logging_step
+
+        stepping = self.model.is_gradient_accumulation_boundary() and not self.steps_muon
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        norm = self.model.get_global_grad_norm() if stepping else None
+        if norm is not None and is_logging_step(self.lightning_module.trainer):
+            self.lightning_module.log("train/grad_norm", float(norm))
+        return result
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """DeepSpeed's own directory through its engine when it was saved on as many ranks in
         this stage's partition format; anything else (another strategy's file or sharded
@@ -276,7 +295,8 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             zero[key] = max(1, min(int(zero[key]), params))
-        if isinstance(optimizer, Muon):
+        self.steps_muon = isinstance(optimizer, Muon)
+        if self.steps_muon:
             optimizer, lr_scheduler = deepspeed_muon(optimizer, lr_scheduler)
         engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=device_rank), config=self.config, model=model,

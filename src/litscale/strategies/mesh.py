@@ -211,10 +211,9 @@ def _values_and_copies(grad: torch.Tensor, ranks_per_stage: int) -> tuple[torch.
     return grad.to_local(), copies * (ranks_per_stage // mesh.size())
 
 
-def clip_grad_norm_across_mesh(
-    parameters: Iterable[torch.Tensor], max_norm: float, *, ranks_per_stage: int
-) -> torch.Tensor:
-    """Clip gradients by their global 2-norm when parameters are split across ranks.
+def gradient_norm_across_mesh(parameters: Iterable[torch.Tensor], *, ranks_per_stage: int) -> torch.Tensor:
+    """The global 2-norm of the gradients of ``parameters`` when they are split across ranks
+    (DTensor shards, pipeline stages): the same number on every rank. A collective.
 
     NOTE: the norm is summed by hand: ``torch.nn.utils.get_total_norm`` (and so
     ``clip_grad_norm_``) raises on a mix of DTensor and plain gradients (tensor parallel leaves
@@ -222,11 +221,10 @@ def clip_grad_norm_across_mesh(
     this rank's pipeline stage (``tests/test_torch_apis.py`` shows both). Here each rank sums
     its local squares, weighted by 1 / (number of ranks holding the same values), and one
     all-reduce over the world gives the total. ``ranks_per_stage``: world size / pipeline size
-    (data x tensor parallel). The scaling is torch's ``clip_grads_with_norm_``.
+    (data x tensor parallel).
     """
     import torch.distributed as dist
 
-    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
     for grad in grads:
@@ -234,11 +232,35 @@ def clip_grad_norm_across_mesh(
         total += values.double().pow(2).sum() / copies
     if dist.is_initialized():
         dist.all_reduce(total)
-    norm = total.sqrt().float()
+    return total.sqrt().float()
+
+
+def clip_grad_norm_across_mesh(
+    parameters: Iterable[torch.Tensor], max_norm: float, *, ranks_per_stage: int
+) -> torch.Tensor:
+    """Clip gradients by their global 2-norm (``gradient_norm_across_mesh``) when parameters
+    are split across ranks. The scaling is torch's ``clip_grads_with_norm_``."""
+    parameters = list(parameters)
+    norm = gradient_norm_across_mesh(parameters, ranks_per_stage=ranks_per_stage)
     # NOTE: foreach=False: torch's foreach path cannot mix DTensor and plain gradients either.
     # One by one, a partial DTensor gradient is scaled as it is (scaling is linear).
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm, foreach=False)
     return norm
+
+
+def global_gradient_norm(parameters: Iterable[torch.Tensor], *, sizes: MeshSizes) -> torch.Tensor:
+    """The 2-norm of the whole gradient of ``parameters`` on a mesh of ``sizes``, before any
+    clipping: across the mesh where a rank holds part of it (DTensor shards, a pipeline stage),
+    else this rank's own (a replicated gradient is whole on every rank: no collective)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = [p for p in parameters if p.grad is not None]
+    if sizes.pipeline > 1 or any(isinstance(p.grad, DTensor) for p in parameters):
+        return gradient_norm_across_mesh(parameters, ranks_per_stage=sizes.world_size // sizes.pipeline)
+    # as torch's clip_grad_norm_ takes it: each gradient's norm (in float32 at least), then theirs
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.promote_types(p.grad.dtype, torch.float32))
+             for p in parameters]
+    return torch.linalg.vector_norm(torch.stack(norms)).float() if norms else torch.zeros(())
 
 
 def clip_by_norm_across_mesh(plugin: Precision, sizes: MeshSizes) -> None:
