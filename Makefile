@@ -3,7 +3,8 @@
 #   make test    install the dev extras and run the test suite (all but the `full` set): the
 #                in-process tests, the 2-rank parity table, the combination sample, the refusals
 #   make test-full  the `full` set: the end-to-end runs, parity at 4 and 8 ranks (CI runs it too)
-#   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (not in CI: run it before a release)
+#   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (run it whole before a release)
+#   make test-soak-slice  one fifth of it, by time (CI runs the commit count's slice)
 #   make image      the Docker image cluster jobs run (make image-cuda: its CUDA variant)
 #   make durations  the slowest tests and the seconds per file of the last make test / test-full
 #   make mutants    plant each defect of tests/mutants/catalog.py and run the tests that must catch it
@@ -12,7 +13,7 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test test-full test-soak durations mutants install install-dev lint clean image image-cuda
+.PHONY: train test test-full test-soak test-soak-slice soak-seconds durations mutants install install-dev lint clean image image-cuda
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,16 @@ test-full: install-dev
 
 test-soak: install-dev
 	$(BIN)/python -m pytest -m soak --junitxml=$(TIMES)/make-test-soak.xml $(PYTEST_ARGS)
+
+# One fifth of the soak set, by time (tests/helpers/soak_slices.py): the commit count's slice, as
+# .ci/run runs it, so that any 5 consecutive commits run every soak test; SOAK_SLICE=k for another.
+SOAK_SLICE ?= $(shell $(PYTHON) tests/helpers/soak_slices.py)
+test-soak-slice: install-dev
+	$(BIN)/python -m pytest -m soak --soak-slice=$(SOAK_SLICE)/5 --junitxml=$(TIMES)/make-test-soak-slice.xml $(PYTEST_ARGS)
+
+# The seconds the slices are cut by, from the last whole `make test-soak`.
+soak-seconds:
+	$(BIN)/python tests/durations.py $(TIMES)/make-test-soak.xml --soak-seconds tests/soak_seconds.json --top 10
 
 durations:
 	$(BIN)/python tests/durations.py $(wildcard $(TIMES)/*.xml) $(ARGS)

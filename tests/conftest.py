@@ -60,14 +60,35 @@ LONGEST_FIRST = ("test_parity.py", "test_combinations.py", "test_moving_runs.py"
                  "test_multinode.py", "test_rank_pool.py", "test_lr_scaling.py")
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """Each module's tests stay together and in order; the longest modules come first.
+def pytest_addoption(parser) -> None:
+    parser.addoption("--soak-slice", default=None, metavar="K/N",
+                     help="of the soak tests, run only slice K of N (cut by time: tests/helpers/soak_slices.py)")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Each module's tests stay together and in order; the longest modules come first. With
+    ``--soak-slice``, the soak tests of other slices are deselected.
 
     NOTE: whole modules, not the parity table's families one by one: xdist 3.8's `loadgroup`
     renames a test to add its group, which pytest 9.2's node ids no longer take, so every test
     went out alone and each worker ran the module fixtures (and fit each parity family) again."""
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    if config.getoption("--soak-slice"):
+        _keep_soak_slice(config, items)
+
+
+def _keep_soak_slice(config, items) -> None:
+    from helpers.soak_slices import parse_slice, recorded_seconds, slices
+
+    index, count = parse_slice(config.getoption("--soak-slice"))
+    soak = [item.nodeid for item in items if item.get_closest_marker("soak")]
+    kept = set(slices(soak, recorded_seconds(), count)[index])
+    dropped = [item for item in items if item.get_closest_marker("soak") and item.nodeid not in kept]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def pytest_sessionfinish(session) -> None:

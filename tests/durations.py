@@ -11,6 +11,7 @@ tear-down; what a new capability costs CI is easier to read per file, so this ad
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import xml.etree.ElementTree as ElementTree
 from collections import defaultdict
@@ -57,11 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("junit", nargs="+", help="JUnit XML files (pytest --junitxml); several are added up")
     parser.add_argument("--top", type=int, default=20, help="how many of the slowest tests to list")
     parser.add_argument("--markdown", action="store_true", help="tables for tests/README.md")
+    parser.add_argument("--soak-seconds", metavar="JSON", help="write each test's seconds there: the time the "
+                        "soak slices are cut by (tests/helpers/soak_slices.py), from a whole soak run's XML")
     args = parser.parse_args(argv)
     times: dict[str, float] = {}
     for path in args.junit:
         for node, seconds in test_times(path).items():
             times[node] = times.get(node, 0.0) + seconds
+    if args.soak_seconds:
+        with open(args.soak_seconds, "w") as handle:
+            json.dump({node: round(seconds, 1) for node, seconds in sorted(times.items())}, handle, indent=0)
+            handle.write("\n")
     print(report(times, top=args.top, markdown=args.markdown))
     return 0
 
