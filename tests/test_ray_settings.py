@@ -172,6 +172,7 @@ def test_a_jobs_run_dir_is_in_its_storage_and_the_sweep_reads_it_there_or_from_i
                                                  "hydra.launcher.max_workers=2"))
 
 
+@pytest.mark.slow  # composes two jobs: about half a second
 def test_an_elastic_jobs_ranks_get_elastic_true(tmp_path):
     """Ray picks an elastic job's worker count at each attempt: its ranks resume at a sample
     position they can share out (``elastic=true``) instead of failing at every attempt."""
