@@ -479,3 +479,52 @@ def test_a_checkpoints_seed_is_the_order_a_resume_continues():
     data.load_state_dict({"epoch": 0, "samples_drawn": 0, "seed": 3, "dataset_samples": 64})
     data.train_dataloader()
     assert data.seed == 3 and data.state_dict()["seed"] == 3
+
+
+def resumed_steps(samples_drawn: int, ranks: int, *, batch_size: int = 1, elastic: bool = False,
+                  block: int | None = None) -> list[list[list[int]]]:
+    """Each of ``ranks`` ranks' batches of epoch 0 after a resume from ``samples_drawn``."""
+    loaders = []
+    for rank in range(ranks):
+        data = attach(IndexDataModule(n=64, batch_size=batch_size), ranks, rank)
+        data.setup()
+        data.elastic, data.rank_block = elastic, block
+        data.load_state_dict({"epoch": 0, "samples_drawn": samples_drawn, "seed": 0, "dataset_samples": 64})
+        loaders.append(data.train_dataloader())
+    return [steps(loader) for loader in loaders]
+
+
+ORDER = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()  # epoch 0's, seed 0
+
+
+def test_an_elastic_resume_skips_ahead_to_a_position_the_new_ranks_share_out(caplog):
+    """4 samples drawn (4 ranks, one step), 3 ranks now: 4 does not split in three. An elastic
+    job's ranks skip positions 4 and 5 and take 6, 7 and 8 (every third from 6), in one line;
+    anyone else's is refused."""
+    with caplog.at_level("INFO"):
+        ranks = resumed_steps(4, 3, elastic=True)
+    assert [rank[:2] for rank in ranks] == [[[ORDER[6]], [ORDER[9]]], [[ORDER[7]], [ORDER[10]]],
+                                            [[ORDER[8]], [ORDER[11]]]]
+    assert [r.getMessage() for r in caplog.records if "elastic" in r.getMessage()] == [
+        "litscale: elastic resume: the checkpoint stopped at sample 4 of epoch 0, which 3 data-parallel ranks cannot "
+        "share out evenly: skipped samples 4 to 5 of the epoch's order (2 samples, not trained in this epoch); the "
+        "run continues at sample 6"] * 3  # once per rank here: rank_zero_info, and every rank is rank 0 without a trainer
+    with pytest.raises(ValueError) as refused:
+        resumed_steps(4, 3)
+    assert str(refused.value) == (
+        "trainer.devices: the checkpoint stopped at sample 4 of epoch 0, which 3 data-parallel ranks cannot share "
+        "out evenly; allowed: a count of data-parallel ranks that divides it, elastic=true to skip ahead to sample "
+        "6, or start fresh with ckpt_path=null")
+
+
+def test_a_layout_invariant_resume_shares_out_whole_global_batches_only():
+    """Each rank takes one contiguous block of every global batch (``ContiguousBlockSampler``):
+    2 samples drawn split over 2 ranks, but not in their blocks of 2, which start at multiples
+    of 4. Before, rank 0 began at position 1 (trained again) and rank 1 at 3, and 2 was never
+    trained; now it is refused, or an elastic job skips to position 4."""
+    with pytest.raises(ValueError, match="^trainer.devices: the checkpoint stopped at sample 2 of epoch 0, which 2 "
+                                         "data-parallel ranks cannot share out evenly in blocks of 2 samples per rank"):
+        resumed_steps(2, 2, batch_size=2, block=2)
+    rank0, rank1 = resumed_steps(2, 2, batch_size=2, block=2, elastic=True)
+    assert (rank0[0], rank1[0]) == (ORDER[4:6], ORDER[6:8])
+    assert resumed_steps(4, 2, batch_size=2, block=2)[1][0] == ORDER[6:8]  # a whole global batch: as saved

@@ -25,7 +25,12 @@ from hydra_plugins.litscale_plugins.k8s import (
     launch_token,
     submit_and_wait,
 )
-from hydra_plugins.litscale_plugins.k8s_manifests import SCHEMAS, elastic_args, manifest_problems
+from hydra_plugins.litscale_plugins.k8s_manifests import (
+    NODES_AT_RENDEZVOUS,
+    SCHEMAS,
+    elastic_args,
+    manifest_problems,
+)
 from litscale.errors import ConfigError
 
 
@@ -403,11 +408,12 @@ def test_an_elastic_pytorchjob_has_workers_only_and_an_elastic_policy(tmp_path):
     assert list(spec["pytorchReplicaSpecs"]) == ["Worker"] and spec["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
     (container,) = spec["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     # torchrun takes its node range and rendezvous from the operator's PET_* variables; the run,
-    # its node count from the pods that met (torchrun's GROUP_WORLD_SIZE), at every start
+    # its node count from the pods that met (torchrun's GROUP_WORLD_SIZE), at every start, and
+    # elastic=true: a resume on another count skips to a sample position it can share out
     without_nodes = [o for o in ELASTIC if not o.startswith("trainer.num_nodes=")]
     assert container["command"] == ["torchrun", "train.py", *without_nodes,
                                     "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3", "ckpt_path=here",
-                                    "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'"]
+                                    "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'", "elastic=true"]
     fixed = manifest_for(tmp_path, *ELASTIC[:1], *ELASTIC[3:])
     assert "elasticPolicy" not in fixed["spec"] and list(fixed["spec"]["pytorchReplicaSpecs"]) == ["Master", "Worker"]
 
@@ -417,6 +423,14 @@ def test_an_elastic_jobs_node_count_is_the_pods_that_met_at_the_rendezvous(monke
     monkeypatch.setenv("GROUP_WORLD_SIZE", "3")
     (nodes,) = [a for a in elastic_args(["trainer.num_nodes=2", "strategy=ddp"]) if a.startswith("trainer.num_nodes")]
     assert compose_full([nodes, "strategy=ddp"]).trainer.num_nodes == 3
+
+
+def test_an_elastic_pytorchjobs_resume_skips_to_a_position_its_pods_share_out():
+    """The pods run with ``elastic=true`` (a restart on fewer pods resumes where its ranks can),
+    given once whatever the job's own overrides said."""
+    args = elastic_args(["strategy=ddp", "elastic=false"])
+    assert args[1:] == [NODES_AT_RENDEZVOUS, "elastic=true"]
+    assert compose_full([args[0], args[2]]).elastic is True  # a key of the config
 
 
 @pytest.mark.slow

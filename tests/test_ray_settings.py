@@ -172,6 +172,20 @@ def test_a_jobs_run_dir_is_in_its_storage_and_the_sweep_reads_it_there_or_from_i
                                                  "hydra.launcher.max_workers=2"))
 
 
+@pytest.mark.slow  # composes two jobs: about half a second
+def test_an_elastic_jobs_ranks_get_elastic_true(tmp_path):
+    """Ray picks an elastic job's worker count at each attempt: its ranks resume at a sample
+    position they can share out (``elastic=true``) instead of failing at every attempt."""
+    from hydra_plugins.litscale_plugins.ray_launcher import checked_settings, prepare_job_config
+
+    configs = {"elastic": job_config(tmp_path, "strategy=ddp", "hydra.launcher.min_workers=1",
+                                     "hydra.launcher.max_workers=4"),
+               "fixed": job_config(tmp_path, "strategy=ddp")}
+    for config in configs.values():
+        prepare_job_config(config, checked_settings(config), max_failures=1)
+    assert {name: config.elastic for name, config in configs.items()} == {"elastic": True, "fixed": False}
+
+
 def test_a_rank_stopped_on_sigterm_fails_on_purpose_and_rank_zero_says_why(monkeypatch, capsys):
     from hydra_plugins.litscale_plugins.ray_launcher import raise_preempted
 

@@ -153,11 +153,15 @@ def elastic_nodes(params: dict[str, Any], strategy_target: str) -> tuple[int, in
 # An elastic job's node count is the pods that met at the rendezvous, which torchrun gives its
 # ranks as GROUP_WORLD_SIZE (a fixed trainer.num_nodes would refuse any other count).
 NODES_AT_RENDEZVOUS = "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'"
+# A start on other pods than the save's skips to a sample position their ranks can share out.
+ELASTIC = "elastic=true"
 
 
 def elastic_args(args: list[str]) -> list[str]:
-    """An elastic job's arguments: its node count read at each start, not fixed."""
-    return [a for a in args if a.split("=", 1)[0].lstrip("+~") != "trainer.num_nodes"] + [NODES_AT_RENDEZVOUS]
+    """An elastic job's arguments: its node count read at each start, not fixed, and its
+    resume's position moved to one the new count shares out (``elastic=true``)."""
+    fixed = ("trainer.num_nodes", "elastic")
+    return [a for a in args if a.split("=", 1)[0].lstrip("+~") not in fixed] + [NODES_AT_RENDEZVOUS, ELASTIC]
 
 
 def _replica_specs(template: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

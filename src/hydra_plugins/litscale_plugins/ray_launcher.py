@@ -238,11 +238,14 @@ def unwrapped(cause: BaseException) -> BaseException:
 
 def prepare_job_config(job_config: DictConfig, settings: JobSettings, max_failures: int) -> None:
     """What the driver adds to a job's config for Ray: its run dir's place, ``ckpt_path=here``
-    where Ray may restart it, and the callback that hands it a worker's SIGTERM."""
+    where Ray may restart it, ``elastic=true`` where Ray picks its worker count, and the
+    callback that hands it a worker's SIGTERM."""
     with open_dict(job_config):
         job_config.hydra.sweep.dir = settings.run_sweep_dir
         if max_failures and job_config.get("ckpt_path") is None:
             job_config.ckpt_path = "here"  # a restarted attempt resumes this job's own last save
+        if settings.elastic:  # an attempt on fewer workers skips to a position they can share out
+            job_config.elastic = True
         if job_config.get("callbacks") is None:
             job_config.callbacks = {}
         job_config.callbacks.ray_worker = {"_target_": WORKER_CALLBACK}

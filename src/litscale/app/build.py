@@ -186,6 +186,8 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
     module = build_module(cfg)
     if getattr(module, "determinism", None) is not None:  # each rank's share of a step, in one block
         datamodule.rank_block = layout.micro_batch * layout.accumulation
+    if cfg.get("elastic"):  # a resume the new rank count cannot share out skips ahead (validation let it)
+        datamodule.elastic = True
     loggers_cfg = cfg.get("logger") or {}
     wandb = {name: wandb_run(node, name=cfg.name, sweep_dir=sweep_dir, ckpt_path=layout.ckpt_path)
              for name, node in loggers_cfg.items()

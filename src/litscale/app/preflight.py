@@ -121,9 +121,10 @@ def validate_job(cfg, *, multirun: bool) -> None:
 
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
     on_cluster = multirun and _launcher(cfg) in CLUSTER_LAUNCHERS
-    if on_cluster:
-        check_cluster_resources(cfg)
+    elastic = on_cluster and check_cluster_resources(cfg)
     job = _as_job_config(cfg)
+    if elastic:  # as the launcher hands the job to its ranks (the Ray and k8s launchers' elastic=true)
+        job.elastic = True
     here = not on_cluster and not only_planned(job)
     layout = validate(job, choices=choices, this_machine=here)
     if here:  # the ranks can start from this process
@@ -191,10 +192,11 @@ def _launcher(cfg) -> str:
     return str(OmegaConf.select(cfg, "hydra.launcher._target_") or "")
 
 
-def check_cluster_resources(cfg) -> None:
+def check_cluster_resources(cfg) -> bool:
     """``hydra/launcher=slurm`` (ray, k8s, skypilot) sizes each job from ``trainer.devices``
     (processes and GPUs per node) and ``trainer.num_nodes``: they must be counts, and the
-    launcher settings must resolve."""
+    launcher settings must resolve. True where they make the job elastic (its rank count
+    then changes on its own)."""
     devices = cfg.trainer.get("devices")
     text = str(devices).strip()
     option = SIZING_LAUNCHERS.get(_launcher(cfg))
@@ -215,14 +217,17 @@ def check_cluster_resources(cfg) -> None:
         problem = outputs_problem(params)
         if problem:
             raise ConfigError(problem)
+    strategy = str(OmegaConf.select(cfg, "strategy._target_") or "")
     if option == "ray":
-        from hydra_plugins.litscale_plugins.ray_settings import check_settings
+        from hydra_plugins.litscale_plugins.ray_settings import check_settings, elastic_workers
 
-        check_settings(params, str(OmegaConf.select(cfg, "strategy._target_") or ""))
+        check_settings(params, strategy)
+        return elastic_workers(params, strategy) is not None
     if option == "k8s":
         from hydra_plugins.litscale_plugins.k8s_manifests import elastic_nodes
 
-        elastic_nodes(params, str(OmegaConf.select(cfg, "strategy._target_") or ""))
+        return elastic_nodes(params, strategy) is not None
+    return False
 
 
 def _as_job_config(cfg):

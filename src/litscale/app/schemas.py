@@ -19,6 +19,7 @@ class RunSchema:
     ckpt_path: str | None
     allowed_targets: list[str]
     export_hf: bool
+    elastic: bool = False  # the data-parallel count may change between the job's starts on its own
 
 
 @dataclass

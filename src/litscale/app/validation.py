@@ -25,6 +25,7 @@ from litscale.app.checkpoint_checks import check_checkpoint_moves, check_checkpo
 from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.devices import check_devices
 from litscale.app.fault_tolerance_checks import check_fault_tolerance, replica_groups
+from litscale.app.resume_checks import check_resume_position
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.app.schemas import (
     CheckpointSchema,
@@ -109,6 +110,7 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     layout = run_layout(cfg, processes, strategy, choices=choices)
     check_determinism(cfg, choices, layout)
     check_fault_tolerance(cfg, choices, layout, this_machine=this_machine)
+    check_resume_position(cfg, layout)
     check_baseline(cfg)
     check_warmup(cfg)
     check_declared_widths(cfg, choices)

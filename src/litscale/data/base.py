@@ -16,7 +16,7 @@ from litscale.data.partition import (
     label_skew,
     partition_indices,
 )
-from litscale.data.resume import ResumableOrder
+from litscale.data.resume import ResumableOrder, shared_position, skipped_line, unshared_position
 
 
 class ResumableSampler(ResumableOrder, DistributedSampler):
@@ -100,6 +100,10 @@ class ShardedDataModule(LightningDataModule):
     rank_block: int | None = None
     #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.fault_tolerance``).
     replica_group: tuple[int, int] = (0, 1)
+    #: Set for a job whose data-parallel count changes between its starts on its own (``elastic=true``:
+    #: Ray's ``min_workers``/``max_workers``, an elastic PyTorchJob): a resume whose position the new
+    #: count cannot share out skips ahead to the next one it can, and says so, instead of raising.
+    elastic: bool = False
 
     #: ``"causal_lm"`` (batches ``(x, y)`` of int64 ``[B, T]``, ``y`` = ``x`` shifted by one)
     #: or ``"classification"`` (``x`` float32 ``[B, C, H, W]``, ``y`` int64 ``[B]``).
@@ -253,23 +257,26 @@ class ShardedDataModule(LightningDataModule):
         before its ``setup``, so the training set is not there to compare yet)."""
         self._restored_state = dict(state)
 
-    def _resume_point(self, sampler: Sampler, num_replicas: int) -> tuple[int, int] | None:
+    def _resume_point(self, num_replicas: int) -> tuple[int, int] | None:
         """``(data epoch, samples of this rank's order to skip)`` on a resume: the checkpoint's
-        global position shared out over this run's data-parallel ranks; a finished epoch moves
-        to the next. A checkpoint saved without one: Lightning's epoch and this rank's batches."""
+        global position shared out over this run's data-parallel ranks (``shared_position``); a
+        finished epoch moves to the next. A checkpoint saved without one: Lightning's epoch and
+        this rank's batches."""
         epoch, batches = resume_position(self.trainer)
         restored, self._restored_state = self._restored_state, None
         if restored is None:
             return (epoch, batches * self.batch_size) if batches else None
         epoch, samples = int(restored["epoch"]), int(restored["samples_drawn"])
-        if samples >= len(sampler) * num_replicas:
-            return epoch + 1, 0
-        if samples % num_replicas:
-            raise ValueError(
-                f"trainer.devices: the checkpoint stopped at sample {samples} of epoch {epoch}, which "
-                f"{num_replicas} data-parallel ranks cannot share out evenly; resume on a count of "
-                f"data-parallel ranks that divides it")
-        return epoch, samples // num_replicas
+        point = shared_position(epoch, samples, dataset_samples=len(self._require(self.train_dataset, "train")),
+                                ranks=num_replicas, block=self.rank_block)
+        if point.skipped:
+            reason = unshared_position(epoch, samples, ranks=num_replicas, block=self.rank_block)
+            if not self.elastic:  # the app refuses it before launch (litscale.app.resume_checks)
+                raise ValueError(f"trainer.devices: {reason}; allowed: a count of data-parallel ranks that divides "
+                                 f"it, elastic=true to skip ahead to sample {samples + point.skipped}, or start "
+                                 "fresh with ckpt_path=null")
+            rank_zero_info(f"litscale: elastic resume: {reason}: {skipped_line(samples, point)}")
+        return point.epoch, point.samples // num_replicas
 
     def _continue_restored_order(self) -> None:
         """A resume draws the checkpoint's permutation: its seed, over a training set of its
@@ -294,7 +301,7 @@ class ShardedDataModule(LightningDataModule):
         self._continue_restored_order()
         sampler = self.train_sampler()
         num_replicas = self.train_replicas()[0]
-        point = self._resume_point(sampler, num_replicas)
+        point = self._resume_point(num_replicas)
         if point is not None:
             sampler.resume_at(*point)
         sampler.on_epoch_start = self._epoch_began
