@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import pytest
 from helpers.configs import compose_job
 from helpers.inprocess import refusal_on_pool
 
-from litscale.app.compatibility import render, strategy_nodes
+from litscale.app.compatibility import HEADINGS, render, strategy_nodes
 from litscale.app.compatibility import strategy_rows as _strategy_rows
 from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.validation import validate
@@ -65,6 +66,50 @@ def test_fp16_is_refused_by_exactly_the_strategies_the_page_says_no_to(row, tmp_
     else:
         with pytest.raises(ConfigError, match="^precision=fp16_mixed is not supported with strategy="):
             check_strategy_accepts(cfg, choices, dict(strategy_rows())[row])
+
+
+def page_cells(heading: str) -> tuple[dict[str, str], dict[int, str]]:
+    """The page's column ``heading``: each row's cell (``yes``, ``yes [n]`` or ``no [n]``), and
+    the page's numbered notes."""
+    lines = PAGE.read_text().splitlines()
+    headings = [cell.strip() for cell in lines[next(i for i, line in enumerate(lines) if line.startswith("| strategy |"))]
+                .strip("|").split("|")]
+    column = headings.index(heading)
+    cells = {}
+    for line in lines:
+        cells_of_line = [cell.strip() for cell in line.strip("|").split("|")]
+        if line.startswith("| `"):
+            cells[cells_of_line[0].strip("`")] = cells_of_line[column]
+    notes = {int(number): text for number, text in (re.match(r"(\d+)\. (.*)", line).groups()
+                                                    for line in lines if re.match(r"\d+\. ", line))}
+    return cells, notes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", sorted(ROWS))
+def test_validation_takes_a_mixture_of_experts_exactly_where_the_page_says(row, tmp_path):
+    """The page's model=moe column against validation of the command line a user types: a ``no``
+    is refused in the contract's line with the note's reason; a ``yes`` is accepted; a ``yes [n]``
+    is accepted with the settings its note names (the pipeline's model.net.aux_loss_coef=0) and
+    refused without them in one line naming the key. The pipeline's cell said ``no`` while it
+    took model=moe with model.net.aux_loss_coef=0: the network's options were never asked."""
+    cells, notes = page_cells(HEADINGS[Option.MIXTURE_OF_EXPERTS])
+    cell = cells[row]
+    first, *options = ROWS[row]
+    command = [*CPU2, f"strategy={first}", *options, "model=moe", *(["trainer.devices=1"] if first == "single" else [])]
+    refusal = _refusal(command, tmp_path)
+    note = notes.get(int(cell.split("[")[1].rstrip("]"))) if "[" in cell else None
+    if cell.startswith("no"):
+        assert refusal is not None and refusal.startswith("model=moe is not supported with strategy="), refusal
+        assert note.split(". Instead: ")[0] in refusal, (refusal, note)
+    elif note is None:
+        assert refusal is None, refusal
+    else:
+        needed = re.findall(r"model\.net\.\w+=[\w.]+", note)
+        assert needed, note  # a condition on the model names the settings it needs
+        assert refusal is not None and any(refusal.startswith(f"{setting.split('=')[0]}=") for setting in needed), \
+            refusal
+        assert _refusal([*command, *needed], tmp_path) is None
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """``determinism=layout_invariant``: GPT-nano trained at 1, 2, 4 and 8 ranks, under DDP and
 FSDP, with and without gradient accumulation, gives ``torch.equal`` losses at every step and
 ``torch.equal`` weights at the end; a ResNet's batch-norm statistics move alike on every layout;
-bf16 runs as under one process; the pairwise tree and the chunk arithmetic by hand; what the
-mode refuses before any rank starts."""
+LARS and LAMB (norms of each tensor) step alike under FSDP; bf16 runs as under one process; the
+pairwise tree and the chunk arithmetic by hand; what the mode refuses before any rank starts."""
 
 from __future__ import annotations
 
@@ -185,9 +185,11 @@ def _task(name: str, rank: int, world_size: int):
 
 
 def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, task: str = "gpt",
-         steps: int = STEPS, precision: str = "32-true", accelerator: str = "cpu") -> tuple[list, dict]:
+         steps: int = STEPS, precision: str = "32-true", accelerator: str = "cpu",
+         optimizer: str = "adamw") -> tuple[list, dict]:
     """GPT-nano (dropout on) or a small ResNet through Lightning in layout-invariant mode on
-    this rank's contiguous share of each global batch; (global losses, full state on rank 0)."""
+    this rank's contiguous share of each global batch, stepped by ``optimizer`` (``OPTIMIZERS``);
+    (global losses, full state on rank 0)."""
     import lightning as L
 
     from litscale.export import consolidated_state_dict
@@ -196,7 +198,7 @@ def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, tas
     determinism = LayoutInvariance(chunks=CHUNKS, seed=7)
     module = module_class(
         net=net,
-        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        optimizer=OPTIMIZERS[optimizer](),
         weight_decay=0.1,
         determinism=determinism,
     )
@@ -222,6 +224,19 @@ def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, tas
     )
     trainer.fit(module, train_dataloaders=loader)
     return [loss.item() for loss in determinism.losses], consolidated_state_dict(trainer, module)
+
+
+def _layerwise(name: str):
+    from litscale import optimizers
+
+    # A LR large enough that the trust ratio's rounding shows in 4 steps.
+    return functools.partial(getattr(optimizers, name), lr=1.0 if name == "LARS" else 1e-2)
+
+
+# The optimizers a run of the mode steps with, built inside a rank (LARS and LAMB import
+# pytorch_optimizer there only).
+OPTIMIZERS = {"adamw": lambda: functools.partial(torch.optim.AdamW, lr=1e-3),
+              "lars": functools.partial(_layerwise, "LARS"), "lamb": functools.partial(_layerwise, "LAMB")}
 
 
 def single():
@@ -279,6 +294,24 @@ def test_every_layout_trains_bit_identically_to_one_process(ranks, strategy, acc
     every step's global loss and the final weights equal one process's bit for bit."""
     factory = single if ranks == 1 else STRATEGIES[strategy]
     assert_bit_identical(run_distributed(_fit, ranks, factory, accumulation, timeout=600)[0])
+
+
+@functools.cache
+def optimizer_reference(optimizer: str) -> tuple[list, dict]:
+    return run_distributed(_fit, 1, single, 1, steps=4, optimizer=optimizer, timeout=300)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # 3 processes on a shared 2-core machine
+@pytest.mark.parametrize("optimizer", ["lars", "lamb"])
+def test_a_trust_ratio_takes_the_same_norms_on_a_sharded_layout(optimizer):
+    """LARS and LAMB scale each matrix's step by its norms: under FSDP each rank holds a shard
+    of the matrix, and the norms of its shards, reduced over the ranks, differed from one
+    process's in the last bits (66 of 69 tensors after 4 steps). Under the mode they are the
+    norms of the whole tensors, so 2 FSDP ranks with accumulation train as one process, bit for
+    bit."""
+    result = run_distributed(_fit, 2, fsdp, 2, steps=4, optimizer=optimizer, timeout=300)[0]
+    assert_bit_identical(result, optimizer_reference(optimizer))
 
 
 # --- running statistics -----------------------------------------------------------------------------

@@ -185,21 +185,25 @@ GRADS = [(torch.tensor([[0.3, -0.2], [0.1, 0.4]]), torch.tensor([0.5, -0.1])),
          (torch.tensor([[-0.1, 0.2], [0.3, 0.05]]), torch.tensor([0.2, 0.3]))]
 
 
-def two_steps(optimizer_class, weight_decay: float, **options):
-    """Two steps on a 2x2 weight (decayed, adapted) and a bias (neither), litscale's groups."""
+def two_steps(optimizer_class, weight_decay: float, *, whole_tensor_norms: bool = False, **options):
+    """Two steps on a 2x2 weight (decayed, adapted) and a bias (neither), litscale's groups;
+    ``whole_tensor_norms`` as ``determinism=layout_invariant`` sets it (LARS's per-tensor step)."""
     weight = torch.nn.Parameter(torch.tensor([[1.0, -2.0], [0.5, 1.5]]))
     bias = torch.nn.Parameter(torch.tensor([0.2, -0.3]))
     optimizer = optimizer_class([{"params": [weight], "weight_decay": weight_decay},
                                  {"params": [bias], "weight_decay": 0.0}], **options)
+    optimizer.whole_tensor_norms = whole_tensor_norms
     for grad_weight, grad_bias in GRADS:
         weight.grad, bias.grad = grad_weight.clone(), grad_bias.clone()
         optimizer.step()
     return weight.detach(), bias.detach()
 
 
-def test_lars_follows_algorithm_1_of_the_paper():
+@pytest.mark.parametrize("whole_tensor_norms", [False, True])
+def test_lars_follows_algorithm_1_of_the_paper(whole_tensor_norms):
     lr, momentum, eta, decay = 0.5, 0.9, 0.02, 0.01
-    weight, bias = two_steps(LARS, decay, lr=lr, momentum=momentum, trust_coefficient=eta)
+    weight, bias = two_steps(LARS, decay, lr=lr, momentum=momentum, trust_coefficient=eta,
+                             whole_tensor_norms=whole_tensor_norms)
     x = torch.tensor([[1.0, -2.0], [0.5, 1.5]], dtype=torch.float64)
     b = torch.tensor([0.2, -0.3], dtype=torch.float64)
     velocity_x, velocity_b = torch.zeros_like(x), torch.zeros_like(b)
@@ -213,9 +217,10 @@ def test_lars_follows_algorithm_1_of_the_paper():
     torch.testing.assert_close(bias, b.float(), rtol=1.3e-6, atol=1e-7)
 
 
-def test_lamb_follows_algorithm_2_of_the_paper():
+@pytest.mark.parametrize("whole_tensor_norms", [False, True])
+def test_lamb_follows_algorithm_2_of_the_paper(whole_tensor_norms):
     lr, beta1, beta2, eps, decay = 0.01, 0.9, 0.999, 1e-6, 0.1
-    weight, bias = two_steps(LAMB, decay, lr=lr, betas=(beta1, beta2), eps=eps)
+    weight, bias = two_steps(LAMB, decay, lr=lr, betas=(beta1, beta2), eps=eps, whole_tensor_norms=whole_tensor_norms)
     x = torch.tensor([[1.0, -2.0], [0.5, 1.5]], dtype=torch.float64)
     m, v = torch.zeros_like(x), torch.zeros_like(x)
     for t, (grad_x, _) in enumerate(GRADS, start=1):

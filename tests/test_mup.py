@@ -5,6 +5,7 @@ Parity at 2 and 4 ranks is in test_parity.py (``*_mup`` cells)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -121,6 +122,60 @@ def test_the_optimizer_groups_hold_every_parameter_once_with_its_multiplied_lr(o
             assert group["lr_multiplier"] == pytest.approx(expected), names[id(param)]
     if optimizer == "muon":
         Muon(groups, lr=1e-3)  # the roles travel with the split groups
+
+
+def mu_adamw_settings(name: str, param: torch.Tensor, base: dict[str, torch.Size], lr: float,
+                      weight_decay: float) -> tuple[float, float]:
+    """(lr, weight decay) of ``param`` as the ``mup`` package's ``MuAdamW`` sets them: a tensor
+    with two dimensions grown from the base model (matrix-like) takes ``lr / m`` and
+    ``weight_decay x m``; any other tensor keeps both."""
+    grown = [now / then for now, then in zip(param.shape, base[name], strict=True) if now != then]
+    return (lr / grown[-1], weight_decay * grown[-1]) if len(grown) == 2 else (lr, weight_decay)
+
+
+def test_an_adamw_step_under_mup_is_mu_adamw_s():
+    """One AdamW step at 4x the base width against MuAdamW's update by hand: ``p (1 - lr wd) -
+    lr g / (|g| + eps)`` (the first step's bias-corrected moments are ``g`` and ``g^2``), with
+    each tensor's lr and weight decay from its shapes. A hidden matrix's decay of a step,
+    ``lr x wd``, is the base width's."""
+    lr, decay, eps = 0.1, 0.5, 1e-8
+    net = gpt(64)
+    base = {name: p.shape for name, p in gpt(16).named_parameters()}
+    width = WidthScaling(net, 16)
+    width.apply()
+    optimizer = ScaledOptimizerFactory(functools.partial(torch.optim.AdamW, lr=lr, eps=eps), lr, width)(
+        weight_decay_groups(net, decay))
+    generator = torch.Generator().manual_seed(1)
+    for param in net.parameters():
+        param.grad = torch.randn(param.shape, generator=generator)
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    optimizer.step()
+    for name, param in net.named_parameters():
+        p, g = before[name], param.grad
+        tensor_lr, tensor_decay = mu_adamw_settings(name, p, base, lr, decay if p.dim() >= 2 else 0.0)
+        expected = p * (1 - tensor_lr * tensor_decay) - tensor_lr * g / (g.abs() + eps)
+        torch.testing.assert_close(param.detach(), expected, rtol=1.3e-6, atol=1e-5,
+                                   msg=lambda message, name=name: f"{name}: {message}")
+    hidden = [n for n in before if len([d for d, b in zip(before[n].shape, base[n], strict=True) if d != b]) == 2]
+    assert len(hidden) == 12
+
+
+def test_muon_s_matrices_decay_by_the_base_width_s_lr_x_weight_decay():
+    """With no gradient a step only decays: every decayed tensor by ``1 - lr x wd`` of the base
+    width, the hidden matrices (Muon's LR x 1/sqrt(m)) as the embeddings and output layer."""
+    lr, decay = 0.1, 0.5
+    net = gpt(64)
+    width = WidthScaling(net, 16)
+    width.apply()
+    optimizer = ScaledOptimizerFactory(functools.partial(Muon, lr=lr), lr, width)(parameter_roles(net, decay))
+    for param in net.parameters():
+        param.grad = torch.zeros_like(param)
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    optimizer.step()
+    for name, param in net.named_parameters():
+        expected = before[name] * (1 - lr * decay) if param.dim() >= 2 else before[name]
+        torch.testing.assert_close(param.detach(), expected, rtol=1.3e-6, atol=1e-5,
+                                   msg=lambda message, name=name: f"{name}: {message}")
 
 
 @pytest.mark.slow  # 2 x 4 widths x 4 steps in this process

@@ -316,6 +316,24 @@ def why_not(strategy: Any, option: Option) -> str | None:
     return StrategyContract.refuses.get(option) or _no_replica_groups(strategy, option) or _lacks_keyword(strategy, option)
 
 
+def network_options(net: nn.Module, *, typed: str = "model=moe") -> dict[Option, str]:
+    """The contract's options a network asks for by what it declares, each as typed (``typed``:
+    how the run names the network): a mixture of experts declares its ``expert_modules``."""
+    from litscale.declarations import declared
+
+    return {Option.MIXTURE_OF_EXPERTS: typed} if declared(net, "expert_modules") else {}
+
+
+def network_refusal(strategy: Any, net: nn.Module, strategy_name: str, *, typed: str = "model=moe") -> str | None:
+    """The one-line refusal of an option ``net`` asks for (``network_options``) that the strategy
+    refuses, else ``None``: what validation and the planner ask beside the config's options."""
+    for option, as_typed in network_options(net, typed=typed).items():
+        reason = why_not(strategy, option)
+        if reason is not None:
+            return refusal_line(option, strategy_name, reason, typed=as_typed)
+    return None
+
+
 def _no_replica_groups(strategy: Any, option: Option) -> str | None:
     if option is Option.REPLICA_GROUPS and not contract_value(strategy, "averages_across_replica_groups"):
         return ("averaging its ranks' gradients across groups before the update is not proven to train right "

@@ -23,6 +23,10 @@ bits, then further. In this mode the order is fixed instead:
   chunk's forward left, summed in the gradients' tree. That is one momentum update towards
   the mean of the chunks' batch statistics, not the per-batch statistics of a normal step (a
   chunk's variance is taken within the chunk), and the same on every layout;
+- an optimizer that scales each tensor's step by the tensor's norms (LARS, LAMB) takes them of
+  the whole tensor (gathered from the shards under FSDP) by one kernel, as one process does
+  (``take_optimizer``); elementwise optimizers (SGD, AdamW) need nothing, and Muon
+  orthogonalises whole matrices already;
 - the replica's forward runs under the autocast of the trainer's mixed precision (FSDP's
   precision plugin drops autocast for its own casts of the sharded weights, which the replica
   is not), and on CUDA with torch's deterministic algorithms (``use_device``).
@@ -49,6 +53,7 @@ from torch import Tensor, nn
 
 from litscale.constraints import PositiveInt
 from litscale.determinism_checks import is_power_of_two
+from litscale.parameter_steps import whole_tensor
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:
@@ -127,6 +132,15 @@ class LayoutInvariance:
     def replica(self) -> nn.Module | None:
         """The unsharded copy the run computes with (``attach``)."""
         return self._replica
+
+    def take_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer``, set to step alike on every layout: an optimizer that scales each
+        tensor's step by the tensor's norms (LARS, LAMB: ``whole_tensor_norms``) takes them of
+        the whole tensor, where a sharded layout's DTensor would add its shards' parts in
+        another order."""
+        if hasattr(optimizer, "whole_tensor_norms"):
+            optimizer.whole_tensor_norms = True
+        return optimizer
 
     def use_device(self, device: torch.device | str) -> None:
         """Where the run computes; on CUDA, torch's deterministic algorithms. Call it before the
@@ -221,7 +235,7 @@ class LayoutInvariance:
         self.use_device(next(module.net.parameters()).device)  # for a loop that never called it
         with torch.no_grad():
             for mine, theirs in zip(self._replica.parameters(), module.net.parameters(), strict=True):
-                _copy_into(mine, _whole(theirs))
+                _copy_into(mine, whole_tensor(theirs))
             for mine, theirs in zip(self._replica.buffers(), module.net.buffers(), strict=True):
                 _copy_into(mine, theirs)
         self._step_statistics = {name: t.clone() for name, t in self._statistics.items()}
@@ -306,12 +320,6 @@ def _skip_ddp_reduction(trainer) -> None:
     model = getattr(trainer.strategy, "model", None)
     if isinstance(model, DistributedDataParallel):
         model.require_backward_grad_sync = False
-
-
-def _whole(tensor: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _clip(gradient: Tensor, trainer) -> Tensor:

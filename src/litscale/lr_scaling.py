@@ -24,6 +24,7 @@ ramps twice; with neither set, the scheduler's own warmup stands.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
@@ -84,8 +85,14 @@ class ScaledOptimizerFactory:
 
 
 def optimizer_keywords(factory: Callable[..., Optimizer]) -> dict:
-    """The keywords a ``functools.partial`` factory was given ({} for another callable)."""
-    return dict(factory.keywords) if isinstance(factory, functools.partial) else {}
+    """The keywords a ``functools.partial`` factory builds its optimizer with: the ones it was
+    given over its optimizer's defaults (a group's weight decay, where the group sets none, is
+    the optimizer's default: AdamW's 0.01); {} for another callable."""
+    if not isinstance(factory, functools.partial):
+        return {}
+    defaults = {name: parameter.default for name, parameter in inspect.signature(factory.func).parameters.items()
+                if parameter.default is not inspect.Parameter.empty}
+    return {**defaults, **factory.keywords}
 
 
 def base_lr_of(factory: Callable[..., Optimizer]) -> float:

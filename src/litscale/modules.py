@@ -179,6 +179,8 @@ class TaskModule(LightningModule):
 
     def configure_optimizers(self):
         optimizer = self.optimizer_factory(self.param_groups())
+        if self.determinism is not None:
+            self.determinism.take_optimizer(optimizer)
         if self.scheduler_factory is None:
             return optimizer
         total_steps = int(self.trainer.estimated_stepping_batches)

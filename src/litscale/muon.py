@@ -40,7 +40,7 @@ from torch import nn
 
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
 from litscale.declarations import declared, find_expert_modules
-from litscale.parameter_steps import ParameterwiseOptimizer, check_betas
+from litscale.parameter_steps import ParameterwiseOptimizer, check_betas, whole_tensor
 
 # A param group's role, in the groups ``parameter_roles`` builds: Muon steps "matrix" groups.
 MATRIX, OTHER = "matrix", "other"
@@ -157,12 +157,6 @@ def newton_schulz(update: torch.Tensor, steps: int, dtype: torch.dtype) -> torch
     return x.mT if tall else x
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a DTensor (gathered on every rank), or the tensor itself."""
-    full_tensor = getattr(tensor, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else tensor
-
-
 def _like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``whole`` laid out as ``param``: this rank's shard of a DTensor, cut locally."""
     if not hasattr(param, "device_mesh"):
@@ -226,7 +220,7 @@ class Muon(ParameterwiseOptimizer):
         buffer, grad = state["momentum_buffer"], param.grad
         buffer.lerp_(grad, 1 - group["momentum"])
         update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-        orthogonal = newton_schulz(_whole(update), group["ns_steps"], getattr(torch, group["ns_dtype"]))
+        orthogonal = newton_schulz(whole_tensor(update), group["ns_steps"], getattr(torch, group["ns_dtype"]))
         rows, cols = param.shape[-2:]
         scale = (0.2 * math.sqrt(max(rows, cols)) if group["adjust_lr"] == "match_rms_adamw"
                  else math.sqrt(max(1.0, rows / cols)))

@@ -18,6 +18,13 @@ readout           in only (a router)           x1/m        x1/m              x1/
 output (declared) in only (the LM head)        x1          x1                (AdamW)
 ================  ===========================  ==========  ================  ================
 
+Weight decay transfers as the ``mup`` package's ``MuAdamW`` makes it transfer: a group whose LR
+is multiplied by ``k`` has its ``weight_decay`` divided by ``k``, so that the decoupled decay of
+a step (AdamW's and Muon's ``p -= lr x weight_decay x p``) is the base width's at every width.
+``MuAdamW`` (``decoupled_wd=False``, its default) divides the LR of its matrix-like parameters
+by the width multiplier and multiplies their weight decay by it; here the same holds for every
+multiplier (the readouts', Muon's), since each one scales the decay's step with the LR.
+
 The declared output layer keeps its init and LR and the model multiplies its logits by
 ``1/m`` instead (``output_multiplier``, the ``mup`` package's ``MuReadout``): the same
 function, and a tied embedding then needs nothing of its own, as input and output agree.
@@ -33,7 +40,8 @@ A model declares ``mup_width`` (its width) and ``at_width(width)`` (itself at an
 the same heads, layers and every other number), an ``output_multiplier`` its forward applies
 to the logits, ``output_layers``, and a ``score_multiplier`` (with ``head_dim``) on each
 attention module; ``models/gpt.py`` and ``models/llama.py`` do. The optimizer gets plain
-``torch.optim`` param groups, one per multiplier, each with its ``lr`` and ``lr_multiplier``.
+``torch.optim`` param groups, one per multiplier, each with its ``lr``, ``weight_decay`` and
+``lr_multiplier``.
 """
 
 from __future__ import annotations
@@ -164,8 +172,10 @@ class WidthScaling:
         return width.adam_lr
 
     def param_groups(self, groups: list[dict], lr: float, optimizer_keywords: dict) -> list[dict]:
-        """``groups`` split by LR multiplier: each keeps its settings (weight decay, role) and
-        gets ``lr`` x its multiplier, the multiplier kept as ``lr_multiplier``."""
+        """``groups`` split by LR multiplier: each keeps its other settings (role) and gets ``lr``
+        x its multiplier and its weight decay (the group's, else ``optimizer_keywords``') / its
+        multiplier (``MuAdamW``'s rule: the step's decay ``lr x weight_decay`` is the base
+        width's), the multiplier kept as ``lr_multiplier``."""
         named = {id(param): (name, width) for name, (param, width) in self.parameters().items()}
         split = []
         for group in groups:
@@ -174,7 +184,9 @@ class WidthScaling:
                 name, width = named.get(id(param), (None, None))
                 multiplier = 1.0 if width is None else self.lr_multiplier(name, width, group, optimizer_keywords)
                 by_multiplier.setdefault(multiplier, []).append(param)
-            split += [{**group, "params": params, "lr": lr * multiplier, "lr_multiplier": multiplier}
+            decay = group.get("weight_decay", optimizer_keywords.get("weight_decay"))
+            split += [{**group, "params": params, "lr": lr * multiplier, "lr_multiplier": multiplier,
+                       **({} if decay is None else {"weight_decay": decay / multiplier})}
                       for multiplier, params in by_multiplier.items()]
         return split
 
@@ -187,7 +199,8 @@ class WidthScaling:
             group = {"role": MATRIX} if id(param) in matrices else {}
             key = (width.role, round(width.init, 6), round(self.lr_multiplier(name, width, group, optimizer_keywords), 6))
             counts[key] = counts.get(key, 0) + 1
-        roles = " | ".join(f"{role} ({n}): init x{init:g} lr x{lr:g}" for (role, init, lr), n in sorted(counts.items()))
+        roles = " | ".join(f"{role} ({n}): init x{init:g} lr x{lr:g} weight decay x{round(1 / lr, 6):g}"
+                           for (role, init, lr), n in sorted(counts.items()))
         scores = sorted({round(m.score_multiplier, 6) for m in self.owner.modules() if hasattr(m, "score_multiplier")})
         return (f"litscale: lr scaling: µP width {self.width} / base {self.base_width} = x{self.output_ratio:g} | "
                 f"{roles} | logits x{1 / self.output_ratio:g} | attention scores x{', '.join(f'{s:g}' for s in scores) or '-'}")

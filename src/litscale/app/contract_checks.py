@@ -7,16 +7,26 @@ for themselves, so a new strategy (or a user's own) needs no entry in any table.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from litscale.app.devices import resolve_accelerator
 from litscale.app.safety import locate_target
 from litscale.app.width_checks import base_width_of, width_rule
-from litscale.contract import Option, missing_requirement, refusal_line, why_not, why_not_with
+from litscale.contract import (
+    Option,
+    missing_requirement,
+    network_refusal,
+    refusal_line,
+    why_not,
+    why_not_with,
+)
 from litscale.errors import ConfigError
 from litscale.muon import adapts_each_tensor, wants_parameter_roles
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def strategy_name(cfg: DictConfig, choices: dict[str, str]) -> str:
@@ -25,7 +35,9 @@ def strategy_name(cfg: DictConfig, choices: dict[str, str]) -> str:
 
 
 def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str]:
-    """The contract options this config asks for, each as the user typed it."""
+    """The contract options this config asks for, each as the user typed it; those its network
+    asks for by what it declares (a mixture of experts) are checked once it is built
+    (``check_network_accepted``)."""
     chosen: dict[Option, str] = {}
     if cfg.precision.lightning == "16-mixed":
         chosen[Option.FP16_MIXED] = f"precision={choices.get('precision', 'fp16_mixed')}"
@@ -71,3 +83,12 @@ def check_strategy_accepts(cfg: DictConfig, choices: dict[str, str], strategy: A
         refused = why_not_with(strategy, option, settings)
         if refused is not None:
             raise ConfigError(refused.line(typed, name))
+
+
+def check_network_accepted(cfg: DictConfig, choices: dict[str, str], strategy: Any, net: nn.Module) -> None:
+    """The strategy takes every option the network asks for by what it declares (a mixture of
+    experts: ``litscale.contract.network_options``), as ``docs/compatibility.md`` states it."""
+    refused = network_refusal(strategy, net, strategy_name(cfg, choices),
+                              typed=f"model={choices.get('model', cfg.model.net.get('_target_'))}")
+    if refused is not None:
+        raise ConfigError(refused)

@@ -22,7 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from litscale.app.checkpoint_checks import check_checkpoint_moves, check_checkpoint_network
-from litscale.app.contract_checks import check_strategy_accepts
+from litscale.app.contract_checks import check_network_accepted, check_strategy_accepts
 from litscale.app.devices import check_devices
 from litscale.app.fault_tolerance_checks import check_fault_tolerance, replica_groups
 from litscale.app.resume_checks import check_resume_position
@@ -263,6 +263,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
         net = meta_net(cfg)
         validate_setup(strategy, world_size=world_size, net=net, seq_len=cfg.data.get("seq_len"),
                        micro_batch=micro_batch)
+        check_network_accepted(cfg, choices or {}, strategy, net)
     except (ValueError, TypeError) as error:
         if isinstance(error, ConfigError):
             raise

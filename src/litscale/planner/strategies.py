@@ -19,6 +19,7 @@ from litscale.contract import (
     Option,
     contract_value,
     missing_requirement,
+    network_refusal,
     refusal_line,
     validate_setup,
     why_not,
@@ -132,6 +133,9 @@ class Refusals:
                     return refused.line(typed, name)
             validate_setup(strategy, world_size=mesh.world_size, net=self.net, seq_len=self.seq_len,
                            micro_batch=micro_batch)
+            refused = network_refusal(strategy, self.net, name)
+            if refused is not None:
+                return refused
             laid_out = mesh_of(strategy, mesh.world_size)
         except (ValueError, TypeError) as error:
             return str(error).splitlines()[0]

@@ -101,6 +101,12 @@ def default_virtual_stages(schedule: str) -> int:
 AUXILIARY_LOSS_DROPPED = ("the schedule computes the loss from the last stage's output only, so a mixture of "
                           "experts trains only without its load-balancing loss (model.net.aux_loss_coef=0; "
                           "the bias update, model.net.bias_update_rate, still balances the experts)")
+# What a mixture of experts needs under a pipeline (a footnote of docs/compatibility.md), as
+# ``check_no_auxiliary_loss`` checks it.
+WITHOUT_AUXILIARY_LOSS = ("a mixture of experts trains without its load-balancing loss only: the schedule computes the "
+                          "loss from the last stage's output only (model.net.aux_loss_coef=0; any other value is "
+                          "refused in one line; the bias update, model.net.bias_update_rate, still balances the "
+                          "experts)")
 
 
 def check_no_auxiliary_loss(net: nn.Module) -> None:
@@ -132,8 +138,8 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
 
     splits_layers_over_ranks = True
     refuses = {Option.FP16_MIXED: NO_SHARDED_LOSS_SCALER,
-               Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul",
-               Option.MIXTURE_OF_EXPERTS: AUXILIARY_LOSS_DROPPED}
+               Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul"}
+    conditions = {Option.MIXTURE_OF_EXPERTS: WITHOUT_AUXILIARY_LOSS}
     untraced = "its stages' send/recv pairs are not traced"
     phase_collectives = {"forward": "pipeline send/recv", "optimizer": "gradient reduction"}
     mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
