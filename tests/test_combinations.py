@@ -225,8 +225,8 @@ def reference_of(combination: Combination, root: Path) -> tuple[Checked, dict] |
     whose loss takes statistics of the rank's micro batch)."""
     from litscale.app.validation import validate
 
-    if combination.compression != "none" or combination.strategy in NO_REFERENCE or combination.devices == 1:
-        return None
+    if combination.compression != "none" or combination.strategy in NO_REFERENCE + ("single",):
+        return None  # (one process is its own reference; a parallel strategy on one rank has one)
     check = checked(combination.job_overrides(), root)
     layout = validate(check.job, choices=check.choices, this_machine=False)
     invariant = combination.determinism == "layout_invariant"
