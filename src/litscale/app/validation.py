@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from litscale.app.checkpoint_checks import check_checkpoint_moves, check_checkpoint_network
 from litscale.app.contract_checks import check_strategy_accepts
 from litscale.app.devices import check_devices
+from litscale.app.extras_checks import check_job_extras
 from litscale.app.fault_tolerance_checks import check_fault_tolerance, replica_groups
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.app.schemas import (
@@ -113,7 +114,9 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     check_warmup(cfg)
     check_declared_widths(cfg, choices)
     check_export_hf(cfg, choices)
-    if this_machine:  # last: it may take a while, and every cheaper check has passed
+    if this_machine:  # the ranks start here: the packages they will import are here
+        check_job_extras(cfg, choices)
+        # last: it may take a while, and every cheaper check has passed
         prepare_data_before_launch(cfg)
     return layout
 

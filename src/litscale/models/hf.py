@@ -18,7 +18,6 @@ Face export is asked for.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torch import nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.extras import TRANSFORMERS
 from litscale.models.hf_parallel import (
     LAYER_BY_LAYER_FAMILIES,
     pipeline_blocks,
@@ -273,19 +273,11 @@ def checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return dict(fields)
 
 
-def transformers_missing() -> bool:
-    try:
-        return importlib.util.find_spec("transformers") is None
-    except ImportError:  # a finder that refuses it (an install that blocks it) says so by raising
-        return True
-
-
 def _config_class(model_type: Any, key: str) -> type[PretrainedConfig]:
     # NOTE: the first use of transformers in a build, after the checks of model.net.path and
     # model.net.config that need none: a bad path is named as such with or without the extra.
-    if transformers_missing():
-        raise ValueError("model=hf needs the transformers package, which is not installed; install it with: "
-                         "pip install 'litscale[hf]'")
+    if TRANSFORMERS.missing():
+        raise ValueError(TRANSFORMERS.refusal("model=hf"))
     import transformers
     from transformers import CONFIG_MAPPING
 

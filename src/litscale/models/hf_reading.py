@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from litscale.extras import TRANSFORMERS
 from litscale.models.hf import checkpoint_fields, with_vocab_size
 
 BASE_PREFIX = "model."  # transformers' base model, which litscale's decoders are without the head
@@ -26,9 +27,11 @@ def refuse_architecture_with_checkpoint(given: dict) -> None:
 
 def hf_config_of_directory(directory: str, key: str = "model.net.from_hf") -> Any:
     """The transformers config of a local checkpoint directory with safetensors weights."""
+    checkpoint_fields(directory, key)  # a local directory, its config.json, safetensors: or one line
+    if TRANSFORMERS.missing():  # after the path, as model=hf: a bad path is named as such
+        raise ValueError(TRANSFORMERS.refusal(f"{key}={directory!r}"))
     from transformers import AutoConfig
 
-    checkpoint_fields(directory, key)  # a local directory, its config.json, safetensors: or one line
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
 
