@@ -116,6 +116,8 @@ class SlurmLauncher(ClusterLauncher):
         a requeued job resuming from its own last checkpoint)."""
         import submitit
 
+        from litscale.app import resolvers  # noqa: F401  (the run dir's ${user_path:...}, resolved below)
+
         assert self.hydra_context is not None and self.config is not None
         Singleton.set_state(singleton_state)
         setup_globals()

@@ -50,6 +50,7 @@ from litscale.checkpoints import resolve_ckpt_path
 from litscale.contract import validate_setup
 from litscale.errors import ConfigError
 from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.user_paths import user_path
 
 __all__ = ["ConfigError", "validate"]
 
@@ -133,8 +134,9 @@ def only_planned(cfg: DictConfig) -> bool:
 
 
 def calibrate_from_paths(value) -> list[str]:
-    """``plan.calibrate_from`` (one directory or a list) as a list."""
-    return [str(p) for p in value] if isinstance(value, (list, tuple, ListConfig)) else [str(value)]
+    """``plan.calibrate_from`` (one directory or a list) as a list, ``~`` expanded."""
+    paths = value if isinstance(value, (list, tuple, ListConfig)) else [value]
+    return [user_path(str(path)) for path in paths]
 
 
 def check_calibrate_from(plan: DictConfig) -> None:
@@ -278,7 +280,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
 
 def resume_search_dir(cfg: DictConfig) -> str:
     """Where ``ckpt_path=auto``/``last`` look (every run named ``name``), and ``here`` (this run's dir)."""
-    return cfg.paths.output_dir if cfg.ckpt_path == "here" else os.path.join(cfg.paths.root_dir, cfg.name)
+    return cfg.paths.output_dir if cfg.ckpt_path == "here" else os.path.join(user_path(cfg.paths.root_dir), cfg.name)
 
 
 def check_baseline(cfg: DictConfig) -> None:

@@ -35,6 +35,7 @@ from litscale.models.hf_parallel import (
     tensor_parallel_plan,
     tensor_parallel_sizes,
 )
+from litscale.user_paths import user_path
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -207,6 +208,8 @@ def build_hf(
     if config is not None and path is not None:
         raise ValueError(f"model.net.config and model.net.path={path!r} are both set; allowed: one of them "
                          "(a checkpoint brings its own config)")
+    path = user_path(path) if path is not None else None
+    config = user_path(config) if isinstance(config, str) else config
     if path is not None:
         fields, source = checkpoint_fields(path), f"model.net.path={path!r}"
         _config_class(fields.get("model_type"), f"{source}: model_type")
