@@ -94,10 +94,10 @@ def test_a_missing_optional_package_is_one_line_before_any_run_dir(case, hidden,
     assert list(outputs_root.iterdir()) == []
 
 
-def test_the_packages_are_checked_where_the_ranks_start_and_not_for_a_plan(hidden, tmp_path, outputs_root):
-    """precision=fp8's torchao, with a machine that has a float8 GPU (this one has none, and a
-    GPU's own check comes first): refused where the ranks start, not for a job that runs on
-    another machine or is only planned, which imports nothing."""
+def test_a_jobs_packages_are_checked_where_its_ranks_start(hidden, tmp_path, outputs_root):
+    """precision=fp8's torchao, asked directly (a float8 GPU's own check comes first, and this
+    machine has none): refused where the ranks start; validation for a job that runs on another
+    machine, or is only planned, which imports nothing, does not ask for it."""
     from helpers.configs import compose_job
 
     from litscale.app.extras_checks import check_job_extras
