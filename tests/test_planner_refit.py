@@ -104,3 +104,36 @@ def test_a_folder_with_too_few_runs_is_refused_saying_what_it_skipped(tmp_path):
         f"plan.calibrate_from={runs}: 0 run(s) with a measured step on cluster=h100_8x (1 x no measured step time "
         "(too few steps), 1 x another cluster (local_cpu)); allowed: run dirs or sweep dirs holding at least 3 "
         "such runs")
+
+
+@pytest.mark.slow  # composes jobs: over a second
+def test_a_foreign_run_dirs_own_allowed_targets_are_not_trusted(tmp_path):
+    """A run dir named by plan.calibrate_from is anyone's files: its config, rebuilt to predict
+    its step, may build only what this run trusts. One whose network is ``os.makedirs`` and whose
+    own allowed_targets admit ``os`` is skipped, saying why, and never built (``os.makedirs``:
+    Hydra's own list of dangerous targets already refuses ``os.system``, which would hide a build)."""
+    import json
+
+    from helpers.configs import compose_job
+    from omegaconf import OmegaConf
+
+    from litscale.app.build import build
+    from litscale.errors import ConfigError
+
+    marker = tmp_path / "ran"
+    runs = tmp_path / "runs"
+    for name in ("a", "b", "c"):
+        foreign, choices = compose_job(["cluster=h100_8x", "allowed_targets=[os]"], runs / name)
+        foreign.model.net = {"_target_": "os.makedirs", "_args_": [str(marker)]}
+        (runs / name / ".hydra").mkdir(parents=True)
+        OmegaConf.save(foreign, runs / name / ".hydra" / "config.yaml")
+        (runs / name / "summary.json").write_text(json.dumps({"choices": choices, "perf/step_time_s": 0.1}))
+    cfg, choices = compose_job(["plan=show", "cluster=h100_8x", f"plan.calibrate_from={runs}"], tmp_path / "run")
+    with pytest.raises(ConfigError) as error:
+        refit.refit(cfg, choices, build(cfg.cluster))
+    assert not marker.exists()
+    assert str(error.value) == (
+        f"plan.calibrate_from={runs}: 0 run(s) with a measured step on cluster=h100_8x (3 x not rebuilt "
+        "(ConfigError: model.net._target_='os.makedirs' is not allowed: targets must come from litscale, torch, "
+        "lightning, pytorch_optimizer (trust another package with allowed_targets=[<package>]))); allowed: run "
+        "dirs or sweep dirs holding at least 3 such runs")

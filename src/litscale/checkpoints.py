@@ -22,6 +22,7 @@ import zipfile
 
 from litscale.atomic_checkpoint import ASIDE_SUFFIX
 from litscale.errors import ConfigError
+from litscale.user_paths import user_path
 
 # ``here``: ``auto`` within the run's own dir: what a cluster job restarted in the same run dir
 # resumes from (Kubernetes, SkyPilot's managed jobs), never another job of the same name.
@@ -157,7 +158,7 @@ def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
                 "train once first, or use ckpt_path=auto to start fresh when there is none"
             )
         return found
-    path = os.path.expanduser(ckpt_path)
+    path = user_path(ckpt_path)
     if os.path.isdir(path) and not is_checkpoint(path):
         raise ConfigError(
             f"ckpt_path={ckpt_path!r} is a directory but not a sharded checkpoint (it has none of "

@@ -19,7 +19,6 @@ answer a plain data-parallel strategy would give (``contract_value``).
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from litscale.atomic_checkpoint import publish
+from litscale.extras import Requirement
 from litscale.layout import MeshSizes
 
 if TYPE_CHECKING:
@@ -105,17 +105,6 @@ class SettingRefusal:
                 f"{self.reason}; allowed: {self.allowed}")
 
 
-@dataclass(frozen=True)
-class Requirement:
-    """A package a strategy imports when it runs, and the extra that installs it."""
-
-    module: str
-    extra: str
-
-    def missing(self) -> bool:
-        return importlib.util.find_spec(self.module) is None
-
-
 class StrategyContract:
     """Mixin of every litscale strategy: the contract's questions with a plain data-parallel
     strategy's answers; a strategy overrides what differs. Subclasses of Lightning strategies
@@ -137,7 +126,7 @@ class StrategyContract:
     # ``why_not_with`` checks it: a footnote of ``docs/compatibility.md``.
     conditions: ClassVar[dict[Option, str]] = {}
     # Packages imported when the strategy runs (not at import): checked before any rank starts.
-    requires: ClassVar[tuple[Requirement, ...]] = ()
+    requires: ClassVar[tuple[Requirement, ...]] = ()  # litscale.extras
     # None: the collective check traces this strategy's first step; else why it cannot.
     untraced: ClassVar[str | None] = None
     # Where a rank waits for its peers, by training phase (named in a hang report).
@@ -370,8 +359,7 @@ def missing_requirement(strategy: Any, strategy_name: str) -> str | None:
     """The one-line refusal of a strategy whose package is not installed, else ``None``."""
     for requirement in contract_value(strategy, "requires"):
         if requirement.missing():
-            return (f"strategy={strategy_name} needs the {requirement.module} package, which is not "
-                    f"installed; install it with: pip install 'litscale[{requirement.extra}]'")
+            return requirement.refusal(f"strategy={strategy_name}")
     return None
 
 

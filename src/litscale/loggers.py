@@ -12,6 +12,8 @@ from typing import Any
 
 from lightning.pytorch import Callback, Trainer
 
+from litscale.extras import WANDB
+
 
 def is_logging_step(trainer: Trainer | None, step: int | None = None) -> bool:
     """Whether the loggers write the values logged for optimizer step ``step`` (1-based; by
@@ -77,6 +79,9 @@ def wandb_logger(
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     return WandbLogger(save_dir=save_dir, project=project, name=name, group=group, offline=offline,
                        id=id, resume="allow" if id else None)
+
+
+wandb_logger.requires = (WANDB,)  # litscale.extras: checked before any run dir exists
 
 
 class WandbRunId(Callback):

@@ -22,10 +22,12 @@ from pathlib import Path
 
 # The modules of pyproject.toml's optional extras, and pytest: what a plain `pip install -e .`
 # lacks. hydra_plugins.hydra_submitit_launcher shares its namespace with litscale's own plugins.
+# tensorboardX is in no extra, but this environment has it, and Lightning's TensorBoard logger
+# writes with it where tensorboard is missing.
 OPTIONAL_MODULES = (
-    "deepspeed", "wandb", "tensorboard", "sklearn", "matplotlib", "submitit",
+    "deepspeed", "wandb", "tensorboard", "tensorboardX", "sklearn", "matplotlib", "submitit",
     "hydra_plugins.hydra_submitit_launcher", "datasets", "transformers", "safetensors", "ray",
-    "optuna", "kubernetes", "jsonschema", "sky", "torchao", "pytest", "_pytest",
+    "optuna", "kubernetes", "jsonschema", "sky", "torchao", "torchft", "pytest", "_pytest",
 )
 # The same packages as importlib.metadata names their distributions.
 DISTRIBUTIONS = {
@@ -34,7 +36,7 @@ DISTRIBUTIONS = {
     "hydra_plugins.hydra_submitit_launcher": "hydra-submitit-launcher", "datasets": "datasets",
     "transformers": "transformers", "safetensors": "safetensors", "ray": "ray", "optuna": "optuna",
     "kubernetes": "kubernetes", "jsonschema": "jsonschema", "sky": "skypilot", "torchao": "torchao",
-    "pytest": "pytest", "_pytest": "pytest",
+    "torchft": "torchft", "tensorboardX": "tensorboardx", "pytest": "pytest", "_pytest": "pytest",
 }
 
 

@@ -39,6 +39,7 @@ from hydra_plugins.litscale_plugins.k8s_manifests import (
     pytorchjob,
     trainjob,
 )
+from litscale.extras import JSONSCHEMA_K8S, KUBERNETES
 
 # The condition that ends a job, per kind: (success, failure).
 TERMINAL = {"TrainJob": ("Complete", "Failed"), "PyTorchJob": ("Succeeded", "Failed")}
@@ -63,6 +64,10 @@ def launch_token() -> str:
 
 class KubernetesLauncher(ClusterLauncher):
     """Writes (and with ``submit=true`` applies) one Kubeflow manifest per job."""
+
+    # litscale.extras: checked before the sweep dir exists
+    requires = (JSONSCHEMA_K8S,)
+    requires_when = {"submit": KUBERNETES}
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)

@@ -41,12 +41,15 @@ from hydra_plugins.litscale_plugins.jobs import compose_job
 from hydra_plugins.litscale_plugins.optuna_space import parse, split
 from hydra_plugins.litscale_plugins.optuna_study import counted, running, shown
 from litscale.errors import ConfigError
+from litscale.extras import OPTUNA
 
 PRUNING_CALLBACK = "litscale.callbacks.optuna_pruning.OptunaPruning"
 
 
 class OptunaSweeper(Sweeper):
     """Ask-and-tell Optuna search; see the module docstring."""
+
+    requires = (OPTUNA,)  # litscale.extras: checked before the sweep dir exists
 
     def __init__(
         self,

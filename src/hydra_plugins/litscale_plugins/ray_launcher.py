@@ -53,6 +53,7 @@ from hydra_plugins.litscale_plugins.ray_settings import (
     working_dir,
 )
 from hydra_plugins.litscale_plugins.ray_worker import has_preemption_checkpoint
+from litscale.extras import RAY
 
 # NOTE: Ray Train replaces ``print`` in its workers with one that also logs each line through
 # the root logger; litscale copies its printed lines to train.log itself, and Hydra's console
@@ -72,6 +73,8 @@ WORKER_CALLBACK = "hydra_plugins.litscale_plugins._ray_worker_callback.RayWorker
 
 class RayLauncher(ClusterLauncher):
     """Runs each job as a Ray Train ``TorchTrainer`` on the cluster at ``address``."""
+
+    requires = (RAY,)  # litscale.extras: checked before the sweep dir exists
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int

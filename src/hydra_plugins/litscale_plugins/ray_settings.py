@@ -15,6 +15,7 @@ from typing import Any
 
 from hydra_plugins.litscale_plugins.strategy_kind import is_data_parallel
 from litscale.errors import ConfigError
+from litscale.user_paths import user_path
 
 # The file systems ``pyarrow.fs.FileSystem.from_uri`` opens (Ray Train's storage uses the same).
 STORAGE_SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs", "viewfs", "file")
@@ -96,7 +97,7 @@ def check_settings(params: dict[str, Any], strategy_target: str) -> None:
 
 
 def check_working_dir(value: Any) -> None:
-    if value not in ("auto", None) and not os.path.isdir(str(value)):
+    if value not in ("auto", None) and not os.path.isdir(user_path(str(value))):
         raise ConfigError(f"hydra.launcher.working_dir={value!r} is not a directory; allowed: auto (the dir "
                           "of train.py when joining a cluster), null, or a directory to send to every worker")
 
@@ -121,7 +122,7 @@ def working_dir(params: dict[str, Any], task_function: Any) -> str | None:
     if value is None:
         return None
     check_working_dir(value)
-    return os.path.abspath(str(value))
+    return os.path.abspath(user_path(str(value)))
 
 
 def runtime_env(directory: str | None, environment: dict[str, str]) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from hydra_plugins.litscale_plugins.jobs import (
 )
 from hydra_plugins.litscale_plugins.k8s import job_name
 from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_mount
+from litscale.extras import JSONSCHEMA_SKYPILOT, SKYPILOT
 
 SCHEMA = Path(__file__).with_name("schemas") / "skypilot_task.yaml"
 RENDEZVOUS_PORT = 29500
@@ -108,6 +109,10 @@ def task_problems(document: dict[str, Any]) -> list[str]:
 
 class SkyPilotLauncher(ClusterLauncher):
     """Writes (and with ``submit=true`` launches) one SkyPilot task per job."""
+
+    # litscale.extras: checked before the sweep dir exists
+    requires = (JSONSCHEMA_SKYPILOT,)
+    requires_when = {"submit": SKYPILOT}
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int

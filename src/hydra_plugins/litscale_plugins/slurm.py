@@ -32,6 +32,7 @@ from hydra_plugins.litscale_plugins.jobs import (
     job_return,
     sweep_run_dir,
 )
+from litscale.extras import SUBMITIT_LAUNCHER
 
 # Executor settings that submitit takes at construction rather than as parameters.
 _EXECUTOR_INIT_KEYS = ("submitit_folder", "max_num_timeout")
@@ -62,6 +63,7 @@ class SlurmLauncher(ClusterLauncher):
     ``submitit`` are used only once the launcher is chosen."""
 
     _EXECUTOR = "slurm"
+    requires = (SUBMITIT_LAUNCHER,)  # litscale.extras: checked before the sweep dir exists
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None
@@ -113,6 +115,8 @@ class SlurmLauncher(ClusterLauncher):
         """One SLURM task of one job (the plugin's, plus rank 0 alone writing ``.hydra/`` and
         a requeued job resuming from its own last checkpoint)."""
         import submitit
+
+        from litscale.app import resolvers  # noqa: F401  (the run dir's ${user_path:...}, resolved below)
 
         assert self.hydra_context is not None and self.config is not None
         Singleton.set_state(singleton_state)

@@ -115,9 +115,8 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
 
 def check_float8_machine(precision: str | None, accelerator: str) -> None:
     """Float8 matmuls (torchao's float8 training) need a CUDA GPU of compute capability 8.9+
-    (Ada, Hopper, Blackwell) and the ``torchao`` package."""
-    import importlib.util
-
+    (Ada, Hopper, Blackwell); the ``torchao`` package is checked with the other optional
+    packages (``litscale.app.extras_checks``)."""
     import torch
 
     if accelerator != "gpu" or torch.cuda.get_device_capability() < (8, 9):
@@ -126,8 +125,6 @@ def check_float8_machine(precision: str | None, accelerator: str) -> None:
             f"precision={precision} needs a CUDA GPU of compute capability 8.9 or newer "
             f"(H100, H200, L4, RTX 4090; found: {found}); use precision=bf16_mixed"
         )
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError(f"precision={precision} needs torchao: pip install 'litscale[fp8]'")
 
 
 def _simulates_clients(cfg: DictConfig) -> bool:

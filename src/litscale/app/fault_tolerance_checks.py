@@ -3,8 +3,6 @@ any rank starts (the strategy's own answer is the contract's, ``Option.REPLICA_G
 
 from __future__ import annotations
 
-import importlib.util
-
 from omegaconf import DictConfig
 
 from litscale.errors import ConfigError
@@ -32,9 +30,6 @@ def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunL
         return
     typed = f"{KEY}={choices.get(KEY, 'replicas')}"
     ft = cfg[KEY]
-    if importlib.util.find_spec("torchft") is None:
-        raise ConfigError(f"{typed} needs the torchft package, which is not installed; install it with: "
-                          "pip install 'litscale[ft]'")
     if ft.min_replicas > ft.groups:
         raise ConfigError(f"{KEY}.min_replicas={ft.min_replicas} is more than the {ft.groups} groups "
                           f"({KEY}.groups); allowed: 1 to {ft.groups}")

@@ -51,6 +51,7 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
+    from litscale.app.extras_checks import missing_option_package
     from litscale.app.overrides import (
         explain_compose_error,
         null_group_problem,
@@ -97,7 +98,8 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
             try:
                 cfg = compose_job(overrides)
             except (HydraException, ValueError) as error:  # Hydra raises ValueError for some
-                fail(explain_compose_error(error, overrides, compose=compose_job, options=options))
+                fail(missing_option_package(overrides, config_dir)
+                     or explain_compose_error(error, overrides, compose=compose_job, options=options))
             try:
                 validate_job(cfg, multirun=args.multirun)
             except ConfigError as error:
@@ -116,10 +118,13 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
 
 def validate_job(cfg, *, multirun: bool) -> None:
     """Validate one composed job (its ``hydra`` node included) as the job itself will."""
+    from litscale.app.extras_checks import check_sweep_extras
     from litscale.app.launch import check_launchable
     from litscale.app.validation import only_planned, planning, validate
 
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
+    if multirun:  # Hydra builds the launcher and the sweeper only for a sweep
+        check_sweep_extras(cfg, choices)
     on_cluster = multirun and _launcher(cfg) in CLUSTER_LAUNCHERS
     elastic = on_cluster and check_cluster_resources(cfg)
     job = _as_job_config(cfg)

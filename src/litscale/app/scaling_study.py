@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from litscale.errors import ConfigError
+from litscale.user_paths import user_path
 
 THROUGHPUT = "perf/samples_per_sec"
 # Overrides that set the device count; jobs differing only in these form one scaling curve.
@@ -61,7 +62,7 @@ def variant_of(overrides: list[str]) -> str:
 
 def baseline_summary_path(value: str) -> str:
     """``scaling.baseline`` (a summary.json or the run dir holding one) as a summary path."""
-    path = os.path.expanduser(value)
+    path = user_path(value)
     if os.path.isdir(path):
         path = os.path.join(path, "summary.json")
     if not os.path.isfile(path):

@@ -1,6 +1,8 @@
 """The keys of ``conf/`` that are not constructor arguments (the top level, the precision
 group, ``scaling``, ``launcher``, ``preflight``, ``plan``), described as dataclasses whose
-annotations ``litscale.app.validation`` checks a composed config against."""
+annotations ``litscale.app.validation`` checks a composed config against; a key that makes
+litscale import an optional package is named in the schema's ``requires_when``
+(``litscale.extras``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from litscale.constraints import AtLeastOne, AtLeastTwo, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.extras import TORCHAO, TORCHFT, TRANSFORMERS
 
 
 @dataclass
@@ -21,6 +24,8 @@ class RunSchema:
     export_hf: bool
     elastic: bool = False  # the data-parallel count may change between the job's starts on its own
 
+    requires_when = {"export_hf": TRANSFORMERS}  # litscale.hf_export writes through transformers
+
 
 @dataclass
 class PrecisionSchema:
@@ -31,6 +36,8 @@ class PrecisionSchema:
     compute_dtype: Literal["float32", "bfloat16", "float16"]
     reduce_dtype: Literal["float32", "bfloat16", "float16"]
     float8: Literal["tensorwise", "rowwise"] | None = None
+
+    requires_when = {"float8": TORCHAO}  # torchao's float8 training (litscale.callbacks.float8)
 
 
 @dataclass
@@ -96,3 +103,5 @@ class FaultToleranceSchema:
     timeout_s: PositiveFloat = 10.0  # a cross-group collective, vote or state transfer
     straggler_timeout_s: PositiveFloat = 30.0  # a quorum's wait for a live group that is late
     quorum_timeout_s: PositiveFloat = 60.0  # a (re)starting group's wait for a quorum
+
+    requires_when = {"mode": TORCHFT}  # the lighthouse, manager and cross-group all-reduce

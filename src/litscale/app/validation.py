@@ -24,6 +24,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from litscale.app.checkpoint_checks import check_checkpoint_moves, check_checkpoint_network
 from litscale.app.contract_checks import check_network_accepted, check_strategy_accepts
 from litscale.app.devices import check_devices
+from litscale.app.extras_checks import check_job_extras
 from litscale.app.fault_tolerance_checks import check_fault_tolerance, replica_groups
 from litscale.app.resume_checks import check_resume_position
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
@@ -50,6 +51,7 @@ from litscale.checkpoints import resolve_ckpt_path
 from litscale.contract import validate_setup
 from litscale.errors import ConfigError
 from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.user_paths import user_path
 
 __all__ = ["ConfigError", "validate"]
 
@@ -115,7 +117,9 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
     check_warmup(cfg)
     check_declared_widths(cfg, choices)
     check_export_hf(cfg, choices)
-    if this_machine:  # last: it may take a while, and every cheaper check has passed
+    if this_machine:  # the ranks start here: the packages they will import are here
+        check_job_extras(cfg, choices)
+        # last: it may take a while, and every cheaper check has passed
         prepare_data_before_launch(cfg)
     return layout
 
@@ -132,8 +136,9 @@ def only_planned(cfg: DictConfig) -> bool:
 
 
 def calibrate_from_paths(value) -> list[str]:
-    """``plan.calibrate_from`` (one directory or a list) as a list."""
-    return [str(p) for p in value] if isinstance(value, (list, tuple, ListConfig)) else [str(value)]
+    """``plan.calibrate_from`` (one directory or a list) as a list, ``~`` expanded."""
+    paths = value if isinstance(value, (list, tuple, ListConfig)) else [value]
+    return [user_path(str(path)) for path in paths]
 
 
 def check_calibrate_from(plan: DictConfig) -> None:
@@ -278,7 +283,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
 
 def resume_search_dir(cfg: DictConfig) -> str:
     """Where ``ckpt_path=auto``/``last`` look (every run named ``name``), and ``here`` (this run's dir)."""
-    return cfg.paths.output_dir if cfg.ckpt_path == "here" else os.path.join(cfg.paths.root_dir, cfg.name)
+    return cfg.paths.output_dir if cfg.ckpt_path == "here" else os.path.join(user_path(cfg.paths.root_dir), cfg.name)
 
 
 def check_baseline(cfg: DictConfig) -> None:

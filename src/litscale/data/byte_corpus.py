@@ -15,6 +15,7 @@ from litscale.constraints import NonNegativeInt, OpenFraction, PositiveInt
 from litscale.data.atomic import atomic_file
 from litscale.data.base import ShardedDataModule
 from litscale.data.byte_windows import ByteWindows, coalesce, held_out_cut, num_windows
+from litscale.user_paths import user_path
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ _READ_CHUNK = 1 << 20
 
 def default_cache_dir() -> str:
     """``$LITSCALE_CACHE`` if set, else ``~/.cache/litscale/data``."""
-    return os.path.expanduser(os.environ.get("LITSCALE_CACHE") or DEFAULT_CACHE_DIR)
+    return user_path(os.environ.get("LITSCALE_CACHE") or DEFAULT_CACHE_DIR)
 
 
 def _patterns(paths: str | Sequence[str] | None) -> list[str]:
@@ -41,7 +42,7 @@ def _patterns(paths: str | Sequence[str] | None) -> list[str]:
 def _match(paths: str | Sequence[str] | None) -> list[str]:
     found = set()
     for pattern in _patterns(paths):
-        for path in glob.glob(os.path.expanduser(pattern), recursive=True):
+        for path in glob.glob(user_path(pattern), recursive=True):
             if os.path.isfile(path):
                 found.add(os.path.abspath(path))
     return sorted(found)
@@ -115,7 +116,7 @@ class ByteCorpusDataModule(ShardedDataModule):
         self.vocab_size = 256
         self.val_fraction = float(val_fraction)
         self.max_bytes = None if max_bytes is None else int(max_bytes)
-        self.cache_dir = os.path.expanduser(cache_dir) if cache_dir else default_cache_dir()
+        self.cache_dir = user_path(cache_dir) if cache_dir else default_cache_dir()
         self.train_files: list[str] = []
         self.val_files: list[str] = []
         self.split_by_file = True

@@ -11,6 +11,7 @@ from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt, OpenFraction, PositiveFloat, PositiveInt
 from litscale.data.base import ShardedDataModule
 from litscale.data.partition import Partition
+from litscale.extras import SCIKIT_LEARN
 
 
 class DigitsDataModule(ShardedDataModule):
@@ -37,6 +38,7 @@ class DigitsDataModule(ShardedDataModule):
     """
 
     task = "classification"
+    requires = (SCIKIT_LEARN,)  # litscale.extras: the images come with scikit-learn
     input_shape: tuple[int, ...] = (1, 8, 8)
     num_classes: int = 10
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from litscale.user_paths import user_path
 
 BUILTIN = ("byte", "bpe")
 END_OF_TEXT = "<|endoftext|>"
@@ -120,7 +121,7 @@ def tokenizer_file(name: str) -> Path | None:
         return None
     if name == "bpe":
         return BPE_ASSET
-    path = Path(os.path.expanduser(name))
+    path = Path(user_path(name))
     if path.is_dir():
         if (path / "tokenizer.json").is_file():
             return path / "tokenizer.json"

@@ -20,6 +20,7 @@ from litscale.data.documents import corpus_files, missing_paths_error, read_docu
 from litscale.data.partition import ClientSampler, contiguous_source_clients
 from litscale.data.token_cache import TokenCache, build_cache, cache_stem, is_complete, load_cache
 from litscale.data.tokenizer import load_tokenizer
+from litscale.user_paths import user_path
 
 __all__ = ["PackedSequences", "TokenDataModule", "missing_paths_error"]
 
@@ -133,7 +134,7 @@ class TokenDataModule(ShardedDataModule):
         self.text_field = text_field
         self.seq_len = int(seq_len)
         self.val_fraction = float(val_fraction)
-        self.cache_dir = os.path.expanduser(cache_dir) if cache_dir else default_cache_dir()
+        self.cache_dir = user_path(cache_dir) if cache_dir else default_cache_dir()
         self.split_by_document = True
         self.train_documents = self.val_documents = 0
         self.val_bytes_per_token = 1.0

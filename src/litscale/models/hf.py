@@ -18,7 +18,6 @@ Face export is asked for.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -29,12 +28,14 @@ from torch import nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.extras import TRANSFORMERS
 from litscale.models.hf_parallel import (
     LAYER_BY_LAYER_FAMILIES,
     pipeline_blocks,
     tensor_parallel_plan,
     tensor_parallel_sizes,
 )
+from litscale.user_paths import user_path
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -207,6 +208,8 @@ def build_hf(
     if config is not None and path is not None:
         raise ValueError(f"model.net.config and model.net.path={path!r} are both set; allowed: one of them "
                          "(a checkpoint brings its own config)")
+    path = user_path(path) if path is not None else None
+    config = user_path(config) if isinstance(config, str) else config
     if path is not None:
         fields, source = checkpoint_fields(path), f"model.net.path={path!r}"
         _config_class(fields.get("model_type"), f"{source}: model_type")
@@ -273,19 +276,11 @@ def checked_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return dict(fields)
 
 
-def transformers_missing() -> bool:
-    try:
-        return importlib.util.find_spec("transformers") is None
-    except ImportError:  # a finder that refuses it (an install that blocks it) says so by raising
-        return True
-
-
 def _config_class(model_type: Any, key: str) -> type[PretrainedConfig]:
     # NOTE: the first use of transformers in a build, after the checks of model.net.path and
     # model.net.config that need none: a bad path is named as such with or without the extra.
-    if transformers_missing():
-        raise ValueError("model=hf needs the transformers package, which is not installed; install it with: "
-                         "pip install 'litscale[hf]'")
+    if TRANSFORMERS.missing():
+        raise ValueError(TRANSFORMERS.refusal("model=hf"))
     import transformers
     from transformers import CONFIG_MAPPING
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from litscale.extras import TRANSFORMERS
 from litscale.models.hf import checkpoint_fields, with_vocab_size
+from litscale.user_paths import user_path
 
 BASE_PREFIX = "model."  # transformers' base model, which litscale's decoders are without the head
 
@@ -26,9 +28,12 @@ def refuse_architecture_with_checkpoint(given: dict) -> None:
 
 def hf_config_of_directory(directory: str, key: str = "model.net.from_hf") -> Any:
     """The transformers config of a local checkpoint directory with safetensors weights."""
+    directory = user_path(directory)
+    checkpoint_fields(directory, key)  # a local directory, its config.json, safetensors: or one line
+    if TRANSFORMERS.missing():  # after the path, as model=hf: a bad path is named as such
+        raise ValueError(TRANSFORMERS.refusal(f"{key}={directory!r}"))
     from transformers import AutoConfig
 
-    checkpoint_fields(directory, key)  # a local directory, its config.json, safetensors: or one line
     return AutoConfig.from_pretrained(directory, local_files_only=True)
 
 
@@ -37,7 +42,7 @@ def hf_weights(directory: str) -> dict[str, torch.Tensor]:
     pickled .bin can run code when it is loaded)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, use_safetensors=True,
+    model = AutoModelForCausalLM.from_pretrained(user_path(directory), local_files_only=True, use_safetensors=True,
                                                  dtype=torch.float32)
     return {name.removeprefix(BASE_PREFIX): tensor for name, tensor in model.state_dict().items()}
 

@@ -29,8 +29,9 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.contract import Option, Requirement, SettingRefusal, StrategyContract, refusal_line
+from litscale.contract import Option, SettingRefusal, StrategyContract, refusal_line
 from litscale.declarations import declared
+from litscale.extras import DEEPSPEED
 from litscale.muon import Muon
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding
@@ -112,7 +113,7 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
                "partitioned buffers its optimizer steps, and takes no gradient summed outside them",
                Option.ASYNC_SAVE: "DeepSpeed's engine writes its own partitioned checkpoint files, on the training thread",
                Option.LAYERWISE_OPTIMIZER: LAYERWISE_ON_PARTITIONS}
-    requires = (Requirement("deepspeed", "extras"),)
+    requires = (DEEPSPEED,)
     conditions = {Option.MATRIX_OPTIMIZER: MUON_CONDITIONS}
     untraced = "its engine is not built on the fake process group the check traces on (it flattens the parameters into buffers on its device)"
     phase_collectives = {"backward": "gradient reduction", "optimizer": "parameter all-gather"}

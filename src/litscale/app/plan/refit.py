@@ -56,7 +56,8 @@ def refit(cfg: DictConfig, choices: dict[str, str], cluster: Cluster) -> tuple[C
     overrides that keep them, where that lowers the error on held-out runs; else ``cluster``
     as it is and no overrides. Prints what it found, and writes it to ``<run dir>/plan/calibration.json``."""
     paths = calibrate_from_paths(cfg.plan.calibrate_from)
-    samples, skipped = gather(paths, choices.get("cluster", cluster.name), cluster)
+    samples, skipped = gather(paths, choices.get("cluster", cluster.name), cluster,
+                              allowed_targets=list(cfg.get("allowed_targets") or ()))
     shown = ", ".join(f"{count} x {reason}" for reason, count in skipped.most_common(3))
     if len(samples) < MIN_RUNS:
         raise ConfigError(f"{KEY}={_shown(paths)}: {len(samples)} run(s) with a measured step on "
@@ -81,15 +82,17 @@ def refit(cfg: DictConfig, choices: dict[str, str], cluster: Cluster) -> tuple[C
     return dataclasses.replace(cluster, **fitted), kept
 
 
-def gather(paths: list[str], cluster_choice: str, cluster: Cluster) -> tuple[list[Sample], Counter]:
+def gather(paths: list[str], cluster_choice: str, cluster: Cluster, *,
+           allowed_targets: list[str]) -> tuple[list[Sample], Counter]:
     """The runs under ``paths`` that ran on ``cluster_choice`` and measured a step, as
-    ``Sample``s (oldest first), and why each other run was left out."""
+    ``Sample``s (oldest first), and why each other run was left out. Each is rebuilt trusting
+    ``allowed_targets`` (this run's), never the list its own config holds."""
     from litscale.app.report import load_summaries
 
     samples, skipped, facts_cache = [], Counter(), {}
     for path in paths:
         for summary in load_summaries(path):
-            found = _sample(summary, cluster_choice, cluster, facts_cache)
+            found = _sample(summary, cluster_choice, cluster, facts_cache, allowed_targets)
             if isinstance(found, Sample):
                 samples.append(found)
             else:
@@ -97,7 +100,8 @@ def gather(paths: list[str], cluster_choice: str, cluster: Cluster) -> tuple[lis
     return samples, skipped
 
 
-def _sample(summary: dict, cluster_choice: str, cluster: Cluster, facts_cache: dict) -> Sample | str:
+def _sample(summary: dict, cluster_choice: str, cluster: Cluster, facts_cache: dict,
+            allowed_targets: list[str]) -> Sample | str:
     """``summary``'s run as a ``Sample``, or why it cannot be one."""
     from litscale.app import resolvers  # noqa: F401  (the config's own interpolations)
     from litscale.app.validation import validate
@@ -115,6 +119,10 @@ def _sample(summary: dict, cluster_choice: str, cluster: Cluster, facts_cache: d
     try:
         cfg = OmegaConf.load(config)
         cfg.paths.output_dir = run_dir  # Hydra's runtime interpolation, outside Hydra
+        # NOTE: a run dir is anyone's files: what it may build is what this run trusts, not the
+        # allowed_targets it wrote itself (validation imports and builds its _target_s).
+        cfg.allowed_targets = allowed_targets
+        cfg.ckpt_path = None  # its resume point changes no step time, and its files are not read
         layout = validate(cfg, choices=choices, this_machine=False)
         plan = configured_plan(cfg, choices, layout)
         if plan is None:

@@ -13,6 +13,7 @@ from litscale.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import ModelFacts, model_facts
+from litscale.user_paths import user_path
 
 
 def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
@@ -147,7 +148,7 @@ def measured_tokens_per_expert(path: str, moe) -> tuple[tuple[float, ...], ...]:
 
     key = "plan.moe_load_from"
     try:
-        with open(path) as file:
+        with open(user_path(path)) as file:
             rows = json.load(file).get("moe/tokens_per_expert")
     except (OSError, ValueError) as error:
         raise ConfigError(f"{key}={path} cannot be read ({error}); allowed: a run's summary.json") from error
