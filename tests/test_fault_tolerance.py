@@ -159,6 +159,9 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
     rate = (29 * 3 + 6 * 2 + 3 * 3) * 8 / (43.5 - 1.0)
     assert job_throughput(summary, str(tmp_path), [0, 1, 2]) == {"perf/samples_per_sec": pytest.approx(rate),
                                                                  "perf/tokens_per_sec": pytest.approx(rate * 32)}
+    # A task without tokens (classification): the samples alone (the old code raised KeyError at the job's end).
+    without_tokens = {k: v for k, v in summary.items() if k != "perf/tokens_per_sec"}
+    assert job_throughput(without_tokens, str(tmp_path), [0, 1, 2]) == {"perf/samples_per_sec": pytest.approx(rate)}
     assert describe({**cost, "restarted": [], "not_finished": [2]}).startswith(
         "3 replica groups, 3 finished at step 40; group(s) 2 lost and not back by the end; the longest ")
     assert describe(cost) == ("3 replica groups, 3 finished at step 40; group(s) 2 restarted and rejoined at step(s) "
