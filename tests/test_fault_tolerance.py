@@ -286,3 +286,36 @@ def test_a_rank_killed_in_a_ddp_group_of_two_restarts_its_group_alone(tmp_path):
     assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 40, cost
     assert cost["restarted"] == [1] and cost["rejoined_at_step"]["1"] > 10, cost
     assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost
+
+
+def test_a_group_rejoining_past_an_epoch_with_a_partial_window_reads_the_step_it_rejoins_at():
+    """11 batches of 4 an epoch, accumulation 3: windows of 3, 3, 3 and 2 batches, so 4 steps an
+    epoch (Lightning steps on an epoch's last batch). A group that rejoins at step ``s`` reads
+    step ``s``'s samples as one process reads them; the old code counted 44 // 12 = 3 steps an
+    epoch and put a group rejoining at step 4 on step 5's samples."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from litscale.data.base import ResumableSampler
+    from litscale.fault_tolerance import _skip_samples
+
+    dataset, batch, accumulation = TensorDataset(torch.arange(44)), 4, 3
+
+    def sampler() -> ResumableSampler:
+        return ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+
+    steps = []  # one process's: each epoch's permutation in batches of 4, windows of 3 batches
+    for epoch in range(3):
+        order = sampler()
+        order.set_epoch(epoch)
+        batches = [part for part in torch.tensor(list(order)).split(batch) if len(part) == batch]
+        steps += [torch.cat(batches[i:i + accumulation]).tolist() for i in range(0, len(batches), accumulation)]
+    assert len(steps) == 12 and len(steps[3]) == 8
+    for step in range(len(steps)):
+        order = sampler()
+        loader = DataLoader(dataset, batch_size=batch, sampler=order, drop_last=True)
+        _skip_samples(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=accumulation,
+                                      num_training_batches=len(loader)), step)
+        order.set_epoch(0)  # the rejoined group's own first epoch
+        assert list(order)[:len(steps[step])] == steps[step], step

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import time
 from datetime import timedelta
@@ -335,12 +336,17 @@ def _set_global_step(trainer: Trainer, step: int) -> None:
 
 
 def _skip_samples(trainer: Trainer, steps: int) -> None:
-    """A rejoining group's sampler starts where the live groups are: ``steps`` optimizer steps in."""
+    """A rejoining group's sampler starts where the live groups are: ``steps`` optimizer steps in.
+
+    NOTE: an epoch whose batches do not fill its last accumulation window still steps on what
+    it has (Lightning steps at an epoch's last batch), so an epoch is ``ceil(batches /
+    accumulation)`` steps, not ``batches // accumulation``: counting whole windows put a group
+    that rejoined past such an epoch on another step's samples."""
     loader = trainer.train_dataloader
     sampler = getattr(loader, "sampler", None)
     if not hasattr(sampler, "resume_at"):
         return
-    per_step = loader.batch_size * trainer.accumulate_grad_batches
-    steps_per_epoch = len(sampler) // per_step
+    accumulation = trainer.accumulate_grad_batches
+    steps_per_epoch = math.ceil(trainer.num_training_batches / accumulation)
     epoch, into = divmod(steps, steps_per_epoch)
-    sampler.resume_at(epoch, into * per_step)
+    sampler.resume_at(epoch, into * accumulation * loader.batch_size)
