@@ -444,6 +444,31 @@ def test_two_groups_keep_the_first_groups_batch_norm_statistics_as_ddp_keeps_ran
             assert torch.equal(statistic, expected[name]), name
 
 
+@pytest.mark.slow  # in-process: builds an MoE, about a second
+def test_a_dropped_step_takes_its_router_counts_with_it():
+    """A step the groups did not commit (a peer lost in it) updates no weight, and so moves no
+    selection bias either: its router counts are dropped with it, not left to be added to the
+    next step's."""
+    from types import SimpleNamespace
+
+    from litscale.fault_tolerance import ReplicaFaultTolerance
+    from litscale.models.moe import build_moe
+
+    torch.manual_seed(0)
+    net = build_moe().train()
+    net(torch.randint(256, (2, 16)))
+    callback = ReplicaFaultTolerance(run_dir="unused")
+    callback.manager, callback.committed, callback._stepped = SimpleNamespace(current_step=lambda: 3), False, True
+    total = SimpleNamespace(ready=4, completed=4)
+    loop = SimpleNamespace(automatic_optimization=SimpleNamespace(optim_progress=SimpleNamespace(
+        optimizer=SimpleNamespace(step=SimpleNamespace(total=total)))), _batches_that_stepped=4)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), global_step=3)
+    callback.on_train_batch_end(trainer, SimpleNamespace(modules=net.modules, log_dict=lambda *a, **k: None),
+                                None, None, 0)
+    assert (total.completed, loop._batches_that_stepped) == (3, 3)  # Lightning's count set back
+    assert net.take_router_statistics() is None
+
+
 @pytest.mark.slow
 @pytest.mark.full
 @pytest.mark.timeout(900)

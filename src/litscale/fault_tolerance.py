@@ -222,6 +222,9 @@ class ReplicaFaultTolerance(Callback):
             return  # inside an accumulation: the step is not over
         self._stepped = self._step_open = False
         _set_global_step(trainer, self.manager.current_step())
+        if not self.committed:  # the routers' counts of a dropped step go with it (no bias update)
+            for module in pl_module.modules():
+                getattr(module, "take_statistics", _nothing)()
         pl_module.log_dict({"fault_tolerance/groups": float(self.participants),
                             "fault_tolerance/committed": float(self.committed)}, on_step=True)
         self._write(step=trainer.global_step, groups=self.participants, committed=self.committed)
@@ -293,7 +296,7 @@ class ReplicaFaultTolerance(Callback):
 
 
 def _nothing() -> None:
-    """What a module without router counts answers (``getattr``'s default)."""
+    """What a module without router counts answers (``getattr``'s default above)."""
     return None
 
 
