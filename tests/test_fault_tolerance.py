@@ -1,7 +1,11 @@
 """``fault_tolerance=replicas``: replica groups that train on while one of them restarts.
 
 Refusals are checked against the exact line a user sees; the step record's arithmetic against
-records written by hand; the groups' data against one data-parallel job of all their ranks.
+records written by hand; the groups' data against one data-parallel job of all their ranks, and
+a rejoining group's against one process's steps; what the groups reduce beside the gradients
+(the logged loss, a mixture of experts' load, BatchNorm's statistics) against one process or
+DDP's rank 0, with the groups as threads of an in-process quorum. End to end (``full``): 2 MoE
+groups against one process, 2 ResNet groups against DDP over 2 ranks.
 End to end (``soak``, beyond CI's time on 2 cores: 80-200 s each): 3 groups of 1 rank without
 a fault match one process with the same global batch; 3 groups of 1 rank train 90 steps while
 group 2 is SIGKILLed at step 20; 2 FSDP groups; a killed rank in a DDP group of two.
@@ -159,6 +163,9 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
     rate = (29 * 3 + 6 * 2 + 3 * 3) * 8 / (43.5 - 1.0)
     assert job_throughput(summary, str(tmp_path), [0, 1, 2]) == {"perf/samples_per_sec": pytest.approx(rate),
                                                                  "perf/tokens_per_sec": pytest.approx(rate * 32)}
+    # A task without tokens (classification): the samples alone (the old code raised KeyError at the job's end).
+    without_tokens = {k: v for k, v in summary.items() if k != "perf/tokens_per_sec"}
+    assert job_throughput(without_tokens, str(tmp_path), [0, 1, 2]) == {"perf/samples_per_sec": pytest.approx(rate)}
     assert describe({**cost, "restarted": [], "not_finished": [2]}).startswith(
         "3 replica groups, 3 finished at step 40; group(s) 2 lost and not back by the end; the longest ")
     assert describe(cost) == ("3 replica groups, 3 finished at step 40; group(s) 2 restarted and rejoined at step(s) "
@@ -283,3 +290,243 @@ def test_a_rank_killed_in_a_ddp_group_of_two_restarts_its_group_alone(tmp_path):
     assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 40, cost
     assert cost["restarted"] == [1] and cost["rejoined_at_step"]["1"] > 10, cost
     assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost
+
+
+def test_a_group_rejoining_past_an_epoch_with_a_partial_window_reads_the_step_it_rejoins_at():
+    """11 batches of 4 an epoch, accumulation 3: windows of 3, 3, 3 and 2 batches, so 4 steps an
+    epoch (Lightning steps on an epoch's last batch). A group that rejoins at step ``s`` reads
+    step ``s``'s samples as one process reads them; the old code counted 44 // 12 = 3 steps an
+    epoch and put a group rejoining at step 4 on step 5's samples."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from litscale.data.base import ResumableSampler
+    from litscale.fault_tolerance import _skip_samples
+
+    dataset, batch, accumulation = TensorDataset(torch.arange(44)), 4, 3
+
+    def sampler() -> ResumableSampler:
+        return ResumableSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+
+    steps = []  # one process's: each epoch's permutation in batches of 4, windows of 3 batches
+    for epoch in range(3):
+        order = sampler()
+        order.set_epoch(epoch)
+        batches = [part for part in torch.tensor(list(order)).split(batch) if len(part) == batch]
+        steps += [torch.cat(batches[i:i + accumulation]).tolist() for i in range(0, len(batches), accumulation)]
+    assert len(steps) == 12 and len(steps[3]) == 8
+    for step in range(len(steps)):
+        order = sampler()
+        loader = DataLoader(dataset, batch_size=batch, sampler=order, drop_last=True)
+        _skip_samples(SimpleNamespace(train_dataloader=loader, accumulate_grad_batches=accumulation,
+                                      num_training_batches=len(loader)), step)
+        order.set_epoch(0)  # the rejoined group's own first epoch
+        assert list(order)[:len(steps[step])] == steps[step], step
+
+
+# --- what the groups reduce beside the gradients, in-process --------------------------------
+
+
+class FakeQuorum:
+    """torchft's quorum of ``groups`` replica groups, each a thread here: a group's all-reduce
+    waits for every other group's and hands back the sum (the mean for ``AVG``), as torchft's."""
+
+    def __init__(self, groups: int) -> None:
+        import threading
+
+        self.groups, self.barrier, self.sent = groups, threading.Barrier(groups, timeout=30), [None] * groups
+
+    def manager(self, group: int):
+        from types import SimpleNamespace
+
+        from torch.distributed import ReduceOp
+
+        def allreduce(tensor, reduce_op=ReduceOp.AVG):
+            self.sent[group] = tensor.clone()
+            self.barrier.wait()
+            total = torch.stack(self.sent).sum(dim=0)
+            self.barrier.wait()
+            tensor.copy_(total / self.groups if reduce_op == ReduceOp.AVG else total)
+            return SimpleNamespace(wait=lambda: None)
+
+        return SimpleNamespace(allreduce=allreduce, participating_rank=lambda: group,
+                               num_participants=lambda: self.groups, errored=lambda: None)
+
+
+def step_in_groups(modules: list, batches: list) -> None:
+    """Each group's forward and backward on its own micro batch (the losses kept as the module
+    keeps them on a logging step), then the replica callback's work before the optimizer step,
+    every group at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from litscale.fault_tolerance import ReplicaFaultTolerance
+
+    quorum = FakeQuorum(len(modules))
+    for module, batch in zip(modules, batches, strict=True):
+        loss = module.loss(batch)
+        loss.backward()
+        module.window_losses.append(loss.detach())
+
+    def reduce(group: int) -> None:
+        callback = ReplicaFaultTolerance(run_dir="unused")
+        callback.manager = quorum.manager(group)
+        callback.on_before_optimizer_step(None, modules[group], None)
+
+    with ThreadPoolExecutor(len(modules)) as pool:
+        list(pool.map(reduce, range(len(modules))))
+
+
+@pytest.mark.slow  # in-process, but builds an MoE and steps it in 3 copies: seconds
+def test_two_groups_count_a_mixture_of_experts_load_and_log_the_loss_of_the_global_batch():
+    """The router load the bias update reads after the step is the global batch's (as one
+    process counts it), not a group's own half: the groups' selection biases move alike, and as
+    one process's; the loss logged is the global batch's. On the old code each group updated
+    its bias from its own load (0.002 apart after 6 steps) and logged its own half's loss."""
+    import copy
+    from functools import partial
+
+    from litscale.models.moe import build_moe
+    from litscale.modules import CausalLMModule
+
+    torch.manual_seed(0)
+    one = CausalLMModule(net=build_moe(aux_loss_coef=0.0, bias_update_rate=0.001),
+                         optimizer=partial(torch.optim.SGD, lr=0.1)).train()
+    groups = [copy.deepcopy(one) for _ in range(2)]
+    tokens = torch.randint(256, (8, 17))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    expected_loss = one.loss(batch)
+    expected_loss.backward()
+    expected = one.net.take_router_statistics().load
+    one.net.update_expert_bias(expected)
+
+    step_in_groups(groups, [(batch[0][:4], batch[1][:4]), (batch[0][4:], batch[1][4:])])
+    for group in groups:
+        load = group.net.take_router_statistics().load
+        assert torch.equal(load, expected), (load, expected)
+        group.net.update_expert_bias(load)
+        for name, bias in group.net.state_dict().items():
+            if name.endswith("selection_bias"):
+                assert torch.equal(bias, one.net.state_dict()[name]), name
+        (loss,) = group.window_losses
+        torch.testing.assert_close(loss, expected_loss.detach(), rtol=1.3e-6, atol=1e-5)
+        for mine, theirs in zip(group.parameters(), one.parameters(), strict=True):
+            torch.testing.assert_close(mine.grad, theirs.grad, rtol=1.3e-6, atol=1e-5)
+
+
+@pytest.mark.slow  # in-process: a ResNet in 3 copies, about a second
+def test_two_groups_keep_the_first_groups_batch_norm_statistics_as_ddp_keeps_rank_0s():
+    """DDP broadcasts rank 0's buffers before each forward, so its run keeps the running
+    statistics of rank 0's micro batches; two replica groups then hold group 0's, the same in
+    both (on the old code each kept its own)."""
+    import copy
+    from functools import partial
+
+    from litscale.determinism import running_statistics
+    from litscale.models.resnet import ResNet
+    from litscale.modules import ClassificationModule
+
+    torch.manual_seed(0)
+    module = ClassificationModule(net=ResNet(input_shape=[1, 8, 8], num_classes=10, widths=[4, 8],
+                                             blocks_per_stage=1),
+                                  optimizer=partial(torch.optim.SGD, lr=0.1)).train()
+    rank_0 = copy.deepcopy(module)  # DDP's rank 0: its own micro batch through its own statistics
+    groups = [copy.deepcopy(module) for _ in range(2)]
+    images, labels = torch.randn(8, 1, 8, 8), torch.randint(10, (8,))
+    halves = [(images[:4], labels[:4]), (images[4:], labels[4:])]
+    with torch.no_grad():
+        rank_0.loss(halves[0])
+    step_in_groups(groups, halves)
+    expected = running_statistics(rank_0)
+    assert not torch.equal(expected["net.stem.1.running_mean"], module.net.stem[1].running_mean)  # it moved
+    for group in groups:
+        for name, statistic in running_statistics(group).items():
+            assert torch.equal(statistic, expected[name]), name
+
+
+@pytest.mark.slow  # in-process: builds an MoE, about a second
+def test_a_dropped_step_takes_its_router_counts_with_it():
+    """A step the groups did not commit (a peer lost in it) updates no weight, and so moves no
+    selection bias either: its router counts are dropped with it, not left to be added to the
+    next step's."""
+    from types import SimpleNamespace
+
+    from litscale.fault_tolerance import ReplicaFaultTolerance
+    from litscale.models.moe import build_moe
+
+    torch.manual_seed(0)
+    net = build_moe().train()
+    net(torch.randint(256, (2, 16)))
+    callback = ReplicaFaultTolerance(run_dir="unused")
+    callback.manager, callback.committed, callback._stepped = SimpleNamespace(current_step=lambda: 3), False, True
+    total = SimpleNamespace(ready=4, completed=4)
+    loop = SimpleNamespace(automatic_optimization=SimpleNamespace(optim_progress=SimpleNamespace(
+        optimizer=SimpleNamespace(step=SimpleNamespace(total=total)))), _batches_that_stepped=4)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), global_step=3)
+    callback.on_train_batch_end(trainer, SimpleNamespace(modules=net.modules, log_dict=lambda *a, **k: None),
+                                None, None, 0)
+    assert (total.completed, loop._batches_that_stepped) == (3, 3)  # Lightning's count set back
+    assert net.take_router_statistics() is None
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(900)
+def test_two_moe_groups_match_one_process_with_their_global_batch_bias_and_logged_loss(tmp_path):
+    """2 groups of 1 rank, a mixture of experts with its bias update (no balance loss, which
+    weighs each group's own micro batch, as DDP's ranks'): every group ends with one process's
+    weights and selection biases at the global batch of 16, and the loss the job logs is the
+    global batch's (on the old code each group moved its bias by its own load and logged its
+    own half's loss)."""
+    import sys
+
+    moe = ["model=moe", "model.net.aux_loss_coef=0", "trainer.max_steps=6", "trainer.val_check_interval=6",
+           "trainer.limit_val_batches=1"]
+    groups = [sys.executable, *(o for o in TRAIN[1:] if "limit_val" not in o), "fault_tolerance.groups=2", *moe]
+    process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=420)
+    assert process.returncode == 0, explain(process)
+    assert stray == []
+    one = [o if o != "data.batch_size=24" else "data.batch_size=16" for o in ONE_PROCESS if "limit_val" not in o]
+    reference, _, _ = run_in_own_group([sys.executable, "train.py", *one, *moe], outputs=tmp_path / "reference",
+                                       timeout=420)
+    assert reference.returncode == 0, explain(reference)
+    ours, theirs = job_summary(tmp_path / "groups"), job_summary(tmp_path / "reference")
+    assert ours["global_batch"] == theirs["global_batch"] == 16
+    expected = final_weights(theirs)
+    biases = [name for name in expected if name.endswith("selection_bias")]
+    assert biases and all(expected[name].abs().sum() > 0 for name in biases)  # the update moved them
+    for group in range(2):
+        summary = json.loads((Path(ours["output_dir"]) / "replicas" / str(group) / "summary.json").read_text())
+        torch.testing.assert_close(final_weights(summary), expected, rtol=1.3e-6, atol=1e-5)
+        assert math.isclose(summary["train/loss"], theirs["train/loss"], rel_tol=1.3e-6, abs_tol=1e-5), (
+            group, summary["train/loss"], theirs["train/loss"])
+    assert math.isclose(ours["train/loss"], theirs["train/loss"], rel_tol=1.3e-6, abs_tol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(900)
+def test_two_batch_norm_groups_match_ddp_over_their_ranks(tmp_path):
+    """2 groups of 1 rank on a ResNet: each group normalises its own micro batch, as each DDP
+    rank does, and both end with the weights and running statistics of DDP over 2 ranks, which
+    keeps rank 0's (it broadcasts rank 0's buffers before each step); on the old code each group
+    kept its own statistics."""
+    import sys
+
+    resnet = ["experiment=digits_resnet", "trainer.accelerator=cpu", "data.batch_size=8", "trainer.max_steps=4",
+              "trainer.val_check_interval=4", "trainer.limit_val_batches=1", "trainer.enable_progress_bar=false",
+              "logger=csv", "launcher.oversubscribe=true"]
+    groups = [sys.executable, "train.py", "fault_tolerance=replicas", "fault_tolerance.groups=2", "strategy=single",
+              "trainer.devices=1", *resnet]
+    process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=420)
+    assert process.returncode == 0, explain(process)
+    assert stray == []
+    ddp, _, _ = run_in_own_group([sys.executable, "train.py", "strategy=ddp", "trainer.devices=2", *resnet],
+                                 outputs=tmp_path / "ddp", timeout=420)
+    assert ddp.returncode == 0, explain(ddp)
+    ours = job_summary(tmp_path / "groups")
+    expected = final_weights(job_summary(tmp_path / "ddp"))
+    assert any(name.endswith("running_mean") for name in expected)
+    for group in range(2):
+        summary = json.loads((Path(ours["output_dir"]) / "replicas" / str(group) / "summary.json").read_text())
+        torch.testing.assert_close(final_weights(summary), expected, rtol=1.3e-6, atol=1e-5)

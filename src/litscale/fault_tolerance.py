@@ -15,7 +15,10 @@ Per step (``ReplicaFaultTolerance``, a callback):
   first batch is drawn, and skips the samples of the steps it missed;
 - after backward, before clipping: the gradients, in one flat buffer, averaged over the
   groups in the quorum (torchft's fault-tolerant all-reduce: a peer lost mid-step fails the
-  step instead of hanging it);
+  step instead of hanging it); then, in a second sum, what each group counted on its own share
+  of the batch made the global batch's: the loss the module logs, a mixture of experts' router
+  load (the bias update after the step reads it) and BatchNorm's running statistics (the first
+  group's, as DDP keeps rank 0's);
 - the optimizer steps only if every group of the quorum says the step is good
   (``Manager.should_commit``); a failed step is dropped and retried with the next batch, so
   Lightning's step counter follows the steps committed.
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import time
 from datetime import timedelta
@@ -45,6 +49,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from litscale.determinism import running_statistics
 
 # Written beside the groups' dirs once a group has finished the run.
 FINISHED_MARKER = "finished"
@@ -158,12 +164,50 @@ class ReplicaFaultTolerance(Callback):
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
-        if not grads:
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            self.manager.allreduce(flat).wait()  # the mean over the quorum's groups
+            for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(averaged)
+        self._share_statistics(pl_module)
+
+    def _share_statistics(self, pl_module: LightningModule) -> None:
+        """What each group counted on its own share of the global batch, made the global batch's
+        by one sum over the quorum's groups (in float32, whatever the gradients' dtype: counts
+        stay exact), inside the step, so that a peer lost now drops the step as it does for the
+        gradients:
+
+        - the micro batches' losses the module logs at this step (``TaskModule.window_losses``):
+          averaged, so ``train/loss`` is the global batch's, as under DDP;
+        - a mixture of experts' router load (``MoELayer.counted_load``): summed, so the bias
+          update after the step reads the load of the global batch, as one process counts it;
+        - BatchNorm's running statistics: the first group's of the quorum (group 0 while it is
+          alive), as DDP broadcasts rank 0's buffers before each step's forward (the forward
+          normalises each group's own micro batch, as DDP's does each rank's): every group holds
+          the same statistics, those of DDP over all the groups' ranks.
+
+        A sum that failed leaves each group its own (the step is dropped, and a group's own
+        statistics are overwritten by the next step's)."""
+        from torch.distributed import ReduceOp
+
+        losses = getattr(pl_module, "window_losses", [])
+        loads = [load for module in pl_module.modules()
+                 if (load := getattr(module, "counted_load", _nothing)()) is not None]
+        norms = list(running_statistics(pl_module).values())
+        if not losses and not loads and not norms:
             return
-        flat = torch._utils._flatten_dense_tensors(grads)
-        self.manager.allreduce(flat).wait()  # the mean over the quorum's groups
-        for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(averaged)
+        first = self.manager.participating_rank() == 0
+        flat = torch.cat([*(t.detach().float().flatten() for t in (*losses, *loads)),
+                          *(t.detach().float().flatten() if first else torch.zeros(t.numel(), device=t.device)
+                            for t in norms)])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return
+        summed = torch._utils._unflatten_dense_tensors(flat, [*losses, *loads, *norms])
+        losses[:] = [total / self.manager.num_participants() for total in summed[:len(losses)]]
+        with torch.no_grad():
+            for tensor, total in zip((*loads, *norms), summed[len(losses):], strict=True):
+                tensor.copy_(total)
 
     def commit(self) -> bool:
         """Whether the optimizer may step (every group of the quorum agrees); called by the
@@ -178,6 +222,9 @@ class ReplicaFaultTolerance(Callback):
             return  # inside an accumulation: the step is not over
         self._stepped = self._step_open = False
         _set_global_step(trainer, self.manager.current_step())
+        if not self.committed:  # the routers' counts of a dropped step go with it (no bias update)
+            for module in pl_module.modules():
+                getattr(module, "take_statistics", _nothing)()
         pl_module.log_dict({"fault_tolerance/groups": float(self.participants),
                             "fault_tolerance/committed": float(self.committed)}, on_step=True)
         self._write(step=trainer.global_step, groups=self.participants, committed=self.committed)
@@ -246,6 +293,11 @@ class ReplicaFaultTolerance(Callback):
         step = self.manager.current_step()
         _set_global_step(trainer, step)
         self._healed_at = step
+
+
+def _nothing() -> None:
+    """What a module without router counts answers (``getattr``'s default above)."""
+    return None
 
 
 def _local(tensor: Any) -> Any:
@@ -335,12 +387,17 @@ def _set_global_step(trainer: Trainer, step: int) -> None:
 
 
 def _skip_samples(trainer: Trainer, steps: int) -> None:
-    """A rejoining group's sampler starts where the live groups are: ``steps`` optimizer steps in."""
+    """A rejoining group's sampler starts where the live groups are: ``steps`` optimizer steps in.
+
+    NOTE: an epoch whose batches do not fill its last accumulation window still steps on what
+    it has (Lightning steps at an epoch's last batch), so an epoch is ``ceil(batches /
+    accumulation)`` steps, not ``batches // accumulation``: counting whole windows put a group
+    that rejoined past such an epoch on another step's samples."""
     loader = trainer.train_dataloader
     sampler = getattr(loader, "sampler", None)
     if not hasattr(sampler, "resume_at"):
         return
-    per_step = loader.batch_size * trainer.accumulate_grad_batches
-    steps_per_epoch = len(sampler) // per_step
+    accumulation = trainer.accumulate_grad_batches
+    steps_per_epoch = math.ceil(trainer.num_training_batches / accumulation)
     epoch, into = divmod(steps, steps_per_epoch)
-    sampler.resume_at(epoch, into * per_step)
+    sampler.resume_at(epoch, into * accumulation * loader.batch_size)

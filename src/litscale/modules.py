@@ -73,7 +73,9 @@ class TaskModule(LightningModule):
         self.weight_decay = weight_decay
         self.compile_net = compile
         self.val_loss = MeanMetric()
-        self._window_losses: list[Tensor] = []  # this optimizer step's micro-batch losses
+        # This optimizer step's micro-batch losses, logged as train/loss at the step; replica
+        # groups (litscale.fault_tolerance) average them over the groups before that.
+        self.window_losses: list[Tensor] = []
         self.initial_val_loss: float | None = None
 
     def configure_model(self) -> None:
@@ -96,7 +98,7 @@ class TaskModule(LightningModule):
         loss = self.loss(batch)
         if is_logging_step(self._trainer):
             # A loss-parallel loss is a replicated DTensor, whose local value is the loss.
-            self._window_losses.append((loss.to_local() if hasattr(loss, "to_local") else loss).detach())
+            self.window_losses.append((loss.to_local() if hasattr(loss, "to_local") else loss).detach())
         return loss
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -106,12 +108,12 @@ class TaskModule(LightningModule):
                 self.log("train/loss", loss, prog_bar=True)
                 self.log("train/grad_norm", self.determinism.gradient_norm)
             return
-        if self._window_losses and not self._strategy_accumulates_on():
+        if self.window_losses and not self._strategy_accumulates_on():
             # The logged loss is the global batch's: the mean of the accumulation window's micro
             # batches, then of every rank's (equal micro batches; a context or tensor parallel
             # peer holds a share or a copy of the same samples' loss). One process with the same
             # global batch logs the same value, whatever the layout.
-            window, self._window_losses = torch.stack(self._window_losses).mean(), []
+            window, self.window_losses = torch.stack(self.window_losses).mean(), []
             together = getattr(self._trainer.strategy, "ranks_step_together", True)
             self.log("train/loss", window, prog_bar=True, sync_dist=together)
             self._log_gradient_norm(optimizer)

@@ -205,7 +205,9 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
 
         callbacks.append(Float8Training(recipe=cfg.precision.float8))
     if layout.replica_groups > 1:
-        callbacks.append(_replica_groups(cfg, datamodule, layout))
+        # NOTE: first, so that every other callback sees a step the groups dropped as no step
+        # (Lightning counts it; the replicas' callback sets the count back at the batch's end).
+        callbacks.insert(0, _replica_groups(cfg, datamodule, layout))
     if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
         from litscale.loggers import WandbRunId
 

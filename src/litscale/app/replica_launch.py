@@ -301,7 +301,8 @@ def job_throughput(summary: dict, run_dir: str, finished: list[int]) -> dict:
     samples = sum(row["groups"] * per_group for row in rows[1:] if row["committed"])
     rate = samples / (rows[-1]["time"] - rows[0]["time"])
     found = {"perf/samples_per_sec": rate}
-    if summary.get("perf/samples_per_sec"):  # the group's own ratio of tokens to samples
+    # The group's own ratio of tokens to samples; a task without tokens (classification) has none.
+    if summary.get("perf/samples_per_sec") and "perf/tokens_per_sec" in summary:
         found["perf/tokens_per_sec"] = rate * summary["perf/tokens_per_sec"] / summary["perf/samples_per_sec"]
     return found
 

@@ -289,6 +289,12 @@ class MoELayer(nn.Module):
         self._balance = balance.detach() if self._balance is None else self._balance + balance.detach()
         self._forwards += 1
 
+    def counted_load(self) -> Tensor | None:
+        """The counts ``take_statistics`` will hand back (assignments per expert, then dropped
+        ones), not reset: replica groups (``litscale.fault_tolerance``) sum them over the groups
+        in place before the step's bias update reads them."""
+        return self._load
+
     def take_statistics(self) -> tuple[Tensor, Tensor] | None:
         """``(assignments per expert then dropped ones [n_experts + 1], mean balance loss)`` of
         the training forwards since the last call (None if none), on the device, and reset."""
