@@ -469,8 +469,10 @@ def test_a_dropped_step_takes_its_router_counts_with_it():
     assert net.take_router_statistics() is None
 
 
+# soak: a replica-group job spends about a minute starting; make test holds the same sums
+# over the groups in one process (the threads against a fake quorum above).
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_two_moe_groups_match_one_process_with_their_global_batch_bias_and_logged_loss(tmp_path):
     """2 groups of 1 rank, a mixture of experts with its bias update (no balance loss, which
@@ -503,8 +505,10 @@ def test_two_moe_groups_match_one_process_with_their_global_batch_bias_and_logge
     assert math.isclose(ours["train/loss"], theirs["train/loss"], rel_tol=1.3e-6, abs_tol=1e-5)
 
 
+# soak: a replica-group job spends about a minute starting; make test holds the same sums
+# over the groups in one process (the threads against a fake quorum above).
 @pytest.mark.slow
-@pytest.mark.full
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_two_batch_norm_groups_match_ddp_over_their_ranks(tmp_path):
     """2 groups of 1 rank on a ResNet: each group normalises its own micro batch, as each DDP
