@@ -126,7 +126,7 @@ def test_a_crafted_checkpoint_under_any_form_of_ckpt_path_runs_nothing_and_is_re
 @pytest.mark.slow  # imports DeepSpeed
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
 @pytest.mark.parametrize("reader", ["read_as_file", "directory_as_file_checkpoint", "deepspeed_as_file_checkpoint",
-                                    "why_not_movable", "saved_layout"])
+                                    "why_not_movable", "saved_layout", "saved_state_kinds"])
 def test_the_readers_that_move_a_checkpoint_run_nothing_it_holds(tmp_path, reader):
     """The ranks' own reads of a checkpoint of another kind (``checkpoint_moves``,
     ``deepspeed_moves``) are weights-only too: a crafted file is an unpickling error."""

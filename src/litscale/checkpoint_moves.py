@@ -17,12 +17,13 @@ directory moves into a ZeRO engine through DeepSpeed's own setters (``deepspeed_
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from torch import nn
 from torch.optim import Optimizer
 
-from litscale.checkpoints import read_plain
+from litscale.checkpoints import read_dcp_metadata, read_plain
 
 # Checkpoint key: for each optimizer, for each of its groups, its parameters' names.
 OPTIMIZER_PARAM_NAMES = "optimizer_param_names"
@@ -125,6 +126,17 @@ def read_as_file(path: str) -> dict[str, Any]:
     if os.path.isdir(path):
         return directory_as_file_checkpoint(path)
     return read_plain(path, mmap=False)
+
+
+def saved_state_kinds(path: str) -> set[str]:
+    """The kinds of per-parameter state (``exp_avg``, ``momentum_buffer``, ...) the optimizers of
+    the file or DCP directory at ``path`` keep, read without running code and without reading a
+    tensor (a file memory-mapped; a directory's from the keys its ``.metadata`` lists)."""
+    if os.path.isdir(path):
+        keys = read_dcp_metadata(path).state_dict_metadata
+        return {key.rsplit(".", 1)[1] for key in keys if re.match(r"optimizer_\d+\.state\.", key)}
+    return {kind for saved in read_plain(path).get("optimizer_states", []) for state in saved["state"].values()
+            for kind in state}
 
 
 def optimizer_states_by_position(checkpoint: dict[str, Any], module: nn.Module,

@@ -142,17 +142,34 @@ class _Partitions:
         return next(iter(self.optimizer["state"].values()))["step"].clone()
 
 
-def why_not_movable(path: str) -> str | None:
-    """Why the DeepSpeed checkpoint at ``path`` cannot move to another strategy; None: it can."""
+def saved_state_kinds(path: str) -> set[str] | None:
+    """The kinds of per-parameter state (``exp_avg``, ``momentum_buffer``, ...) the optimizer of
+    the DeepSpeed checkpoint at ``path`` keeps (rank 0's partition, memory-mapped: no tensor is
+    read); None: it holds no ZeRO optimizer partitions."""
     _, ranks = checkpoint_files(path)
     if not ranks:
-        return "it holds no ZeRO optimizer partitions"
+        return None
     saved = read_file(ranks[0])["optimizer_state_dict"]
     optimizer = saved.get("base_optimizer_state") or saved.get("optimizer_state_dict") or {}
-    kinds = {key for state in optimizer.get("state", {}).values() for key in state}
-    if not kinds <= MOVABLE_STATE:
-        return (f"its optimizer keeps {', '.join(sorted(kinds - MOVABLE_STATE))}, which litscale moves only for "
-                "Adam and AdamW")
+    return {key for state in optimizer.get("state", {}).values() for key in state}
+
+
+def why_not_movable(path: str) -> str | None:
+    """Why the DeepSpeed checkpoint at ``path`` cannot move to another strategy; None: it can."""
+    kinds = saved_state_kinds(path)
+    if kinds is None:
+        return "it holds no ZeRO optimizer partitions"
+    keeps = not_adams_state(kinds)
+    return None if keeps is None else f"its optimizer {keeps}, which litscale moves only for Adam and AdamW"
+
+
+def not_adams_state(kinds: set[str]) -> str | None:
+    """How an optimizer's kinds of per-parameter state differ from Adam's (``MOVABLE_STATE``,
+    all that a move reads and writes), as "keeps ..." or "keeps no ..."; None: they are Adam's."""
+    if kinds - MOVABLE_STATE:
+        return f"keeps {', '.join(sorted(kinds - MOVABLE_STATE))}"
+    if MOVABLE_STATE - kinds:  # none at all: SGD without momentum, or saved before a step
+        return f"keeps no {', '.join(sorted(MOVABLE_STATE - kinds))}"
     return None
 
 
