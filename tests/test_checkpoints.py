@@ -138,7 +138,8 @@ def test_resolve_accepts_sharded_checkpoint_directories(tmp_path):
         resolve_ckpt_path(str(sharded), search_dir=str(tmp_path))
     assert resolve_ckpt_path("auto", search_dir=str(tmp_path)) is None
     (sharded / "meta.pt").write_bytes(b"")  # a sharded checkpoint, but its save never finished
-    assert resolve_ckpt_path(str(sharded), search_dir=str(tmp_path)) == str(sharded)
+    with pytest.raises(ConfigError, match="is not a readable checkpoint"):  # one line, before any rank
+        resolve_ckpt_path(str(sharded), search_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="^ckpt_path=last but no complete checkpoints/"):
         resolve_ckpt_path("last", search_dir=str(tmp_path))
     sharded_checkpoint(sharded, step=4)  # DCP shards, .metadata, then meta.pt: complete

@@ -6,7 +6,7 @@ DeepSpeed's own ``zero_to_fp32``): ``test_moving_runs.py``."""
 
 from __future__ import annotations
 
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -14,7 +14,11 @@ import torch
 from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES
 from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, why_not_movable
 
-Fragment = namedtuple("Fragment", "start numel")  # DeepSpeed's fragment_address
+
+def Fragment(start: int, numel: int):  # noqa: N802 - DeepSpeed's own, as its files pickle it
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return fragment_address(numel=numel, start=start)
 SHAPES = [OrderedDict([("net.a", (2, 3)), ("net.b", (4,))]), OrderedDict([("net.c", (3,))])]
 
 
@@ -122,6 +126,15 @@ def test_an_optimizer_whose_state_has_no_mapping_cannot_move_and_says_why(tmp_pa
     assert why_not_movable(path) == "its optimizer keeps momentum_buffer, which litscale moves only for Adam and AdamW"
 
 
+@pytest.mark.slow  # over half a second alone: imports DeepSpeed
+@pytest.mark.parametrize("stage3", [False, True], ids=["zero1_2", "zero3"])
+def test_an_optimizer_without_adams_moments_cannot_move_either(tmp_path, stage3):
+    """Its partitions hold no moments to cut back into parameters (it read ``exp_avg`` from
+    them after the ranks started: ``KeyError``)."""
+    path, _ = write(tmp_path, state_keys=(), stage3=stage3)
+    assert why_not_movable(path) == "its optimizer keeps no exp_avg, exp_avg_sq, which litscale moves only for Adam and AdamW"
+
+
 def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_starts(tmp_path):
     from omegaconf import OmegaConf
 
@@ -141,11 +154,22 @@ def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_st
     check_checkpoint_moves(OmegaConf.create({"ckpt_path": path}), path, FSDPStrategy, 4, {"strategy": "fsdp"})
 
 
+def adam_checkpoint(path: str) -> None:
+    """A file strategy's checkpoint of one AdamW step (the state the move into ZeRO writes)."""
+    layer = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(layer.parameters())
+    layer(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    torch.save({"state_dict": {f"net.{k}": v for k, v in layer.state_dict().items()},
+                "optimizer_states": [optimizer.state_dict()]}, path)
+
+
 @pytest.mark.parametrize(("stage", "optimizer", "refused"), [
     (2, "muon", "optimizer=Muon"),
+    (2, "sgd", "optimizer=SGD"),  # SGD's momentum: ZeRO's move writes Adam's state only
     (2, "adamw", None),
     (3, "adamw", None),
-], ids=["muon", "zero2-adamw", "zero3-adamw"])
+], ids=["muon", "sgd", "zero2-adamw", "zero3-adamw"])
 def test_another_strategys_checkpoint_goes_into_zero_with_adam_only(tmp_path, stage, optimizer, refused):
     from helpers.configs import compose_job
 
@@ -154,7 +178,7 @@ def test_another_strategys_checkpoint_goes_into_zero_with_adam_only(tmp_path, st
     from litscale.errors import ConfigError
 
     path = str(tmp_path / "last.ckpt")
-    torch.save({"state_dict": {}}, path)
+    adam_checkpoint(path)
     cfg, _ = compose_job(["strategy=deepspeed_zero", f"strategy.stage={stage}", f"optimizer={optimizer}",
                           "trainer.accelerator=cpu", "trainer.devices=2", "trainer.gradient_clip_val=null",
                           f"ckpt_path={path}"], tmp_path / "job")
@@ -198,3 +222,144 @@ def test_a_deepspeed_checkpoint_moves_into_another_zero_layout_with_adam_and_not
         "litscale moves only for Adam and AdamW; allowed: strategy=deepspeed_zero strategy.stage=1 or 2 on 2 ranks "
         "(trainer.devices x trainer.num_nodes), or start from its weights (DeepSpeed's zero_to_fp32.py) with "
         "ckpt_path=null")
+
+
+# --- DeepSpeed's own files: read without running code, with only the classes they name -------
+
+REAL_ZERO = {"zero2": (2, "AdamW"), "zero3": (3, "AdamW"), "zero2-sgd": (2, "SGD")}
+
+
+def _save_real_zero_checkpoints(rank: int, world_size: int, folder: str) -> None:
+    """One step of a small module and its checkpoint, saved by DeepSpeed through litscale's
+    strategy, for each of ``REAL_ZERO`` (on this one rank)."""
+    import lightning as L
+
+    from litscale.strategies import DeepSpeedZeroStrategy
+
+    class Small(L.LightningModule):
+        def __init__(self, optimizer: str) -> None:
+            super().__init__()
+            self.optimizer_name = optimizer
+            # NOTE: an even count of parameters (30): ZeRO-1/2 cut to an odd one fail DeepSpeed's
+            # alignment assertion (the strategy sets the buckets to the parameter count)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            momentum = {"momentum": 0.9} if self.optimizer_name == "SGD" else {}
+            return getattr(torch.optim, self.optimizer_name)(self.parameters(), lr=0.1, **momentum)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    for name, (stage, optimizer) in REAL_ZERO.items():
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedZeroStrategy(stage=stage), max_steps=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False)
+        trainer.fit(Small(optimizer), train_dataloaders=data)
+        trainer.save_checkpoint(f"{folder}/{name}.ckpt")
+
+
+@pytest.fixture(scope="module")
+def real_zero(tmp_path_factory) -> str:
+    from helpers.distributed import run_distributed
+
+    folder = str(tmp_path_factory.mktemp("real_zero"))
+    run_distributed(_save_real_zero_checkpoints, 1, folder, timeout=300)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_real_zero_checkpoints_read_without_running_code_naming_only_the_allowed_classes(real_zero):
+    """What DeepSpeed 0.19 pickles beside tensors and plain data is exactly the classes allowed
+    for its files (``deepspeed_classes``), and every file reads with them, weights-only."""
+    import glob
+
+    from litscale.checkpoints import is_readable_checkpoint
+    from litscale.deepspeed_moves import deepspeed_classes, saved_layout, saved_state_kinds
+
+    allowed = {f"{kind.__module__}.{kind.__qualname__}" for kind in deepspeed_classes()}
+    named = set()
+    for name in REAL_ZERO:
+        path = f"{real_zero}/{name}.ckpt"
+        for file in glob.glob(f"{path}/*/*.pt"):
+            named |= set(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        assert is_readable_checkpoint(path)
+    assert named and named <= allowed, named - allowed
+    assert saved_layout(f"{real_zero}/zero3.ckpt") == (3, 1)
+    assert saved_state_kinds(f"{real_zero}/zero2.ckpt") == {"step", "exp_avg", "exp_avg_sq"}
+    assert why_not_movable(f"{real_zero}/zero2-sgd.ckpt") == (
+        "its optimizer keeps momentum_buffer, which litscale moves only for Adam and AdamW")
+    for name in ("zero2", "zero3"):  # read whole, weights-only: the weights DeepSpeed's own reader recovers
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        ours = deepspeed_as_file_checkpoint(f"{real_zero}/{name}.ckpt")["state_dict"]
+        theirs = get_fp32_state_dict_from_zero_checkpoint(f"{real_zero}/{name}.ckpt")
+        assert {k: ours[k] for k in theirs}.keys() == theirs.keys()
+        for key, tensor in theirs.items():
+            assert torch.equal(ours[key], tensor), key
+
+
+# --- another strategy's checkpoint into ZeRO: only Adam's state moves ---------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_sgd_runs_checkpoint_into_zero_is_refused_in_one_line_before_any_rank_starts(tmp_path):
+    """``deepspeed_moves.load_into_zero`` writes Adam's step and moments: a checkpoint of an SGD
+    run, into ZeRO with SGD or with AdamW, is refused with the line a user sees (it died after
+    start with ``KeyError: 'step'``)."""
+    from helpers.cli import explain
+    from helpers.inprocess import refusal_on_pool, train_on_pool
+    from helpers.moving_runs import RUN
+
+    from litscale.checkpoints import newest_last_checkpoint
+
+    saved = train_on_pool(*RUN, "strategy=single", "optimizer=sgd", "data.batch_size=4", "trainer.max_steps=1",
+                          outputs=tmp_path / "saved")
+    assert saved.returncode == 0, explain(saved)
+    path = newest_last_checkpoint(str(tmp_path / "saved"))
+    for optimizer, refused in (("sgd", "optimizer=SGD"), ("adamw", "a checkpoint whose optimizer keeps momentum_buffer")):
+        line = refusal_on_pool(*RUN, "strategy=deepspeed_zero", f"optimizer={optimizer}", "trainer.devices=2",
+                               "data.batch_size=2", f"ckpt_path={path}", outputs=tmp_path / optimizer)
+        assert line == (
+            f"error: ckpt_path={path!r}: strategy=deepspeed_zero resumes a file of another strategy only with Adam "
+            f"or AdamW, not {refused}; allowed: resume it with any other strategy, or start fresh with ckpt_path=null")
+
+
+@pytest.mark.slow  # over half a second: DCP saves, Hydra locates the optimizer
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP without a process group
+def test_a_sharded_directory_of_sgd_into_zero_is_refused_by_what_its_optimizer_keeps(tmp_path):
+    """A DCP directory's optimizer state, named in its ``.metadata`` (read without running code):
+    SGD's momentum does not move into ZeRO, AdamW's step and moments do."""
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.errors import ConfigError
+    from litscale.strategies import DeepSpeedZeroStrategy
+
+    def saved(optimizer: type, **options) -> str:
+        net = torch.nn.Linear(3, 2)
+        stepped = optimizer(net.parameters(), lr=0.1, **options)
+        net(torch.ones(1, 3)).sum().backward()
+        stepped.step()
+        weights, state = get_state_dict(net, stepped)
+        path = str(tmp_path / f"{optimizer.__name__}-{options.get('momentum', 0)}")
+        dcp.save({"state_dict": weights, "optimizer_0": state}, checkpoint_id=path)
+        return path
+
+    def check(path: str) -> None:
+        cfg = OmegaConf.create({"ckpt_path": path, "optimizer": {"_target_": "torch.optim.AdamW"}})
+        check_checkpoint_moves(cfg, path, DeepSpeedZeroStrategy, 2, {"strategy": "deepspeed_zero"})
+
+    check(saved(torch.optim.AdamW))
+    for momentum, keeps in ((0.9, "keeps momentum_buffer"), (0.0, "keeps no exp_avg, exp_avg_sq, step")):
+        sgd = saved(torch.optim.SGD, momentum=momentum)
+        with pytest.raises(ConfigError) as refused:
+            check(sgd)
+        assert str(refused.value) == (
+            f"ckpt_path={sgd!r}: strategy=deepspeed_zero resumes a sharded directory of another strategy only with "
+            f"Adam or AdamW, not a checkpoint whose optimizer {keeps}; allowed: resume it with any other strategy, or "
+            "start fresh with ckpt_path=null")

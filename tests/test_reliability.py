@@ -325,7 +325,7 @@ def test_values_from_the_environment_never_reach_logs_or_checkpoints(tmp_path):
 
 def _save(path: Path, step: int, written_at: float) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"global_step": step}, path)
+    torch.save({"state_dict": {}, "global_step": step}, path)  # a Lightning checkpoint: auto reads what it chose
     os.utime(path, (written_at, written_at))
     return path
 

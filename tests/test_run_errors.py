@@ -40,8 +40,9 @@ def test_a_file_that_is_not_a_readable_checkpoint_is_named_in_one_line(tmp_path,
     with pytest.raises(ConfigError) as error:
         resolve_ckpt_path(str(path), search_dir=str(tmp_path))
     assert str(error.value) == (
-        f"ckpt_path={str(path)!r} is not a readable checkpoint (truncated, corrupt, or not a "
-        "Lightning checkpoint); give a checkpoint path, last, auto, here or null")
+        f"ckpt_path={str(path)!r} is not a readable checkpoint (truncated, corrupt, not a Lightning checkpoint, "
+        "or holding more than tensors and plain data, which litscale never unpickles); give a checkpoint path, "
+        "last, auto, here or null")
     assert "weights_only" not in str(error.value)
 
 

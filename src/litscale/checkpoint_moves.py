@@ -17,11 +17,13 @@ directory moves into a ZeRO engine through DeepSpeed's own setters (``deepspeed_
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
+
+from litscale.checkpoints import read_dcp_metadata, read_plain
 
 # Checkpoint key: for each optimizer, for each of its groups, its parameters' names.
 OPTIMIZER_PARAM_NAMES = "optimizer_param_names"
@@ -101,7 +103,9 @@ def read_directory_whole(path: str) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
-    rest = torch.load(f"{path}/{CHECKPOINT_METADATA_FILENAME}", weights_only=False)
+    # NOTE: DCP's reader unpickles ``.metadata`` whole; validation read it without running code
+    # (``checkpoints.is_readable_checkpoint``) before any rank started.
+    rest = read_plain(f"{path}/{CHECKPOINT_METADATA_FILENAME}", mmap=False)
     return {**rest, **tensors}
 
 
@@ -121,7 +125,18 @@ def read_as_file(path: str) -> dict[str, Any]:
     """A file checkpoint, or a sharded directory read whole as one (``directory_as_file_checkpoint``)."""
     if os.path.isdir(path):
         return directory_as_file_checkpoint(path)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return read_plain(path, mmap=False)
+
+
+def saved_state_kinds(path: str) -> set[str]:
+    """The kinds of per-parameter state (``exp_avg``, ``momentum_buffer``, ...) the optimizers of
+    the file or DCP directory at ``path`` keep, read without running code and without reading a
+    tensor (a file memory-mapped; a directory's from the keys its ``.metadata`` lists)."""
+    if os.path.isdir(path):
+        keys = read_dcp_metadata(path).state_dict_metadata
+        return {key.rsplit(".", 1)[1] for key in keys if re.match(r"optimizer_\d+\.state\.", key)}
+    return {kind for saved in read_plain(path).get("optimizer_states", []) for state in saved["state"].values()
+            for kind in state}
 
 
 def optimizer_states_by_position(checkpoint: dict[str, Any], module: nn.Module,
@@ -150,7 +165,7 @@ def load_file_into_sharded(path: str | dict[str, Any], model: nn.Module, optimiz
         set_optimizer_state_dict,
     )
 
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True) if isinstance(path, str) else path
+    checkpoint = read_plain(path) if isinstance(path, str) else path
     own = model.state_dict().keys()
     weights = checkpoint.pop("state_dict")
     partial = own != weights.keys()  # a pipeline stage holds only its own layers

@@ -11,14 +11,21 @@ here are for checkpoints written otherwise (a strategy of the user's own, an old
 a truncated file, or a directory half rewritten in place, is skipped for the one before it.
 Every ``*.ckpt`` in a ``checkpoints/`` dir counts except ``nonfinite-*.ckpt`` (the NaN guard's,
 saved to be inspected, never resumed from).
+
+Nothing here runs what a checkpoint holds: whatever ``ckpt_path`` resolves to (a path, or what
+a resume word chose) is read before any rank starts without running code (``read_plain``), and
+refused in one line where it does not read so.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import pickle
 import re
 import zipfile
+from collections.abc import Sequence
+from typing import Any
 
 from litscale.atomic_checkpoint import ASIDE_SUFFIX
 from litscale.errors import ConfigError
@@ -53,7 +60,7 @@ def is_complete_torch_file(path: str) -> bool:
         return False
 
 
-def _files(directory: str) -> list[str]:
+def files_under(directory: str) -> list[str]:
     return [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
 
 
@@ -65,7 +72,7 @@ def _is_complete_dcp_directory(path: str) -> bool:
     if not (os.path.isfile(metadata) and is_complete_torch_file(meta)):
         return False
     written = os.path.getmtime(metadata)
-    shards = [f for f in _files(path) if f.endswith(".distcp")]
+    shards = [f for f in files_under(path) if f.endswith(".distcp")]
     return os.path.getmtime(meta) >= written and all(os.path.getmtime(f) <= written for f in shards)
 
 
@@ -79,7 +86,7 @@ def _is_complete_deepspeed_directory(path: str) -> bool:
             tag_dir = os.path.join(path, file.read().strip())
     except OSError:
         return False
-    files = [f for f in _files(tag_dir) if f.endswith(".pt")]
+    files = [f for f in files_under(tag_dir) if f.endswith(".pt")]
     if not any(f.endswith("_model_states.pt") for f in files):
         return False
     if not all(is_complete_torch_file(f) for f in files):
@@ -105,7 +112,7 @@ def _written_at(path: str) -> float:
     save overwrites the files inside it, so its newest file counts."""
     if os.path.isfile(path):
         return os.path.getmtime(path)
-    return max(map(os.path.getmtime, _files(path)), default=os.path.getmtime(path))
+    return max(map(os.path.getmtime, files_under(path)), default=os.path.getmtime(path))
 
 
 def resumable_checkpoints(search_dir: str) -> list[str]:
@@ -147,7 +154,8 @@ def skipped_line(ckpt_path: str, search_dir: str, chosen: str | None) -> str | N
 def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
     """``null`` -> None; a path -> itself (it must exist); ``last`` -> the newest complete
     checkpoint under ``search_dir`` (one must exist); ``auto`` and ``here`` -> the same, or None to start
-    fresh (the caller gives ``here`` the run's own dir, the others the run name's)."""
+    fresh (the caller gives ``here`` the run's own dir, the others the run name's). Whatever it
+    resolves to must read without running code (``is_readable_checkpoint``)."""
     if ckpt_path is None:
         return None
     if ckpt_path in RESUME_WORDS:
@@ -157,6 +165,8 @@ def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
                 f"ckpt_path=last but no complete checkpoints/*.ckpt exists under {search_dir}; "
                 "train once first, or use ckpt_path=auto to start fresh when there is none"
             )
+        if found is not None:
+            _check_readable(found, shown=f"{ckpt_path} ({found})")
         return found
     path = user_path(ckpt_path)
     if os.path.isdir(path) and not is_checkpoint(path):
@@ -168,29 +178,117 @@ def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
         raise ConfigError(
             f"ckpt_path={ckpt_path!r} is not a file; give a checkpoint path, last, auto, here or null"
         )
-    if os.path.isfile(path) and not is_readable_checkpoint(path):
-        raise ConfigError(
-            f"ckpt_path={ckpt_path!r} is not a readable checkpoint (truncated, corrupt, or not a "
-            "Lightning checkpoint); give a checkpoint path, last, auto, here or null"
-        )
+    _check_readable(path, shown=repr(ckpt_path))
     return path
 
 
-def is_readable_checkpoint(path: str) -> bool:
-    """A complete ``torch.save`` file that loads as a Lightning checkpoint without running
-    code (``weights_only``; memory-mapped, so tensors are not read).
+def _check_readable(path: str, *, shown: str) -> None:
+    try:
+        readable = is_readable_checkpoint(path)
+    except ImportError:  # a DeepSpeed checkpoint's classes, without DeepSpeed
+        raise ConfigError(
+            f"ckpt_path={shown} is a DeepSpeed checkpoint, read only with the deepspeed package, which is not "
+            "installed; install it with: pip install 'litscale[extras]'") from None
+    if not readable:
+        raise ConfigError(
+            f"ckpt_path={shown} is not a readable checkpoint (truncated, corrupt, not a Lightning checkpoint, or "
+            "holding more than tensors and plain data, which litscale never unpickles); give a checkpoint path, "
+            "last, auto, here or null"
+        )
 
-    NOTE: checked before any rank starts; otherwise a bad file ends in torch's unpickling
-    traceback, whose advice (``weights_only=False``) would run whatever the file holds."""
+
+def read_plain(path: str, *, allowed: Sequence[Any] = (), mmap: bool = True) -> Any:
+    """A ``torch.save`` file read without running code (``weights_only``): tensors, plain data,
+    and the classes in ``allowed``, built from their data (``torch.serialization.safe_globals``,
+    for this read only). Memory-mapped unless ``mmap`` is false: a check reads no tensor."""
     import torch
 
-    if not is_complete_torch_file(path):
-        return False
+    with torch.serialization.safe_globals(list(allowed)):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def is_readable_checkpoint(path: str) -> bool:
+    """Every pickle the checkpoint at ``path`` holds reads without running code: a file as a
+    Lightning checkpoint; a DCP directory's ``meta.pt``, ``.metadata`` and the values it keeps
+    beside its tensors; a DeepSpeed directory's every file of its tag
+    (``deepspeed_moves.is_readable_deepspeed_checkpoint``, which needs DeepSpeed: ``ImportError``
+    without it).
+
+    NOTE: checked before any rank starts, on whatever ``ckpt_path`` resolves to; otherwise a bad
+    file ends in torch's unpickling traceback, whose advice (``weights_only=False``) would run
+    whatever the file holds, and the loaders that unpickle whole as the ranks resume (DCP's
+    ``.metadata`` and values, DeepSpeed's own) read only files that passed."""
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, DEEPSPEED_LATEST)):
+        from litscale.deepspeed_moves import is_readable_deepspeed_checkpoint
+
+        return is_readable_deepspeed_checkpoint(path)
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if os.path.isdir(path):
+            _read_dcp_values(path, read_dcp_metadata(path))
+            return isinstance(read_plain(os.path.join(path, LIGHTNING_META)), dict)
+        checkpoint = read_plain(path)
     except Exception:  # noqa: BLE001 - unpickling errors have many types; all mean unreadable
         return False
     return isinstance(checkpoint, dict) and "state_dict" in checkpoint
+
+
+# What DCP's ``.metadata`` names beside plain data (torch 2.13): its own dataclasses, and the
+# sizes, dtypes (``torch.<dtype>``, allowed by type below), layout and path they hold.
+DCP_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "WindowsPath")),
+    ("collections", "OrderedDict"),
+})
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """The restricted unpickler of Python's own documentation ("Restricting Globals"), for DCP's
+    ``.metadata``. NOTE: by hand because torch's weights-only unpickler reads only the pickle
+    protocol ``torch.save`` writes (2), and DCP writes its metadata with the newest (5)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if (module, name) in DCP_METADATA_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of DCP's metadata")
+
+
+def read_dcp_metadata(path: str) -> Any:
+    """The ``Metadata`` of the DCP checkpoint directory at ``path`` (every tensor's key and
+    shape: ``state_dict.net.w``, ``optimizer_0.state.net.w.exp_avg``), read without running code."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(os.path.join(path, DCP_METADATA), "rb") as file:
+        metadata = _DcpMetadataUnpickler(file).load()
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise pickle.UnpicklingError(f"{path}/{DCP_METADATA} holds no DCP metadata")
+    return metadata
+
+
+def _read_dcp_values(path: str, metadata: Any) -> None:
+    """Read weights-only each value of a DCP directory that is not a tensor (DCP keeps a
+    ``torch.save`` of it in a shard file: a group's learning rate, its betas); raises where one
+    does not read so. NOTE: DCP's own reader unpickles these whole (``weights_only=False``)
+    as the ranks load; this check, before any rank starts, is what keeps that to plain data."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for index, stored in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        if stored.transform_descriptors:  # compressed or otherwise transformed: not read here
+            raise pickle.UnpicklingError(f"{index.fqn} is stored transformed")
+        with open(os.path.join(path, stored.relative_path), "rb") as file:
+            file.seek(stored.offset)
+            torch.load(io.BytesIO(file.read(stored.length)), map_location="cpu", weights_only=True)
 
 
 def network_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -199,8 +297,6 @@ def network_shapes(path: str) -> dict[str, tuple[int, ...]]:
     shards the strategy that wrote them reads."""
     if not os.path.isfile(path):
         return {}
-    import torch
-
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = read_plain(path)
     return {name: tuple(tensor.shape) for name, tensor in checkpoint["state_dict"].items()
             if name.startswith("net.") and hasattr(tensor, "shape")}

@@ -14,6 +14,11 @@ The other way, another strategy's checkpoint goes into a built ZeRO engine throu
 DeepSpeed's own fragment setters (``load_into_zero``); so does a DeepSpeed checkpoint that
 DeepSpeed's own loader cannot read (another world size, or ZeRO-3 against ZeRO-1/2:
 ``reads_as_saved``), read whole first.
+
+Every file is read without running code (``weights_only``), with the few DeepSpeed classes its
+files hold allowed for those reads only (``deepspeed_classes``); before any rank starts, every
+file of the checkpoint is checked so (``is_readable_deepspeed_checkpoint``), since DeepSpeed's
+own loader unpickles them whole.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 
 from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES
-from litscale.checkpoints import DEEPSPEED_LATEST
+from litscale.checkpoints import DEEPSPEED_LATEST, files_under, read_plain
 
 # The per-parameter state of the optimizers whose moments move (torch's Adam and AdamW).
 MOVABLE_STATE = {"step", "exp_avg", "exp_avg_sq"}
@@ -33,6 +38,35 @@ MOVABLE_STATE = {"step", "exp_avg", "exp_avg_sq"}
 
 def is_deepspeed_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DEEPSPEED_LATEST))
+
+
+def deepspeed_classes() -> list[type]:
+    """The classes DeepSpeed 0.19 pickles into its checkpoint files beside tensors and plain
+    data (a loss scaler's settings, the ZeRO stage, where a parameter's fragment lies in a
+    partition); torch's weights-only unpickler builds them from their data, running none of
+    their code. ``ImportError`` without DeepSpeed."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def read_file(path: str, *, mmap: bool = True) -> dict[str, Any]:
+    """One of DeepSpeed's checkpoint files, read without running code."""
+    return read_plain(path, allowed=deepspeed_classes(), mmap=mmap)
+
+
+def is_readable_deepspeed_checkpoint(path: str) -> bool:
+    """Every ``.pt`` file of the checkpoint's tag reads without running code, and the model
+    states file is among them. ``ImportError`` without DeepSpeed."""
+    deepspeed_classes()
+    try:
+        model_file, _ = checkpoint_files(path)
+        files = [name for name in files_under(os.path.dirname(model_file)) if name.endswith(".pt")]
+        return os.path.isfile(model_file) and all(isinstance(read_file(name), dict) for name in files)
+    except Exception:  # noqa: BLE001 - unpickling errors have many types; all mean unreadable
+        return False
 
 
 def checkpoint_files(path: str) -> tuple[str, list[str]]:
@@ -49,7 +83,7 @@ def checkpoint_files(path: str) -> tuple[str, list[str]]:
 def saved_layout(path: str) -> tuple[int, int]:
     """(ZeRO stage, data-parallel ranks) the DeepSpeed checkpoint at ``path`` was saved with."""
     model_file, ranks = checkpoint_files(path)
-    saved = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
+    saved = read_file(model_file)
     return int(saved["ds_config"]["zero_optimization"]["stage"]), int(saved.get("dp_world_size") or len(ranks))
 
 
@@ -108,17 +142,34 @@ class _Partitions:
         return next(iter(self.optimizer["state"].values()))["step"].clone()
 
 
-def why_not_movable(path: str) -> str | None:
-    """Why the DeepSpeed checkpoint at ``path`` cannot move to another strategy; None: it can."""
+def saved_state_kinds(path: str) -> set[str] | None:
+    """The kinds of per-parameter state (``exp_avg``, ``momentum_buffer``, ...) the optimizer of
+    the DeepSpeed checkpoint at ``path`` keeps (rank 0's partition, memory-mapped: no tensor is
+    read); None: it holds no ZeRO optimizer partitions."""
     _, ranks = checkpoint_files(path)
     if not ranks:
-        return "it holds no ZeRO optimizer partitions"
-    saved = torch.load(ranks[0], map_location="cpu", weights_only=False, mmap=True)["optimizer_state_dict"]
+        return None
+    saved = read_file(ranks[0])["optimizer_state_dict"]
     optimizer = saved.get("base_optimizer_state") or saved.get("optimizer_state_dict") or {}
-    kinds = {key for state in optimizer.get("state", {}).values() for key in state}
-    if not kinds <= MOVABLE_STATE:
-        return (f"its optimizer keeps {', '.join(sorted(kinds - MOVABLE_STATE))}, which litscale moves only for "
-                "Adam and AdamW")
+    return {key for state in optimizer.get("state", {}).values() for key in state}
+
+
+def why_not_movable(path: str) -> str | None:
+    """Why the DeepSpeed checkpoint at ``path`` cannot move to another strategy; None: it can."""
+    kinds = saved_state_kinds(path)
+    if kinds is None:
+        return "it holds no ZeRO optimizer partitions"
+    keeps = not_adams_state(kinds)
+    return None if keeps is None else f"its optimizer {keeps}, which litscale moves only for Adam and AdamW"
+
+
+def not_adams_state(kinds: set[str]) -> str | None:
+    """How an optimizer's kinds of per-parameter state differ from Adam's (``MOVABLE_STATE``,
+    all that a move reads and writes), as "keeps ..." or "keeps no ..."; None: they are Adam's."""
+    if kinds - MOVABLE_STATE:
+        return f"keeps {', '.join(sorted(kinds - MOVABLE_STATE))}"
+    if MOVABLE_STATE - kinds:  # none at all: SGD without momentum, or saved before a step
+        return f"keeps no {', '.join(sorted(MOVABLE_STATE - kinds))}"
     return None
 
 
@@ -128,9 +179,9 @@ def deepspeed_as_file_checkpoint(path: str) -> dict[str, Any]:
     ``optimizer_states`` entry keyed by position in the saved groups, and the groups' parameter
     names (``OPTIMIZER_PARAM_NAMES``)."""
     model_file, rank_files = checkpoint_files(path)
-    model = torch.load(model_file, map_location="cpu", weights_only=False)
-    partitions = _Partitions([torch.load(name, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-                              for name in rank_files], model["param_shapes"])
+    model = read_file(model_file, mmap=False)
+    partitions = _Partitions([read_file(name, mmap=False)["optimizer_state_dict"] for name in rank_files],
+                             model["param_shapes"])
     names = [list(group) for group in model["param_shapes"]]
     weights, state = {}, {}
     for group_shapes in model["param_shapes"]:

@@ -65,7 +65,7 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     between every strategy (``litscale.checkpoint_moves``); a DeepSpeed checkpoint of Adam or
     AdamW moves to any of them, read whole (``litscale.deepspeed_moves``), as it does into
     DeepSpeed at another world size or between ZeRO-3 and ZeRO-1/2; into DeepSpeed they move
-    with Adam or AdamW (not Muon's roles)."""
+    only from Adam or AdamW into Adam or AdamW (``into_zero_refusal``)."""
     if not ckpt_path:
         return
     saved_by_deepspeed = is_deepspeed_checkpoint(ckpt_path)
@@ -89,7 +89,7 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     if to_deepspeed and not native:
         kind = ("a DeepSpeed checkpoint of another layout" if saved_by_deepspeed else
                 "a sharded directory" if os.path.isdir(ckpt_path) else "a file")
-        reason = into_zero_refusal(cfg, strategy)
+        reason = into_zero_refusal(cfg, ckpt_path)
         if reason is not None:
             raise ConfigError(
                 f"ckpt_path={shown}: {ours} resumes {kind} of another strategy only with Adam or AdamW, not "
@@ -100,12 +100,24 @@ def _ranks(count: int) -> str:
     return f"{count} rank" + ("s" if count != 1 else "")
 
 
-def into_zero_refusal(cfg: DictConfig, strategy: Any) -> str | None:
-    """What keeps another strategy's checkpoint out of this DeepSpeed run (its setters write
-    Adam's moments into ZeRO's partitions: ``deepspeed_moves.load_into_zero``); None: nothing."""
-    from litscale.app.safety import locate_target
-    from litscale.muon import wants_parameter_roles
+def into_zero_refusal(cfg: DictConfig, ckpt_path: str) -> str | None:
+    """What keeps the checkpoint at ``ckpt_path`` (not DeepSpeed's own loader's) out of this
+    DeepSpeed run; None: nothing. The move writes Adam's state (``MOVABLE_STATE``: the step and
+    both moments) into ZeRO's partitions (``deepspeed_moves.load_into_zero``): the run's
+    optimizer must keep just that (torch's Adam or AdamW, without amsgrad), and the checkpoint's
+    must hold just that (read without running code)."""
+    import torch
 
-    if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
+    from litscale.app.safety import locate_target
+    from litscale.checkpoint_moves import saved_state_kinds
+    from litscale.deepspeed_moves import not_adams_state
+
+    optimizer = locate_target(cfg.optimizer._target_, "optimizer")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Adam)):
         return f"optimizer={cfg.optimizer._target_.rsplit('.', 1)[-1]}"
-    return None
+    if OmegaConf.select(cfg, "optimizer.amsgrad", default=False):
+        return "optimizer.amsgrad=true (its max_exp_avg_sq)"
+    if is_deepspeed_checkpoint(ckpt_path):
+        return None  # its state is Adam's: ``why_not_movable`` refused it otherwise
+    keeps = not_adams_state(saved_state_kinds(ckpt_path))
+    return None if keeps is None else f"a checkpoint whose optimizer {keeps}"
