@@ -53,22 +53,18 @@ def check_resume_position(cfg: DictConfig, layout: RunLayout) -> None:
 
 def saved_data_state(path: str, name: str) -> dict[str, Any] | None:
     """The state of the data module class ``name`` (Lightning keeps it under the class's name)
-    in the checkpoint at ``path``: a file, or a sharded directory's ``meta.pt``. Read
-    weights-only, so that nothing the checkpoint holds runs, and memory-mapped, so that no
-    tensor is read; None where there is none, or it cannot be read so."""
-    import torch
+    in the checkpoint at ``path``: a file, a sharded directory's ``meta.pt``, or a DeepSpeed
+    directory's model states (its client state). Read without running code and memory-mapped
+    (no tensor is read); None where there is none, or it cannot be read so."""
+    from litscale.checkpoints import read_plain
 
-    if os.path.isdir(path):
-        if is_deepspeed_checkpoint(path):
-            # NOTE: DeepSpeed keeps Lightning's state in its model-states file beside objects of
-            # its own, which a weights-only load refuses: not checked before launch (the ranks
-            # still refuse, or under elastic=true skip ahead, as they resume).
-            return None
-        path = os.path.join(path, LIGHTNING_META)
-    if not os.path.isfile(path):
-        return None
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if is_deepspeed_checkpoint(path):
+            from litscale.deepspeed_moves import checkpoint_files, read_file
+
+            checkpoint = read_file(checkpoint_files(path)[0])
+        else:
+            checkpoint = read_plain(os.path.join(path, LIGHTNING_META) if os.path.isdir(path) else path)
     except Exception:  # noqa: BLE001 - unpickling errors have many types; the ranks' own load reports them
         return None
     state = checkpoint.get(name) if isinstance(checkpoint, dict) else None
