@@ -220,9 +220,10 @@ def check_cluster_resources(cfg) -> None:
 
         check_settings(params, str(OmegaConf.select(cfg, "strategy._target_") or ""))
     if option == "k8s":
-        from hydra_plugins.litscale_plugins.k8s_manifests import elastic_nodes
+        from hydra_plugins.litscale_plugins.k8s_manifests import continued_launch, elastic_nodes
 
         elastic_nodes(params, str(OmegaConf.select(cfg, "strategy._target_") or ""))
+        continued_launch(params)
 
 
 def _as_job_config(cfg):
