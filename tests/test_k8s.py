@@ -452,7 +452,7 @@ def test_every_plugin_module_imports_without_its_engine():
     process = subprocess.run([sys.executable, "-c", IMPORT_EVERY_PLUGIN],
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 0 and process.stderr == "", explain(process)
-    assert process.stdout.split() == ["_ray_worker_callback", "_ray_worker_state", "jobs", "k8s", "k8s_manifests", "optuna_space",
+    assert process.stdout.split() == ["_ray_restarts", "_ray_worker_callback", "_ray_worker_state", "jobs", "k8s", "k8s_manifests", "optuna_space",
                                       "optuna_study", "optuna_sweeper", "ray_launcher", "ray_settings", "ray_storage",
                                       "ray_worker", "skypilot", "skypilot_outputs", "slurm", "strategy_kind", "sweeper"]
     plugin_packages = [p.name for p in Path(__file__).parents[1].joinpath("src", "hydra_plugins").iterdir()
