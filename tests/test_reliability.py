@@ -389,6 +389,10 @@ def test_the_launchers_death_signal_is_not_a_ctrl_c_and_a_save_it_cannot_make_is
     assert ctrl_c.signalled and not ctrl_c.launcher_lost and ctrl_c._first_ctrl_c is not None
 
     monkeypatch.setattr(launcher, "_launcher_pid", os.getppid() + 100_000)  # this rank has another parent now
+    # the signal came as the launcher began to exit (its main thread first): named as its loss
+    ctrl_c.on_train_batch_end(SimpleNamespace(**{**vars(trainer), "global_step": 1}), None, None, None, 0)
+    assert ctrl_c.launcher_lost and ctrl_c._first_ctrl_c is None
+    assert capsys.readouterr().err.startswith("litscale: launcher lost: ")
     callback = PreemptionCheckpoint(dirpath=str(checkpoints), check_every_n_steps=2)
     monkeypatch.setattr(preemption, "SAME_CTRL_C_S", 0.0)  # any second SIGINT would be the user's
     callback._on_signal(signal.SIGINT, None)

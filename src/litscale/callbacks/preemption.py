@@ -118,6 +118,8 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
                            batch_idx: int) -> None:
+        if self._first_ctrl_c is not None and not self._announced and launcher_lost():
+            self.launcher_lost, self._first_ctrl_c = True, None  # it came as its launcher began to exit
         if self.launcher_lost and not self._announced:  # said here: not from a signal handler
             self._announced = True
             if trainer.local_rank == 0:  # a launcher starts a node's ranks: one line per launcher lost

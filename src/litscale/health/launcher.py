@@ -27,5 +27,25 @@ def launcher_pid() -> int | None:
 
 
 def launcher_lost() -> bool:
-    """Whether this rank's launcher has died (the rank has another parent now)."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
+    """Whether this rank's launcher has died: the rank has another parent now, or its launcher's
+    main thread has exited.
+
+    NOTE: the kernel sends the death signal as the thread that started the rank exits. Where the
+    launcher's other threads are still exiting (a SIGKILLed process goes thread by thread), the
+    rank keeps its parent a moment longer (seen: a step's time on a loaded machine), but the
+    launcher's main thread already shows as a zombie."""
+    if _launcher_pid is None:
+        return False
+    return os.getppid() != _launcher_pid or _main_thread_state(_launcher_pid) in ("Z", "X", "gone")
+
+
+def _main_thread_state(pid: int) -> str | None:
+    """The state letter of ``pid``'s main thread (``R``, ``S``, ``Z``...), "gone" where it has no
+    entry in ``/proc``; None where there is no ``/proc`` to read (not Linux)."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return "gone"
