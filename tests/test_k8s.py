@@ -8,6 +8,7 @@ engines' packages (a base install's Hydra plugin scan prints nothing)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from helpers.configs import compose_full
 from hydra_plugins.litscale_plugins.k8s import (
     KubernetesLauncher,
     job_name,
+    launch_line,
     launch_token,
     submit_and_wait,
 )
@@ -61,7 +63,7 @@ def test_trainjob_sized_from_the_trainer_validates_against_the_vendored_schema(t
         "trainer.devices=8",
         "trainer.num_nodes=4",
         "strategy=fsdp",
-        "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3",
+        "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/a1b2c3/3",
         "ckpt_path=here",  # a restarted job resumes from its own run dir
     ]
     assert manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
@@ -156,7 +158,7 @@ def test_job_names_are_dns_labels_unique_per_job_and_per_launch():
     # The same sweep dir run again (a resumed Optuna study, hydra.sweep.dir given again) is
     # another launch: its jobs must not collide with the first run's objects in the cluster.
     tokens = {launch_token() for _ in range(20)}
-    assert len(tokens) == 20 and all(len(t) == 6 and t.isalnum() for t in tokens)
+    assert len(tokens) == 20 and all(len(t) == 6 and t.isalnum() and t[0].isalpha() for t in tokens)
     names = {job_name("litscale", sweep, n, t) for n in (0, 1) for t in tokens}
     assert len(names) == 40
 
@@ -167,6 +169,7 @@ class StubApiServer(BaseHTTPRequestHandler):
 
     created: list[dict] = []
     failing: set[str] = set()  # job names whose pods failed past the operator's restarts
+    fail_first_runs = False  # every job's first run fails (its runs again, <name>-r<k>, do not)
     # job name -> how many GETs answer 404 before the job shows (None: it never does, a
     # negative count: it shows once, then is gone)
     missing: dict[str, int | None] = {}
@@ -188,7 +191,7 @@ class StubApiServer(BaseHTTPRequestHandler):
                 self.missing[name] = None
                 return self._answer(200, {**body, "status": {"conditions": []}})
         done = "Complete" if body["kind"] == "TrainJob" else "Succeeded"
-        if name in self.failing:
+        if name in self.failing or (self.fail_first_runs and not re.search(r"-r[0-9]+$", name)):
             done = "Failed"
         self._answer(
             200,
@@ -224,6 +227,7 @@ class StubApiServer(BaseHTTPRequestHandler):
 def stub_cluster(tmp_path):
     server = ThreadingHTTPServer(("127.0.0.1", 0), StubApiServer)
     StubApiServer.created, StubApiServer.missing, StubApiServer.failing = [], {}, set()
+    StubApiServer.fail_first_runs = False
     threading.Thread(target=server.serve_forever, daemon=True).start()
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
@@ -281,6 +285,74 @@ def test_submit_creates_exactly_the_written_manifests(stub_cluster, tmp_path):
         )
 
 
+def run_dir_of(command: list[str]) -> str:
+    (run_dir,) = [a.removeprefix("hydra.run.dir=") for a in command if a.startswith("hydra.run.dir=")]
+    return run_dir
+
+
+@pytest.mark.full
+@pytest.mark.slow
+def test_a_rerun_into_the_same_sweep_dir_starts_fresh_in_run_dirs_of_its_own(stub_cluster, tmp_path):
+    """The same sweep run again into the same ``hydra.sweep.dir`` is a new launch: its job trains
+    in a run dir of its own, never resuming the first launch's checkpoints (``ckpt_path=here``
+    there), and says so; a TrainJob created again within a launch keeps its run dir."""
+    pytest.importorskip("kubernetes")
+    kubeconfig, created = stub_cluster
+    StubApiServer.fail_first_runs = True  # each launch's job fails once and is created again
+    sweep = ("-m", "hydra/launcher=k8s", "hydra.launcher.submit=true", f"hydra.launcher.kubeconfig={kubeconfig}",
+             "hydra.launcher.poll_s=0.1", "hydra.launcher.max_restarts=1", "trainer.devices=1",
+             f"hydra.sweep.dir={tmp_path}/sweep")
+
+    def launched() -> tuple[list[str], list[str], str]:
+        """The names and run dirs of what one run of the command created, and its launch line."""
+        created.clear()
+        process = run_train(*sweep, outputs=tmp_path, timeout=180)
+        assert process.returncode == 0, explain(process)
+        bodies = [c["body"] for c in created]
+        lines = [line for line in process.stdout.splitlines() if line.startswith("litscale: k8s launch ")]
+        return ([b["metadata"]["name"] for b in bodies], [run_dir_of(b["spec"]["trainer"]["command"]) for b in bodies],
+                "\n".join(lines))
+
+    names, run_dirs, line = launched()
+    assert names[1:] == [f"{names[0]}-r1"] and run_dirs[0] == run_dirs[1]  # the restart resumes its own run dir
+    again_names, again_run_dirs, again_line = launched()  # the same command, later
+    assert again_run_dirs[0] != run_dirs[0] and again_run_dirs[0] == again_run_dirs[1]
+    assert not set(again_names) & set(names)
+    for run_dir, said in ((run_dirs[0], line), (again_run_dirs[0], again_line)):
+        (launch,) = re.findall(r"^/outputs/default/multiruns/sweep/([a-z][0-9a-f]{5})/0$", run_dir)
+        assert said == (f"litscale: k8s launch {launch}: a new launch, in run dirs of its own "
+                        f"(/outputs/default/multiruns/sweep/{launch}/<job>): its jobs start fresh there unless they "
+                        "name a ckpt_path, and a pod restarted within the launch resumes its own; "
+                        f"hydra.launcher.launch={launch} runs them again, resuming")
+
+
+def test_a_launch_named_again_runs_its_jobs_again_in_its_run_dirs_under_new_names(tmp_path):
+    """``hydra.launcher.launch=<id>``: the jobs run in that launch's run dirs again, resuming
+    (``ckpt_path=here``), under names no earlier run of the command took."""
+    config = compose_full(["hydra/launcher=k8s", f"hydra.sweep.dir={tmp_path}/sweep", "hydra.launcher.launch=a1b2c3"])
+    launcher = KubernetesLauncher(**{k: v for k, v in config.hydra.launcher.items() if k != "_target_"})
+    launcher.setup(hydra_context=None, task_function=None, config=config)
+    assert launcher.run_launch == "a1b2c3" and launcher.launch_token != "a1b2c3"
+    manifest, _, run_dir = KubernetesLauncher.manifest(config, [], Path(str(config.hydra.sweep.dir)), 0,
+                                                       launcher.launch_token, launcher.run_launch)
+    assert run_dir == "/outputs/default/multiruns/sweep/a1b2c3/0"
+    assert manifest["spec"]["trainer"]["command"][-2:] == [f"hydra.run.dir={run_dir}", "ckpt_path=here"]
+    assert manifest["metadata"]["name"] == f"litscale-sweep-{launcher.launch_token}-0"[:63]
+    assert launch_line("a1b2c3", True, "/outputs/default/multiruns/sweep/a1b2c3") == (
+        "litscale: k8s launch a1b2c3 run again (hydra.launcher.launch=a1b2c3): each job resumes from the newest "
+        "complete checkpoint of its run dir, /outputs/default/multiruns/sweep/a1b2c3/<job> (ckpt_path=here), unless "
+        "it names a ckpt_path")
+
+
+@pytest.mark.slow  # composes the config
+def test_a_launch_id_that_no_launch_has_is_refused_in_one_line_before_the_sweep(capsys):
+    code, _, err = check_command(["-m", "hydra/launcher=k8s", "hydra.launcher.launch=123456"], capsys)
+    assert (code, err) == (2, "error: hydra.launcher.launch=123456 is not a launch's id; allowed: null (a new "
+                              "launch, its jobs in run dirs of their own) or the id of an earlier launch of this "
+                              "sweep (a letter and 5 hex digits), as its first line names it (its jobs run again in "
+                              "its run dirs, resuming)\n")
+
+
 @pytest.mark.slow
 def test_a_pytorchjob_is_created_and_waited_for(stub_cluster, tmp_path):
     pytest.importorskip("kubernetes")
@@ -303,7 +375,7 @@ def test_a_failed_trainjob_runs_again_in_its_run_dir_resuming_until_its_restarts
     first = manifest_for(tmp_path, "trainer.devices=2", "hydra.launcher.max_restarts=2")
     name = first["metadata"]["name"]
     assert first["spec"]["trainer"]["command"][-2:] == [
-        "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3", "ckpt_path=here"]
+        "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/a1b2c3/3", "ckpt_path=here"]
     StubApiServer.failing = {name}
     params = {"kubeconfig": str(kubeconfig), "namespace": "default", "poll_s": 0.01, "max_restarts": 2}
     assert submit_and_wait([first], params) == [None]  # its second run completed
@@ -326,7 +398,7 @@ def test_a_pytorchjob_is_restarted_by_its_operator_and_a_named_checkpoint_is_kep
     assert manifest_problems(manifest) == [] and manifest["spec"]["runPolicy"] == {"backoffLimit": 3}
     (container,) = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"]
     assert container["command"][-2:] == ["ckpt_path=last", "hydra.run.dir=/outputs/default/multiruns/"
-                                         "2026-11-25_18-31-00/3"]  # the user's choice, not ckpt_path=here
+                                         "2026-11-25_18-31-00/a1b2c3/3"]  # the user's choice, not ckpt_path=here
 
 
 @pytest.mark.slow
@@ -385,7 +457,7 @@ def test_every_plugin_module_imports_without_its_engine():
     process = subprocess.run([sys.executable, "-c", IMPORT_EVERY_PLUGIN],
                              capture_output=True, text=True, timeout=120)
     assert process.returncode == 0 and process.stderr == "", explain(process)
-    assert process.stdout.split() == ["_ray_worker_callback", "_ray_worker_state", "jobs", "k8s", "k8s_manifests", "optuna_space",
+    assert process.stdout.split() == ["_ray_restarts", "_ray_worker_callback", "_ray_worker_state", "jobs", "k8s", "k8s_manifests", "optuna_space",
                                       "optuna_study", "optuna_sweeper", "ray_launcher", "ray_settings", "ray_storage",
                                       "ray_worker", "skypilot", "skypilot_outputs", "slurm", "strategy_kind", "sweeper"]
     plugin_packages = [p.name for p in Path(__file__).parents[1].joinpath("src", "hydra_plugins").iterdir()
@@ -412,7 +484,7 @@ def test_an_elastic_pytorchjob_has_workers_only_and_an_elastic_policy(tmp_path):
     # elastic=true: a resume on another count skips to a sample position it can share out
     without_nodes = [o for o in ELASTIC if not o.startswith("trainer.num_nodes=")]
     assert container["command"] == ["torchrun", "train.py", *without_nodes,
-                                    "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/3", "ckpt_path=here",
+                                    "hydra.run.dir=/outputs/default/multiruns/2026-11-25_18-31-00/a1b2c3/3", "ckpt_path=here",
                                     "trainer.num_nodes='${oc.decode:${oc.env:GROUP_WORLD_SIZE}}'", "elastic=true"]
     fixed = manifest_for(tmp_path, *ELASTIC[:1], *ELASTIC[3:])
     assert "elasticPolicy" not in fixed["spec"] and list(fixed["spec"]["pytorchReplicaSpecs"]) == ["Master", "Worker"]

@@ -11,6 +11,7 @@ many threads launch."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import threading
 import types
@@ -162,6 +163,11 @@ def test_a_ray_job_restarted_after_a_killed_worker_resumes_its_own_save_and_trai
     assert recovered["steps"] == STEPS and recovered["world_size"] == 2, recovered
     assert "litscale: job 3 on Ray: experiment=ray_recovered" in ray_process.stdout, explain(ray_process)
     checkpoints = Path(recovered["output_dir"]) / "checkpoints"
+    # the restart said in one line (from Ray's controller, under its prefix), with what it resumes
+    restarted = re.findall(r"litscale: job 3: rank 1's Ray worker died; Ray restarts the job's workers \(restart 1 "
+                           rf"of hydra.launcher.max_failures=1\), resuming from {re.escape(str(checkpoints))}/"
+                           r"\S+\.ckpt \(step (\d+)\)", ray_process.stdout + ray_process.stderr)
+    assert restarted in (["1"], ["2"]), explain(ray_process)
     assert (checkpoints / "last.ckpt").exists(), sorted(checkpoints.iterdir())
     losses, expected = train_losses(recovered["output_dir"]), train_losses(reference["output_dir"])
     assert STEPS - 1 in losses, losses  # the step after the resume (the first attempt's rows may be rewritten)
@@ -313,3 +319,42 @@ def test_a_job_that_cannot_start_at_once_says_what_it_waits_for_and_one_that_nev
         "error: job 3 needs 8 CPUs for its 8 Ray workers, the cluster has 4; allowed: fewer trainer.devices x "
         "trainer.num_nodes, a smaller hydra.launcher.cpus_per_worker, or a larger cluster")
     assert resources_line(4, 2, {"CPU": 2.0, "GPU": 2.0}, cluster).startswith("error: job 4 needs 2 GPUs")
+
+
+def test_a_ray_restart_names_the_rank_the_restart_and_the_checkpoint_it_resumes_from(tmp_path, capsys):
+    """Ray's controller hands ``after_exception`` the failed workers' errors before it restarts
+    them (``max_failures``): one line per restart names the rank whose worker died (not the peer
+    that only lost it), the restart's number and the checkpoint ``ckpt_path=here`` resumes from;
+    none once the restarts are spent (the driver's ``error:`` line then), none for a preemption
+    (Ray's own budget)."""
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    from hydra_plugins.litscale_plugins._ray_restarts import RayRestartReport
+
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    torch.save({"global_step": 4}, checkpoints / "step000004.ckpt")
+    torch.save({"global_step": 8}, checkpoints / "last.ckpt")
+    died = WorkerHealthCheckFailedError("Worker health check failed.", ActorDiedError())
+    lost_peer = RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+    report = RayRestartReport(number=3, max_failures=2, run_dir=str(tmp_path), ckpt_path="here")
+    report.after_exception(None, {0: lost_peer, 1: died})
+    report.after_exception(None, {0: ValueError("bad batch\nat step 9"), 1: lost_peer})
+    report.after_exception(None, {1: died})  # the third: past max_failures=2
+    assert capsys.readouterr().out.splitlines() == [
+        "litscale: job 3: rank 1's Ray worker died; Ray restarts the job's workers (restart 1 of "
+        f"hydra.launcher.max_failures=2), resuming from {checkpoints / 'last.ckpt'} (step 8)",
+        "litscale: job 3: rank 0 failed (ValueError: bad batch); Ray restarts the job's workers (restart 2 of "
+        f"hydra.launcher.max_failures=2), resuming from {checkpoints / 'last.ckpt'} (step 8)"]
+
+    preempted = ActorDiedError()
+    preempted._preempted = True  # as Ray sets it from the node's death cause (no public setter)
+    fresh = RayRestartReport(number=0, max_failures=1, run_dir=str(tmp_path / "empty"), ckpt_path="here")
+    fresh.after_exception(None, {1: WorkerHealthCheckFailedError("Worker health check failed.", preempted)})
+    assert capsys.readouterr().out == "" and fresh.failures == 0
+    fresh.after_exception(None, {0: died, 1: died})
+    assert capsys.readouterr().out == (
+        "litscale: job 0: the Ray workers of ranks 0, 1 died; Ray restarts the job's workers (restart 1 of "
+        f"hydra.launcher.max_failures=1), starting again from step 0 (no complete checkpoint in {tmp_path / 'empty'} "
+        "yet)\n")

@@ -126,8 +126,9 @@ def ray_worker_killed(outputs: Path, run: tuple[str, ...], fault: list[str], rec
                     *run, *fault, f"hydra.sweep.dir={sweep}"], outputs=outputs, timeout=timeout,
                    act=when_recorded(record, newest_checkpoint_then, poll_s=0.02))
     acted = fault_record(record)
+    # (a line from Ray's controller or a worker comes under Ray's prefix, "(TrainController pid=...) ")
     said = verdict(first.lines, acted["time"] if acted else first.started,
-                   re.compile(r"^(error: |litscale: .*(fail|restart|lost|died|again))"))
+                   re.compile(r"^(\([^)]*\) )?(error: |litscale: .*(fail|restart|lost|died|again))"))
     summaries = [json.loads(p.read_text()) for p in sweep.rglob("summary.json")]
     finished = first.exit == 0 and any(s.get("steps") == steps for s in summaries)
     resumed_from = snapshot.get("step")

@@ -45,9 +45,13 @@ class Run:
         return "\n".join(line for _, line in self.lines)
 
 
+# Terminal colours (Ray colours the prefix of a line from its actors even into a pipe).
+COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _read(stream, lines: list[tuple[float, str]]) -> None:
     for line in stream:
-        lines.append((time.time(), line.rstrip("\n")))
+        lines.append((time.time(), COLOURS.sub("", line.rstrip("\n"))))
 
 
 def launch(command: list[str], *, outputs: Path, timeout: float, env: dict | None = None,

@@ -8,11 +8,20 @@ against the vendored CRD schemas; ``hydra.launcher.submit=true`` creates them wi
 ``kubernetes`` client (imported only then) and waits, printing each change of a job's
 condition. The pods run ``torchrun train.py <the job's overrides>`` with the run dir on the
 shared outputs volume, where the summary, checkpoints and logs land.
+
+Each run of the command is a launch, with an id of its own in its jobs' names and run dirs
+(``<outputs_mount>/<name>/multiruns/<sweep>/<launch>/<job>``): a pod restarted, or a TrainJob
+created again, within the launch keeps its arguments, so it resumes its own run dir
+(``ckpt_path=here``); the same sweep run again into the same ``hydra.sweep.dir`` is a new launch
+and starts fresh in new run dirs, never from the first launch's checkpoints, unless
+``hydra.launcher.launch=<its id>`` asks to run that launch's jobs again, resuming.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
+import string
 import time
 import uuid
 from collections.abc import Sequence
@@ -32,6 +41,7 @@ from hydra_plugins.litscale_plugins.jobs import (
 )
 from hydra_plugins.litscale_plugins.k8s_manifests import (
     api_of,
+    continued_launch,
     default_image,
     elastic_args,
     elastic_nodes,
@@ -57,9 +67,10 @@ def job_name(prefix: str, sweep_dir: Path, number: int, launch: str = "") -> str
 
 
 def launch_token() -> str:
-    """Six hex digits naming one launch: a rerun of a sweep (``hydra.sweep.dir`` given again,
-    an Optuna study resumed) must not create objects under names its first run took."""
-    return uuid.uuid4().hex[:6]
+    """Six characters naming one run of the command (a letter, then five hex digits): a rerun of
+    a sweep (``hydra.sweep.dir`` given again, an Optuna study resumed) must neither create
+    objects under names its first run took nor train in its run dirs."""
+    return secrets.choice(string.ascii_lowercase) + uuid.uuid4().hex[:5]
 
 
 class KubernetesLauncher(ClusterLauncher):
@@ -72,6 +83,10 @@ class KubernetesLauncher(ClusterLauncher):
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         self.launch_token = launch_token()
+        # The run dirs' launch: this one, or the earlier one the user asked to run again.
+        self.continued = continued_launch(self.params)
+        self.run_launch = self.continued or self.launch_token
+        self._announced = False
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
@@ -80,8 +95,12 @@ class KubernetesLauncher(ClusterLauncher):
         jobs = []
         for number, job_config, overrides in self.job_configs(job_overrides, initial_job_idx):
             manifest, params, run_dir = self.manifest(
-                job_config, overrides, sweep_dir, number, self.launch_token
+                job_config, overrides, sweep_dir, number, self.launch_token, self.run_launch
             )
+            if not self._announced:  # once per launch (an Optuna sweep launches batch after batch)
+                self._announced = True
+                print(launch_line(self.run_launch, self.continued is not None, run_dir.rsplit("/", 1)[0]),
+                      flush=True)
             path = Path(params["manifests_dir"]) / f"{manifest['metadata']['name']}.yaml"
             write_checked(
                 path,
@@ -102,23 +121,37 @@ class KubernetesLauncher(ClusterLauncher):
 
     @staticmethod
     def manifest(
-        job_config: DictConfig, overrides: list[str], sweep_dir: Path, number: int, launch: str
+        job_config: DictConfig, overrides: list[str], sweep_dir: Path, number: int, launch: str,
+        run_launch: str | None = None,
     ) -> tuple[dict[str, Any], dict[str, Any], str]:
-        """Job ``number``'s manifest, its resolved launcher settings, and its run dir on the
-        shared outputs volume."""
+        """Job ``number``'s manifest, named from the launch ``launch``, its resolved launcher
+        settings, and its run dir on the shared outputs volume: that of the launch ``run_launch``
+        (default: ``launch``)."""
         params = job_resources(job_config)
         elastic = elastic_nodes(params, str((job_config.get("strategy") or {}).get("_target_", "")))
         cpu = str(job_config.trainer.get("accelerator")) == "cpu"
         if cpu:
             params["gpus_per_node"] = None
         params["image"] = params.get("image") or default_image("cpu" if cpu else "cuda")
-        run_dir = f"{params['outputs_mount']}/{job_config.name}/multiruns/{sweep_dir.name}/{number}"
+        run_dir = (f"{params['outputs_mount']}/{job_config.name}/multiruns/{sweep_dir.name}/"
+                   f"{run_launch or launch}/{number}")
         build = {"trainjob": trainjob, "pytorchjob": pytorchjob}[params["api"]]
         name = job_name(params["name_prefix"], sweep_dir, number, launch)
         args = resuming_in_run_dir([*overrides, f"hydra.run.dir={run_dir}"])
         if elastic:
             args = elastic_args(args)
         return build(name, args, params), params, run_dir
+
+
+def launch_line(launch: str, again: bool, run_dirs: str) -> str:
+    """The line that says which run dirs a launch trains in, and from what."""
+    if again:
+        return (f"litscale: k8s launch {launch} run again (hydra.launcher.launch={launch}): each job resumes from "
+                f"the newest complete checkpoint of its run dir, {run_dirs}/<job> (ckpt_path=here), unless it "
+                "names a ckpt_path")
+    return (f"litscale: k8s launch {launch}: a new launch, in run dirs of its own ({run_dirs}/<job>): its jobs "
+            "start fresh there unless they name a ckpt_path, and a pod restarted within the launch resumes its "
+            f"own; hydra.launcher.launch={launch} runs them again, resuming")
 
 
 class JobFailed(RuntimeError):

@@ -18,6 +18,7 @@ fields refused). The CEL rules (``x-kubernetes-validations``) are not evaluated 
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -124,6 +125,22 @@ def trainjob(name: str, args: list[str], params: dict[str, Any]) -> dict[str, An
             "runtimePatches": [patch],
         },
     }
+
+
+# What ``k8s.launch_token`` draws: a letter first, so that Hydra reads it back as a string (not 123456, 1e5000).
+LAUNCH_ID = re.compile(r"[a-z][0-9a-f]{5}")
+
+
+def continued_launch(params: dict[str, Any]) -> str | None:
+    """``hydra.launcher.launch``: the earlier launch whose run dirs the jobs run in again, each
+    resuming from its own newest checkpoint; None: a new launch, in run dirs of its own. One
+    ``ConfigError`` line for a value that cannot be a launch's id."""
+    launch = params.get("launch")
+    if launch is None or (isinstance(launch, str) and LAUNCH_ID.fullmatch(launch)):
+        return launch
+    raise ConfigError(f"hydra.launcher.launch={launch!r} is not a launch's id; allowed: null (a new launch, its "
+                      "jobs in run dirs of their own) or the id of an earlier launch of this sweep (a letter "
+                      "and 5 hex digits), as its first line names it (its jobs run again in its run dirs, resuming)")
 
 
 def elastic_nodes(params: dict[str, Any], strategy_target: str) -> tuple[int, int] | None:

@@ -12,7 +12,8 @@ Hydra's ``run_job``, so a rank that fails reports itself as under torchrun; a wo
 without a word (killed) is named by the driver in one ``error: rank N failed: ...`` line. The
 sweep goes on. With ``max_failures: N``, Ray Train starts a failed job's workers again up to N
 times, each attempt resuming from the newest complete checkpoint of the job's run dir
-(``ckpt_path=here``, unless the job names one). On a cluster of several hosts the workers get
+(``ckpt_path=here``, unless the job names one); each restart is said in one line naming the
+rank that failed and what the job resumes from (``_ray_restarts``). On a cluster of several hosts the workers get
 the project dir and the ``LITSCALE_*`` variables (``working_dir``), run dirs go to ``storage``
 (a path every node mounts, or a URI), ``min_workers``/``max_workers`` make a data-parallel job
 elastic, and a SIGTERM to a worker saves ``last.ckpt`` first (``ray_settings``, ``ray_worker``).
@@ -108,6 +109,8 @@ class RayLauncher(ClusterLauncher):
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig, TorchTrainer
 
+        from hydra_plugins.litscale_plugins._ray_restarts import RayRestartReport
+
         params = job_resources(job_config)
         number = int(job_config.hydra.job.num)
         max_failures = int(params.get("max_failures") or 0)
@@ -120,6 +123,9 @@ class RayLauncher(ClusterLauncher):
                   "elastic": settings.elastic, "number": number, "staging": settings.staging,
                   "stop_handler": has_preemption_checkpoint(job_config)}
         workers = settings.elastic or settings.workers
+        # Said on Ray's controller, before it starts the workers again: one line per restart.
+        restarts = RayRestartReport(number=number, max_failures=max_failures, ckpt_path=job_config.get("ckpt_path"),
+                                    run_dir=None if settings.storage_uri else settings.local_run_dir)
         trainer = TorchTrainer(
             run_rank,
             train_loop_config={"job": payload, "worker": worker},
@@ -133,6 +139,7 @@ class RayLauncher(ClusterLauncher):
                 name=f"job{number}",
                 storage_path=settings.ray_storage_path,
                 failure_config=FailureConfig(max_failures=max_failures),
+                callbacks=[restarts] if max_failures else [],
             ),
         )
         print(f"litscale: job {number} on Ray: {' '.join(overrides)}", flush=True)

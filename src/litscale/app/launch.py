@@ -23,6 +23,7 @@ from typing import Any
 
 from litscale.errors import ConfigError
 from litscale.health.heartbeat import STOPPED_BY_WATCHDOG
+from litscale.health.launcher import launcher_lost, note_launcher
 from litscale.health.watchdog import HANG_ERROR, LAUNCHER_REPORTS_ENV
 
 
@@ -56,6 +57,7 @@ def prepare_external_rank() -> list[str]:
     rank = external_rank()
     if rank is None:
         return []
+    note_launcher()
     if RUN_ID_ENV not in os.environ:
         run_id = shared_run_id(rank)
         if run_id:
@@ -139,6 +141,7 @@ def _run_rank(entrypoint: Callable[[Any], Any], payload: Any) -> Any:
     read it; an agent shutting down on SIGTERM never does, and kills the rank only after its
     shutdown timeout (60 s). A preempted rank, whose checkpoint is saved and loggers closed,
     exits at once instead, with a code that tells the agent why."""
+    note_launcher()
     result = entrypoint(payload)
     if isinstance(result, dict) and result.get("preempted"):
         sys.exit(PREEMPTED_EXIT_CODE)
@@ -246,9 +249,10 @@ def wait_for_the_cause(error: BaseException) -> None:
     of the first rank to exit and stops the others, whose errors are then lost. The rank that
     raised the real error is often still in Lightning's exception handling when its peers,
     their connections closed, fail within milliseconds; without this wait the report would
-    name a "Connection closed by peer" instead of the cause.
+    name a "Connection closed by peer" instead of the cause. Where the launcher itself is gone
+    (and its store with it: the likely cause), no one is left to report either: no wait.
     """
-    if is_knock_on_failure(error):
+    if is_knock_on_failure(error) and not launcher_lost():
         import time
 
         time.sleep(KNOCK_ON_GRACE_S)

@@ -229,8 +229,9 @@ def check_cluster_resources(cfg) -> bool:
         check_settings(params, strategy)
         return elastic_workers(params, strategy) is not None
     if option == "k8s":
-        from hydra_plugins.litscale_plugins.k8s_manifests import elastic_nodes
+        from hydra_plugins.litscale_plugins.k8s_manifests import continued_launch, elastic_nodes
 
+        continued_launch(params)
         return elastic_nodes(params, strategy) is not None
     return False
 

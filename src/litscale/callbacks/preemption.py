@@ -5,6 +5,11 @@ Every rank stops after the same optimizer step, saves ``last.ckpt`` there with t
 and the run exits cleanly, so ``ckpt_path=auto`` resumes exactly where it stopped. A second
 Ctrl-C stops at once without saving (exit 1), and names the newest complete checkpoint there is.
 
+A SIGINT that comes because the launcher died (its death signal, ``litscale.health.launcher``) is
+named as that, not as a Ctrl-C: the ranks, which still reach each other, stop after a step they
+agree on and save as for SIGTERM, then exit; where that save cannot be made (a peer gone too), one
+line says so and names the checkpoint that remains, and the rank exits at once with code 1.
+
 NOTE: Lightning's own handling is not used as it is: each rank's handler sets that rank's
 flag, which Lightning reads in several places (the end of a batch, of an epoch, inside
 validation) besides the per-batch broadcast of rank 0's flag, and it broadcasts from inside
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -31,6 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from litscale.async_checkpoint import wait_for_checkpoints
 from litscale.checkpoints import newest_last_checkpoint
 from litscale.constraints import PositiveInt
+from litscale.health.launcher import launcher_lost, launcher_pid
 
 # A Ctrl-C this soon after the first is the same keypress passed on, not the user's second:
 # the terminal signals every process of the job, and torch's elastic agent then passes the
@@ -55,12 +62,14 @@ class PreemptionCheckpoint(Callback):
         self.check_every_n_steps = check_every_n_steps
         self.saved_path: str | None = None
         self.signalled = False  # this rank got a stop signal
+        self.launcher_lost = False  # ... and it was the launcher's death signal
         self.stopping = False  # the ranks agreed to stop
         self._checked_at_step = -1
         self._saved_at_step = -1
         self._trainer: Trainer | None = None
         self._first_ctrl_c: float | None = None  # when the first Ctrl-C came (monotonic seconds)
         self._announced = False
+        self._said_no_save = False
         self._previous_sigint = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -94,7 +103,9 @@ class PreemptionCheckpoint(Callback):
         return signals
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT:
+        if signum == signal.SIGINT and launcher_lost():
+            self.launcher_lost = True  # not a Ctrl-C: no second one will come to stop at once
+        elif signum == signal.SIGINT:
             now = time.monotonic()
             if self._first_ctrl_c is not None and now - self._first_ctrl_c > SAME_CTRL_C_S:
                 raise KeyboardInterrupt  # the user's second Ctrl-C: stop at once, without saving
@@ -107,7 +118,16 @@ class PreemptionCheckpoint(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch,
                            batch_idx: int) -> None:
-        if self._first_ctrl_c is not None and not self._announced:  # said here: not from a signal handler
+        if self._first_ctrl_c is not None and not self._announced and launcher_lost():
+            self.launcher_lost, self._first_ctrl_c = True, None  # it came as its launcher began to exit
+        if self.launcher_lost and not self._announced:  # said here: not from a signal handler
+            self._announced = True
+            if trainer.local_rank == 0:  # a launcher starts a node's ranks: one line per launcher lost
+                print(f"litscale: launcher lost: the process that started the ranks (pid {launcher_pid()}) is gone, "
+                      "and the job's store with it (their SIGINT is its death signal, not a Ctrl-C); stopping "
+                      "after a step every rank agrees on to save last.ckpt, then exiting", file=sys.stderr,
+                      flush=True)
+        if self._first_ctrl_c is not None and not self._announced:
             self._announced = True
             rank_zero_info("litscale: Ctrl-C: stopping after a step every rank agrees on and saving last.ckpt; "
                            "Ctrl-C again to stop at once without saving")
@@ -137,6 +157,9 @@ class PreemptionCheckpoint(Callback):
             _set_lightning_stop_flag(trainer, True)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self.launcher_lost and not isinstance(exception, SIGTERMException):
+            self._say_no_save(trainer, exception)  # the stop failed: a peer gone too, or its save
+            return
         if isinstance(exception, KeyboardInterrupt) and self._first_ctrl_c is not None:
             newest = newest_last_checkpoint(os.path.dirname(self.dirpath))
             kept = (f"the newest complete checkpoint is {newest} (ckpt_path=auto resumes from it)" if newest
@@ -151,11 +174,31 @@ class PreemptionCheckpoint(Callback):
 
     def _save(self, trainer: Trainer) -> None:
         self.saved_path, self._saved_at_step = os.path.join(self.dirpath, "last.ckpt"), trainer.global_step
-        # Every rank: sharded strategies save together. The full state (optimizer, loops), to resume.
-        trainer.save_checkpoint(self.saved_path, weights_only=False)
-        wait_for_checkpoints(trainer.strategy)  # on disk before the line says so, and the job ends
-        rank_zero_info(f"litscale: stopping at step {trainer.global_step} on a termination signal; "
+        try:
+            # Every rank: sharded strategies save together. The full state (optimizer, loops), to resume.
+            trainer.save_checkpoint(self.saved_path, weights_only=False)
+            wait_for_checkpoints(trainer.strategy)  # on disk before the line says so, and the job ends
+        except Exception as error:
+            if self.launcher_lost:
+                self.saved_path = None
+                self._say_no_save(trainer, error)
+            raise
+        cause = "after its launcher was lost" if self.launcher_lost else "on a termination signal"
+        rank_zero_info(f"litscale: stopping at step {trainer.global_step} {cause}; "
                        f"saved {self.saved_path} (resume with ckpt_path=auto)")
+
+    def _say_no_save(self, trainer: Trainer, error: BaseException) -> None:
+        """Once, on a node's first rank: the ranks could not stop together and save without their
+        launcher; the checkpoint that remains."""
+        if self._said_no_save or trainer.local_rank != 0:
+            return
+        self._said_no_save = True
+        newest = newest_last_checkpoint(os.path.dirname(self.dirpath))
+        kept = (f"the newest complete checkpoint is {newest} (ckpt_path=auto resumes from it)" if newest
+                else f"no complete checkpoint in {self.dirpath}: a rerun starts from step 0")
+        cause = f"{type(error).__name__}: {error}".splitlines()[0]
+        print(f"litscale: launcher lost, and no save is possible at step {trainer.global_step} without it ({cause}); "
+              f"{kept}; exiting with code 1", file=sys.stderr, flush=True)
 
 
 def _set_lightning_stop_flag(trainer: Trainer, value: bool) -> None:

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.distributed import DistError
 
 from litscale.constraints import PositiveFloat, PositiveInt
 from litscale.health.store import health_store, read_json_keys
@@ -66,10 +67,13 @@ class StragglerReport(Callback):
         # The window just closed is published; rank 0 reads the one before, which every rank
         # has published by now (their steps are in lockstep to within one).
         window = {"forward_s": statistics.median(self._forward), "step_s": statistics.median(self._step)}
-        self._store.set(f"window/{self._window}/{trainer.global_rank}", json.dumps(window).encode())
         self._forward, self._step = [], []
-        if trainer.global_rank == 0 and self._window > 0:
-            self._read_window(trainer, self._window - 1)
+        try:
+            self._store.set(f"window/{self._window}/{trainer.global_rank}", json.dumps(window).encode())
+            if trainer.global_rank == 0 and self._window > 0:
+                self._read_window(trainer, self._window - 1)
+        except DistError:  # the store is gone (its launcher with it): no report, the training goes on
+            self._store = None  # (the watchdog's heartbeat, a client of the same store, says so)
         self._window += 1
 
     def _read_window(self, trainer: Trainer, window: int) -> None:
