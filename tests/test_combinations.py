@@ -324,7 +324,7 @@ def matches_one_process(combination: Combination, trace: RunTrace, outputs: Path
         REFERENCE_TRACES[key] = train(job, 1, outputs.with_name(f"reference-{outputs.name}"))[1]
     found = differences(trace, REFERENCE_TRACES[key], **tolerance, steps=STEPS,
                         gradient_norms=logs_the_gradient_norm_as_one_process(combination),
-                        weights_by_norm=combination.precision != "fp32")
+                        weights_as_one=combination.precision != "fp32")
     return [f"{combination}\n    {line} of one process" for line in found[:8]]
 
 

@@ -148,7 +148,7 @@ def test_the_readers_that_move_a_checkpoint_run_nothing_it_holds(tmp_path, reade
 def test_dcp_metadata_is_read_without_running_code(tmp_path):
     """DCP's ``.metadata`` is a plain pickle that torch's weights-only unpickler cannot read
     (protocol 5): litscale's restricted one reads DCP's own, and refuses the payload."""
-    from litscale.checkpoints import is_readable_checkpoint, read_dcp_metadata
+    from litscale.checkpoint_reading import is_readable_checkpoint, read_dcp_metadata
 
     path = sharded_checkpoint(tmp_path / "dcp", step=4)
     assert list(read_dcp_metadata(str(path)).state_dict_metadata) == ["state_dict.weight"]
@@ -158,13 +158,13 @@ def test_dcp_metadata_is_read_without_running_code(tmp_path):
 
 
 def test_a_deepspeed_checkpoint_without_deepspeed_installed_is_one_line_naming_the_install(tmp_path, monkeypatch):
-    from litscale import deepspeed_moves
+    from litscale import checkpoint_reading
     from litscale.checkpoints import resolve_ckpt_path
 
     def missing():
         raise ModuleNotFoundError("No module named 'deepspeed'")
 
-    monkeypatch.setattr(deepspeed_moves, "deepspeed_classes", missing)
+    monkeypatch.setattr(checkpoint_reading, "deepspeed_classes", missing)
     path = str(crafted_deepspeed(tmp_path / "ds", tmp_path / "MARKER", where="none"))
     with pytest.raises(ConfigError) as refused:
         resolve_ckpt_path(path, search_dir=str(tmp_path))

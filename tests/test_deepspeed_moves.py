@@ -276,8 +276,8 @@ def test_real_zero_checkpoints_read_without_running_code_naming_only_the_allowed
     for its files (``deepspeed_classes``), and every file reads with them, weights-only."""
     import glob
 
-    from litscale.checkpoints import is_readable_checkpoint
-    from litscale.deepspeed_moves import deepspeed_classes, saved_layout, saved_state_kinds
+    from litscale.checkpoint_reading import deepspeed_classes, is_readable_checkpoint
+    from litscale.deepspeed_moves import saved_layout, saved_state_kinds
 
     allowed = {f"{kind.__module__}.{kind.__qualname__}" for kind in deepspeed_classes()}
     named = set()

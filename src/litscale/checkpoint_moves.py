@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from litscale.checkpoints import read_dcp_metadata, read_plain
+from litscale.checkpoint_reading import read_dcp_metadata, read_plain
 
 # Checkpoint key: for each optimizer, for each of its groups, its parameters' names.
 OPTIMIZER_PARAM_NAMES = "optimizer_param_names"
@@ -104,7 +104,7 @@ def read_directory_whole(path: str) -> dict[str, Any]:
     _load_state_dict(tensors, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
     # NOTE: DCP's reader unpickles ``.metadata`` whole; validation read it without running code
-    # (``checkpoints.is_readable_checkpoint``) before any rank started.
+    # (``checkpoint_reading.is_readable_checkpoint``) before any rank started.
     rest = read_plain(f"{path}/{CHECKPOINT_METADATA_FILENAME}", mmap=False)
     return {**rest, **tensors}
 

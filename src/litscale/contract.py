@@ -254,8 +254,8 @@ class StrategyContract:
         (``litscale.checkpoint_moves``): a file into a sharded model, a sharded directory into
         a replicated one, a DeepSpeed directory into either."""
         from litscale import checkpoint_moves
-        from litscale.checkpoints import DCP_METADATA
-        from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, is_deepspeed_checkpoint
+        from litscale.checkpoint_reading import DCP_METADATA, is_deepspeed_checkpoint
+        from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
 
         path = str(self.broadcast(str(checkpoint_path)))
         whole = None

@@ -23,67 +23,21 @@ own loader unpickles them whole.
 
 from __future__ import annotations
 
-import glob
-import os
 from typing import Any
 
 import torch
 
 from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES
-from litscale.checkpoints import DEEPSPEED_LATEST, files_under, read_plain
+from litscale.checkpoint_reading import deepspeed_files, read_deepspeed_file
 
 # The per-parameter state of the optimizers whose moments move (torch's Adam and AdamW).
 MOVABLE_STATE = {"step", "exp_avg", "exp_avg_sq"}
 
 
-def is_deepspeed_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, DEEPSPEED_LATEST))
-
-
-def deepspeed_classes() -> list[type]:
-    """The classes DeepSpeed 0.19 pickles into its checkpoint files beside tensors and plain
-    data (a loss scaler's settings, the ZeRO stage, where a parameter's fragment lies in a
-    partition); torch's weights-only unpickler builds them from their data, running none of
-    their code. ``ImportError`` without DeepSpeed."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-
-
-def read_file(path: str, *, mmap: bool = True) -> dict[str, Any]:
-    """One of DeepSpeed's checkpoint files, read without running code."""
-    return read_plain(path, allowed=deepspeed_classes(), mmap=mmap)
-
-
-def is_readable_deepspeed_checkpoint(path: str) -> bool:
-    """Every ``.pt`` file of the checkpoint's tag reads without running code, and the model
-    states file is among them. ``ImportError`` without DeepSpeed."""
-    deepspeed_classes()
-    try:
-        model_file, _ = checkpoint_files(path)
-        files = [name for name in files_under(os.path.dirname(model_file)) if name.endswith(".pt")]
-        return os.path.isfile(model_file) and all(isinstance(read_file(name), dict) for name in files)
-    except Exception:  # noqa: BLE001 - unpickling errors have many types; all mean unreadable
-        return False
-
-
-def checkpoint_files(path: str) -> tuple[str, list[str]]:
-    """(the model states file, the optimizer files in rank order) of the checkpoint's tag."""
-    with open(os.path.join(path, DEEPSPEED_LATEST)) as handle:
-        tag = handle.read().strip()
-    folder = os.path.join(path, tag)
-    ranks = sorted(glob.glob(os.path.join(glob.escape(folder), "zero_pp_rank_*_mp_rank_00_optim_states.pt")),
-                   key=lambda name: int(os.path.basename(name).split("_")[3]))
-    model = os.path.join(folder, "mp_rank_00_model_states.pt")  # ZeRO-3: each rank writes its own; rank 0's
-    return model if os.path.isfile(model) else os.path.join(folder, "zero_pp_rank_0_mp_rank_00_model_states.pt"), ranks
-
-
 def saved_layout(path: str) -> tuple[int, int]:
     """(ZeRO stage, data-parallel ranks) the DeepSpeed checkpoint at ``path`` was saved with."""
-    model_file, ranks = checkpoint_files(path)
-    saved = read_file(model_file)
+    model_file, ranks = deepspeed_files(path)
+    saved = read_deepspeed_file(model_file)
     return int(saved["ds_config"]["zero_optimization"]["stage"]), int(saved.get("dp_world_size") or len(ranks))
 
 
@@ -146,10 +100,10 @@ def saved_state_kinds(path: str) -> set[str] | None:
     """The kinds of per-parameter state (``exp_avg``, ``momentum_buffer``, ...) the optimizer of
     the DeepSpeed checkpoint at ``path`` keeps (rank 0's partition, memory-mapped: no tensor is
     read); None: it holds no ZeRO optimizer partitions."""
-    _, ranks = checkpoint_files(path)
+    _, ranks = deepspeed_files(path)
     if not ranks:
         return None
-    saved = read_file(ranks[0])["optimizer_state_dict"]
+    saved = read_deepspeed_file(ranks[0])["optimizer_state_dict"]
     optimizer = saved.get("base_optimizer_state") or saved.get("optimizer_state_dict") or {}
     return {key for state in optimizer.get("state", {}).values() for key in state}
 
@@ -178,9 +132,9 @@ def deepspeed_as_file_checkpoint(path: str) -> dict[str, Any]:
     state, ``state_dict`` (fp32 master weights, and the module's buffers), one
     ``optimizer_states`` entry keyed by position in the saved groups, and the groups' parameter
     names (``OPTIMIZER_PARAM_NAMES``)."""
-    model_file, rank_files = checkpoint_files(path)
-    model = read_file(model_file, mmap=False)
-    partitions = _Partitions([read_file(name, mmap=False)["optimizer_state_dict"] for name in rank_files],
+    model_file, rank_files = deepspeed_files(path)
+    model = read_deepspeed_file(model_file, mmap=False)
+    partitions = _Partitions([read_deepspeed_file(name, mmap=False)["optimizer_state_dict"] for name in rank_files],
                              model["param_shapes"])
     names = [list(group) for group in model["param_shapes"]]
     weights, state = {}, {}

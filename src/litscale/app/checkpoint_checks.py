@@ -8,9 +8,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from litscale.checkpoint_reading import is_deepspeed_checkpoint
 from litscale.checkpoints import network_shapes
 from litscale.contract import contract_value
-from litscale.deepspeed_moves import is_deepspeed_checkpoint, reads_as_saved, saved_layout
+from litscale.deepspeed_moves import reads_as_saved, saved_layout
 from litscale.errors import ConfigError
 
 

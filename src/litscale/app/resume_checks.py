@@ -18,9 +18,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from litscale.app.safety import locate_target
-from litscale.checkpoints import LIGHTNING_META
+from litscale.checkpoint_reading import LIGHTNING_META, is_deepspeed_checkpoint, read_plain
 from litscale.data.resume import shared_position, unshared_position
-from litscale.deepspeed_moves import is_deepspeed_checkpoint
 from litscale.errors import ConfigError
 from litscale.layout import RunLayout
 
@@ -56,13 +55,11 @@ def saved_data_state(path: str, name: str) -> dict[str, Any] | None:
     in the checkpoint at ``path``: a file, a sharded directory's ``meta.pt``, or a DeepSpeed
     directory's model states (its client state). Read without running code and memory-mapped
     (no tensor is read); None where there is none, or it cannot be read so."""
-    from litscale.checkpoints import read_plain
-
     try:
         if is_deepspeed_checkpoint(path):
-            from litscale.deepspeed_moves import checkpoint_files, read_file
+            from litscale.checkpoint_reading import deepspeed_files, read_deepspeed_file
 
-            checkpoint = read_file(checkpoint_files(path)[0])
+            checkpoint = read_deepspeed_file(deepspeed_files(path)[0])
         else:
             checkpoint = read_plain(os.path.join(path, LIGHTNING_META) if os.path.isdir(path) else path)
     except Exception:  # noqa: BLE001 - unpickling errors have many types; the ranks' own load reports them

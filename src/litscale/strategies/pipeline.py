@@ -34,9 +34,10 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.checkpoint_moves import load_file_into_sharded
+from litscale.checkpoint_reading import is_deepspeed_checkpoint
 from litscale.constraints import PositiveInt
 from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
-from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, is_deepspeed_checkpoint
+from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.precision import PrecisionDtypes
 from litscale.sharding import Sharding, fsdp2_sharding
