@@ -20,7 +20,7 @@ import os
 import re
 import zipfile
 
-from litscale.atomic_checkpoint import ASIDE_SUFFIX
+from litscale.atomic_checkpoint import ASIDE_SUFFIX, followed
 from litscale.errors import ConfigError
 
 # ``here``: ``auto`` within the run's own dir: what a cluster job restarted in the same run dir
@@ -91,7 +91,9 @@ def _is_complete_deepspeed_directory(path: str) -> bool:
 
 
 def is_complete_checkpoint(path: str) -> bool:
-    """True when the save that wrote ``path`` finished (see the module docstring)."""
+    """True when the save that wrote ``path`` finished (see the module docstring); for a
+    pointer (``checkpoint.publish=pointer``), the save it names."""
+    path = followed(path)
     if os.path.isfile(path):
         return is_complete_torch_file(path)
     if os.path.isfile(os.path.join(path, DEEPSPEED_LATEST)):
@@ -115,8 +117,10 @@ def resumable_checkpoints(search_dir: str) -> list[str]:
     # exchange (``litscale.atomic_checkpoint``): the old checkpoint, if the swap was cut short.
     aside = os.path.join(glob.escape(search_dir), "**", "checkpoints", f".*.ckpt{ASIDE_SUFFIX}")
     found = glob.glob(pattern, recursive=True) + glob.glob(aside, recursive=True)
-    return [path for path in found
-            if not os.path.basename(path).startswith(NOT_RESUMABLE_PREFIXES) and is_checkpoint(path)]
+    # A pointer (``checkpoint.publish=pointer``) stands for the save it names, which several may name.
+    named = dict.fromkeys(followed(path) for path in found
+                          if not os.path.basename(path).startswith(NOT_RESUMABLE_PREFIXES))
+    return [path for path in named if is_checkpoint(path)]
 
 
 def newest_last_checkpoint(search_dir: str) -> str | None:
