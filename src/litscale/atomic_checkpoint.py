@@ -199,6 +199,20 @@ def _remove_unnamed_saves(directory: str) -> None:
             remove(entry)
 
 
+def link_or_copy(source: str, destination: str) -> None:
+    """``destination`` holds the bytes of the file or directory tree ``source``: hard links
+    where the file system has them (no second write), else copies (object-store mounts)."""
+    if os.path.isdir(source):
+        os.makedirs(destination, exist_ok=True)
+        for name in os.listdir(source):
+            link_or_copy(os.path.join(source, name), os.path.join(destination, name))
+        return
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)  # keeps the modification time the completeness checks compare
+
+
 def publishes_by_pointer(path: str, mode: str) -> bool:
     """Whether a save of ``path`` is published by a pointer under ``checkpoint.publish=mode``."""
     if mode not in PUBLISH_MODES:

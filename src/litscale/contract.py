@@ -33,6 +33,8 @@ from litscale.layout import MeshSizes
 if TYPE_CHECKING:
     from torch import nn
 
+    from litscale.async_checkpoint import Fingerprint
+
 
 # Why the FSDP2 and DTensor strategies refuse fp16: Lightning's ModelParallelStrategy, which they
 # build on, refuses it only once the ranks have started.
@@ -206,12 +208,17 @@ class StrategyContract:
 
             self.checkpoint_writer = CheckpointWriter()
         if self.checkpoint_writer is not None:
+            from litscale.async_checkpoint import fingerprint
+
+            now = fingerprint(checkpoint)  # before a sharded save takes the state out of it
+            if self._save_again_in_background(checkpoint, now, staging, path, by_pointer, storage_options):
+                return
             self.checkpoint_writer.wait()  # the save before this one, published
         if self.is_global_zero:
             remove(staging)  # what a save cut short left
         self.barrier("litscale checkpoint staged")
         if self.checkpoint_writer is not None:
-            self._save_in_background(checkpoint, staging, path, by_pointer, storage_options)
+            self._save_in_background(checkpoint, now, staging, path, by_pointer, storage_options)
             return
         super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier("litscale checkpoint written")
@@ -219,11 +226,31 @@ class StrategyContract:
             publish(staging, path, by_pointer=by_pointer)
         self.barrier("litscale checkpoint published")
 
-    def _save_in_background(self, checkpoint: dict[str, Any], staging: str, path: str, by_pointer: bool,
-                            storage_options: Any) -> None:
+    def _save_again_in_background(self, checkpoint: dict[str, Any], now: Fingerprint | None, staging: str,
+                                  path: str, by_pointer: bool, storage_options: Any) -> bool:
+        """A second save of the last save's state (``ModelCheckpoint``'s ``last.ckpt`` after its
+        top-k file, at one validation), published from the last save's bytes: nothing copied,
+        nothing waited for (``litscale.async_checkpoint``). False, and nothing done, otherwise."""
         from litscale import async_checkpoint
 
         writer = self.checkpoint_writer
+        last = writer.holding(now)
+        if not self.reduce_boolean_decision(last is not None, all=True):  # every rank, or none
+            return False
+        if self.is_global_zero:
+            writer.submit(async_checkpoint.save_again(
+                last, now, checkpoint, staging=staging, path=path, by_pointer=by_pointer,
+                write_file=lambda copied, where: self.checkpoint_io.save_checkpoint(
+                    copied, where, storage_options=storage_options)))
+        writer.last = async_checkpoint.LastSave(fingerprint=now, path=path, copied_state=last.copied_state)
+        return True
+
+    def _save_in_background(self, checkpoint: dict[str, Any], now: Fingerprint | None, staging: str, path: str,
+                            by_pointer: bool, storage_options: Any) -> None:
+        from litscale import async_checkpoint
+
+        writer = self.checkpoint_writer
+        copied_state = None
         if self.saves_shards:
             complete = async_checkpoint.start_directory_save(checkpoint, staging, writer=writer,
                                                              is_global_zero=self.is_global_zero)
@@ -234,13 +261,17 @@ class StrategyContract:
                     publish(staging, path, by_pointer=by_pointer)
         elif self.is_global_zero:
             copied = writer.snapshot(checkpoint)
+            copied_state = {key: copied[key] for key in async_checkpoint.STATE_KEYS if key in copied}
 
             def finish() -> None:
                 self.checkpoint_io.save_checkpoint(copied, staging, storage_options=storage_options)
                 publish(staging, path, by_pointer=by_pointer)
         else:
-            return  # rank 0 writes the file
-        writer.submit(finish)
+            finish = None  # rank 0 writes the file
+        if finish is not None:
+            writer.submit(finish)
+        writer.last = None if now is None else async_checkpoint.LastSave(fingerprint=now, path=path,
+                                                                         copied_state=copied_state)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Lightning's removal of an old checkpoint (a pointer with the save only it named);
@@ -256,6 +287,7 @@ class StrategyContract:
         if self.checkpoint_writer is None:
             removal()
         else:
+            self.checkpoint_writer.forget(str(filepath))
             self.checkpoint_writer.submit(removal)
 
     def _configure_launcher(self) -> None:
