@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import distributed
 from helpers.configs import compose_job
-from helpers.distributed import destroy_process_groups
 
 from litscale.app.validation import ConfigError, validate
 from litscale.compression import CommHook, bf16, fp16, powersgd, qsgd, signsgd, terngrad, topk
@@ -157,14 +157,11 @@ def test_residuals_follow_parameters_across_a_bucket_rebuild():
 
 @pytest.fixture
 def one_rank_group():
-    """A one-rank gloo group on an in-memory store of its own, destroyed however the test ends,
-    once gloo's threads are done with the hooks' callbacks (``destroy_process_groups`` says why:
-    destroyed at once, it aborted a later test now and then)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    """A one-rank gloo group, destroyed however the test ends, once gloo's threads are done with
+    the hooks' callbacks (``destroy_process_groups`` says why: destroyed at once, it aborted a
+    later test now and then)."""
+    with distributed.one_rank_group():
         yield
-    finally:
-        destroy_process_groups()
 
 
 def _net() -> torch.nn.Module:

@@ -38,7 +38,8 @@ def test_gpu_task_sized_from_the_trainer_passes_skypilots_schema():
     assert run[1] == (
         "torchrun --nnodes=$SKYPILOT_NUM_NODES --nproc-per-node=8 --node-rank=$SKYPILOT_NODE_RANK "
         '--master-addr="$MASTER_ADDR" --master-port=29500 train.py trainer.devices=8 '
-        "trainer.num_nodes=2 strategy=fsdp hydra.launcher.infra=aws hydra.run.dir=outputs/x/0"
+        "trainer.num_nodes=2 strategy=fsdp hydra.launcher.infra=aws hydra.run.dir=outputs/x/0 "
+        "checkpoint.publish=pointer"
     )
 
 
@@ -77,6 +78,16 @@ def test_the_default_task_mounts_a_bucket_for_its_outputs_and_passes_the_schema(
     assert named["file_mounts"]["/litscale-outputs"] == {"name": "litscale-outputs", "store": "gcs", "mode": "MOUNT"}
 
 
+def test_a_job_on_the_mounted_bucket_publishes_sharded_checkpoints_by_a_pointer():
+    """A directory's rename on a MOUNT-mode bucket is a copy of its files, one by one: each job
+    says checkpoint.publish=pointer (litscale.atomic_checkpoint), unless it chooses itself."""
+    assert task_for("trainer.devices=2")["run"].splitlines()[1].endswith(" checkpoint.publish=pointer")
+    chosen = task_for("trainer.devices=2", "checkpoint.publish=rename")["run"]
+    assert "checkpoint.publish=rename" in chosen and "checkpoint.publish=pointer" not in chosen
+    on_disks = task_for("hydra.launcher.outputs_bucket=null", "hydra.launcher.down=false")
+    assert "checkpoint.publish" not in on_disks["run"]
+
+
 @pytest.mark.parametrize(("overrides", "line"), [
     (["hydra.launcher.outputs_bucket=null"],
      "hydra.launcher.down=true tears each job's cluster down with its checkpoints, summary.json and logs, which "
@@ -104,7 +115,7 @@ def test_a_spot_job_is_a_managed_job_that_resumes_from_its_newest_checkpoint():
                                                                "t.yaml"]
     document = task_for("hydra.launcher.use_spot=true", "trainer.devices=2")
     assert document["resources"]["use_spot"] is True and task_problems(document) == []
-    assert document["run"].splitlines()[1].endswith("hydra.run.dir=outputs/x/0 ckpt_path=here")
+    assert document["run"].splitlines()[1].endswith("hydra.run.dir=outputs/x/0 checkpoint.publish=pointer ckpt_path=here")
     given = task_for("hydra.launcher.use_spot=true", "ckpt_path=last")
     assert "ckpt_path=here" not in given["run"]
     on_demand = job_resources(compose_full(["hydra/launcher=skypilot"]))

@@ -23,18 +23,36 @@ One save at a time: a save waits for the one before it (two would share the stag
 and, for DCP, the group), and so does every removal of an old checkpoint, so a checkpoint is
 deleted only once a newer one is published. The strategy's teardown waits for the last; an
 error in the background is raised there or at the next save.
+
+Except a second save of the same state: Lightning's ``ModelCheckpoint`` saves twice at each
+validation (the top-k file, then ``last.ckpt``), and the second waited for the first's whole
+write and then copied the state again. A save whose model and optimizer state is the last
+save's, unchanged (the same step and loop position, every state tensor the same storage at the
+same version: an optimizer step or a load bumps it), copies nothing and waits for nothing: the
+writer publishes the bytes of the last save under the new name too (hard links, a copy where
+the file system has none, or for a pointer-published directory a second pointer,
+``litscale.atomic_checkpoint``). Where the rest of the checkpoint differs (the callbacks' state
+at the first validation: ``last_model_path``), it is written anew around the same copy: a
+file from the kept buffers, a directory's ``meta.pt`` beside links to the same shards.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import pickle
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from litscale.atomic_checkpoint import followed, link_or_copy, publish, remove
+
+# The model's and the optimizers' state: what a save copies, and a second save of it need not.
+STATE_KEYS = ("state_dict", "optimizer_states")
 
 
 class CheckpointWriter:
@@ -49,6 +67,18 @@ class CheckpointWriter:
         # of the checkpoint with the other, and both copies are written after the save returns.
         self._stager: KeptCopies | None = None
         self._copies: KeptCopies | None = None
+        self.last: LastSave | None = None  # set by the strategy after each save it starts
+
+    def holding(self, fingerprint: Fingerprint | None) -> LastSave | None:
+        """The last save, if a checkpoint of ``fingerprint`` holds its state unchanged."""
+        last = self.last
+        return last if last is not None and fingerprint is not None and last.fingerprint.same_state(fingerprint) \
+            else None
+
+    def forget(self, path: str) -> None:
+        """``path`` is being removed: a later save cannot be published from it."""
+        if self.last is not None and self.last.path == path:
+            self.last = None
 
     def submit(self, work: Callable[[], None]) -> Future:
         future = self._executor.submit(work)
@@ -207,3 +237,110 @@ def wait_for_checkpoints(strategy: Any) -> None:
     writer = getattr(strategy, "checkpoint_writer", None)
     if writer is not None:
         writer.wait()
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a checkpoint holds, told without copying it: the training moment (step, epoch,
+    loops), each state tensor's storage and version with the state's other leaves, and the
+    rest of the checkpoint by value."""
+
+    moment: bytes
+    state: tuple
+    rest: bytes
+
+    def same_state(self, other: Fingerprint) -> bool:
+        return self.moment == other.moment and self.state == other.state
+
+
+@dataclass(frozen=True)
+class LastSave:
+    """A rank's last save started in the background: a second save of its state is published
+    from it."""
+
+    fingerprint: Fingerprint
+    path: str  # where it is published (a pointer is followed when the bytes are read)
+    copied_state: dict[str, Any] | None = None  # a file's copied state, on the kept buffers
+
+
+def fingerprint(checkpoint: dict[str, Any]) -> Fingerprint | None:
+    """The checkpoint's fingerprint; None for one that is not Lightning's (no step or loop
+    state) or holds what pickle cannot describe (then it is saved anew)."""
+    if "global_step" not in checkpoint or "loops" not in checkpoint:
+        return None
+    identities: list[tuple] = []
+
+    def identity(tensor: torch.Tensor) -> int:
+        identities.append(_identity(tensor))
+        return len(identities) - 1
+
+    try:
+        moment = pickle.dumps(_described((checkpoint["global_step"], checkpoint.get("epoch"), checkpoint["loops"]),
+                                         _value))
+        state = pickle.dumps(_described([checkpoint.get(key) for key in STATE_KEYS], identity))
+        rest = pickle.dumps(_described({key: value for key, value in checkpoint.items() if key not in STATE_KEYS},
+                                       _value))
+    except Exception:  # noqa: BLE001 - any object pickle refuses: no fingerprint, a fresh save
+        return None
+    return Fingerprint(moment=moment, state=(state, tuple(identities)), rest=rest)
+
+
+def _described(value: Any, tensor: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with each tensor replaced by ``tensor(it)``, for pickle to compare."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tensor(value))
+    if isinstance(value, dict):
+        return [(key, _described(item, tensor)) for key, item in value.items()]
+    if type(value) in (list, tuple):
+        return (type(value).__name__, [_described(item, tensor) for item in value])
+    return value
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    """A state tensor as the storage it views and the version of that storage: the same at two
+    saves only if nothing wrote to it in between (an in-place update bumps the version)."""
+    is_dtensor = isinstance(tensor, DTensor)
+    local = tensor._local_tensor if is_dtensor else tensor
+    return (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype, str(local.device), local._version,
+            tuple(tensor.placements) if is_dtensor else None)
+
+
+def _value(tensor: torch.Tensor) -> tuple:
+    """A (small) tensor of the rest of a checkpoint by value."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    data = local.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return (str(local.dtype), tuple(local.shape), data)
+
+
+def save_again(last: LastSave, now: Fingerprint, checkpoint: dict[str, Any], *, staging: str, path: str,
+               by_pointer: bool, write_file: Callable[[dict[str, Any], str], None]) -> Callable[[], None]:
+    """Rank 0's work that publishes a checkpoint holding ``last``'s state at ``path``, from
+    ``last``'s bytes, once ``last`` is published (the writer runs its work in order). The rest
+    of the checkpoint is copied now, when it differs from the last save's (it is small)."""
+    from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME
+
+    same_bytes = now.rest == last.fingerprint.rest
+    rest = None if same_bytes else KeptCopies(pinned=False).copy(
+        {key: value for key, value in checkpoint.items() if key not in STATE_KEYS})
+
+    def work() -> None:
+        source = followed(last.path)
+        if same_bytes and by_pointer and os.path.isdir(source):
+            publish(source, path, by_pointer=True)  # a second pointer to the same save
+            return
+        remove(staging)  # what a save cut short left
+        if os.path.isdir(source):
+            link_or_copy(source, staging)
+            if rest is not None:  # the shards linked, the rest its own
+                meta = os.path.join(staging, CHECKPOINT_METADATA_FILENAME)
+                os.unlink(meta)  # a link to the last save's: not written through
+                torch.save(rest, meta)
+        elif same_bytes:
+            link_or_copy(source, staging)
+        else:
+            assert last.copied_state is not None, "a file save keeps its copied state"
+            write_file({key: last.copied_state[key] if key in STATE_KEYS else rest[key] for key in checkpoint},
+                       staging)
+        publish(staging, path, by_pointer=by_pointer)
+
+    return work

@@ -24,7 +24,7 @@ import os
 import re
 import zipfile
 
-from litscale.atomic_checkpoint import ASIDE_SUFFIX
+from litscale.atomic_checkpoint import ASIDE_SUFFIX, followed
 from litscale.checkpoint_reading import (
     DCP_METADATA,
     DEEPSPEED_LATEST,
@@ -97,7 +97,9 @@ def _is_complete_deepspeed_directory(path: str) -> bool:
 
 
 def is_complete_checkpoint(path: str) -> bool:
-    """True when the save that wrote ``path`` finished (see the module docstring)."""
+    """True when the save that wrote ``path`` finished (see the module docstring); for a
+    pointer (``checkpoint.publish=pointer``), the save it names."""
+    path = followed(path)
     if os.path.isfile(path):
         return is_complete_torch_file(path)
     if os.path.isfile(os.path.join(path, DEEPSPEED_LATEST)):
@@ -121,8 +123,10 @@ def resumable_checkpoints(search_dir: str) -> list[str]:
     # exchange (``litscale.atomic_checkpoint``): the old checkpoint, if the swap was cut short.
     aside = os.path.join(glob.escape(search_dir), "**", "checkpoints", f".*.ckpt{ASIDE_SUFFIX}")
     found = glob.glob(pattern, recursive=True) + glob.glob(aside, recursive=True)
-    return [path for path in found
-            if not os.path.basename(path).startswith(NOT_RESUMABLE_PREFIXES) and is_checkpoint(path)]
+    # A pointer (``checkpoint.publish=pointer``) stands for the save it names, which several may name.
+    named = dict.fromkeys(followed(path) for path in found
+                          if not os.path.basename(path).startswith(NOT_RESUMABLE_PREFIXES))
+    return [path for path in named if is_checkpoint(path)]
 
 
 def newest_last_checkpoint(search_dir: str) -> str | None:
@@ -166,7 +170,7 @@ def resolve_ckpt_path(ckpt_path: str | None, *, search_dir: str) -> str | None:
         if found is not None:
             _check_readable(found, shown=f"{ckpt_path} ({found})")
         return found
-    path = user_path(ckpt_path)
+    path = followed(user_path(ckpt_path))  # a pointer file (checkpoint.publish=pointer): the save it names
     if os.path.isdir(path) and not is_checkpoint(path):
         raise ConfigError(
             f"ckpt_path={ckpt_path!r} is a directory but not a sharded checkpoint (it has none of "

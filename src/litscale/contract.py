@@ -33,6 +33,8 @@ from litscale.layout import MeshSizes
 if TYPE_CHECKING:
     from torch import nn
 
+    from litscale.async_checkpoint import Fingerprint
+
 
 # Why the FSDP2 and DTensor strategies refuse fp16: Lightning's ModelParallelStrategy, which they
 # build on, refuses it only once the ranks have started.
@@ -152,6 +154,9 @@ class StrategyContract:
     # in the background (``litscale.async_checkpoint``) from the strategy's first save on.
     async_save: bool = False
     checkpoint_writer: Any = None
+    # Set by the run from ``checkpoint.publish``: how a sharded save is made visible, by a rename
+    # or by a pointer file (object-store mounts), ``auto`` by the mount (``litscale.atomic_checkpoint``).
+    checkpoint_publish: str = "auto"
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
@@ -176,14 +181,17 @@ class StrategyContract:
         self.resolve_mesh(world_size)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """The strategy's own save, written beside the old checkpoint and swapped in once every
+        """The strategy's own save, written beside the old checkpoint and made visible once every
         rank has written its part: a checkpoint is complete or invisible
-        (``litscale.atomic_checkpoint``); with ``async_save``, written in the background."""
-        from litscale.atomic_checkpoint import remove, staging_path
+        (``litscale.atomic_checkpoint``, by a rename or a pointer: ``checkpoint_publish``); with
+        ``async_save``, written in the background."""
+        from litscale.atomic_checkpoint import publishes_by_pointer, remove, saving_path
         from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES, param_names_by_group
 
-        path = str(self.broadcast(str(filepath)))  # the one path rank 0 chose
-        staging = staging_path(path)
+        by_pointer = self.is_global_zero and publishes_by_pointer(str(filepath), self.checkpoint_publish)
+        # the one path rank 0 chose, and where its save is written
+        path, staging, by_pointer = self.broadcast(
+            (str(filepath), saving_path(str(filepath), by_pointer=by_pointer), by_pointer))
         names = param_names_by_group(self.lightning_module, self.optimizers) if self.optimizers else None
         if names is not None:  # what lets the checkpoint move to a layout of the other kind
             checkpoint[OPTIMIZER_PARAM_NAMES] = names
@@ -192,23 +200,49 @@ class StrategyContract:
 
             self.checkpoint_writer = CheckpointWriter()
         if self.checkpoint_writer is not None:
+            from litscale.async_checkpoint import fingerprint
+
+            now = fingerprint(checkpoint)  # before a sharded save takes the state out of it
+            if self._save_again_in_background(checkpoint, now, staging, path, by_pointer, storage_options):
+                return
             self.checkpoint_writer.wait()  # the save before this one, published
         if self.is_global_zero:
             remove(staging)  # what a save cut short left
         self.barrier("litscale checkpoint staged")
         if self.checkpoint_writer is not None:
-            self._save_in_background(checkpoint, staging, path, storage_options)
+            self._save_in_background(checkpoint, now, staging, path, by_pointer, storage_options)
             return
         super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier("litscale checkpoint written")
         if self.is_global_zero:
-            publish(staging, path)
+            publish(staging, path, by_pointer=by_pointer)
         self.barrier("litscale checkpoint published")
 
-    def _save_in_background(self, checkpoint: dict[str, Any], staging: str, path: str, storage_options: Any) -> None:
+    def _save_again_in_background(self, checkpoint: dict[str, Any], now: Fingerprint | None, staging: str,
+                                  path: str, by_pointer: bool, storage_options: Any) -> bool:
+        """A second save of the last save's state (``ModelCheckpoint``'s ``last.ckpt`` after its
+        top-k file, at one validation), published from the last save's bytes: nothing copied,
+        nothing waited for (``litscale.async_checkpoint``). False, and nothing done, otherwise."""
         from litscale import async_checkpoint
 
         writer = self.checkpoint_writer
+        last = writer.holding(now)
+        if not self.reduce_boolean_decision(last is not None, all=True):  # every rank, or none
+            return False
+        if self.is_global_zero:
+            writer.submit(async_checkpoint.save_again(
+                last, now, checkpoint, staging=staging, path=path, by_pointer=by_pointer,
+                write_file=lambda copied, where: self.checkpoint_io.save_checkpoint(
+                    copied, where, storage_options=storage_options)))
+        writer.last = async_checkpoint.LastSave(fingerprint=now, path=path, copied_state=last.copied_state)
+        return True
+
+    def _save_in_background(self, checkpoint: dict[str, Any], now: Fingerprint | None, staging: str, path: str,
+                            by_pointer: bool, storage_options: Any) -> None:
+        from litscale import async_checkpoint
+
+        writer = self.checkpoint_writer
+        copied_state = None
         if self.saves_shards:
             complete = async_checkpoint.start_directory_save(checkpoint, staging, writer=writer,
                                                              is_global_zero=self.is_global_zero)
@@ -216,24 +250,37 @@ class StrategyContract:
             def finish() -> None:
                 complete()
                 if self.is_global_zero:
-                    publish(staging, path)
+                    publish(staging, path, by_pointer=by_pointer)
         elif self.is_global_zero:
             copied = writer.snapshot(checkpoint)
+            copied_state = {key: copied[key] for key in async_checkpoint.STATE_KEYS if key in copied}
 
             def finish() -> None:
                 self.checkpoint_io.save_checkpoint(copied, staging, storage_options=storage_options)
-                publish(staging, path)
+                publish(staging, path, by_pointer=by_pointer)
         else:
-            return  # rank 0 writes the file
-        writer.submit(finish)
+            finish = None  # rank 0 writes the file
+        if finish is not None:
+            writer.submit(finish)
+        writer.last = None if now is None else async_checkpoint.LastSave(fingerprint=now, path=path,
+                                                                         copied_state=copied_state)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning's removal of an old checkpoint; behind the saves in flight, so the old one
-        goes only once the new one is published."""
+        """Lightning's removal of an old checkpoint (a pointer with the save only it named);
+        behind the saves in flight, so the old one goes only once the new one is published."""
+        from litscale.atomic_checkpoint import pointer_target, remove_published
+
+        def removal() -> None:
+            if self.is_global_zero and pointer_target(str(filepath)) is not None:
+                remove_published(str(filepath))
+            else:
+                super(StrategyContract, self).remove_checkpoint(filepath)
+
         if self.checkpoint_writer is None:
-            super().remove_checkpoint(filepath)
+            removal()
         else:
-            self.checkpoint_writer.submit(lambda: super(StrategyContract, self).remove_checkpoint(filepath))
+            self.checkpoint_writer.forget(str(filepath))
+            self.checkpoint_writer.submit(removal)
 
     def _configure_launcher(self) -> None:
         """Lightning's launcher, except for one process: there its script launcher starts no

@@ -22,6 +22,7 @@ one-rank group should get too (it waits for gloo's threads: see its note).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import pickle
@@ -80,6 +81,17 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, fresh: boo
         # stuck in a collective or hold broken state, so none of them serves another test.
         shutdown_pools(world_size)
         raise
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A one-rank gloo group on an in-memory store of its own, destroyed however the block ends
+    (``destroy_process_groups`` says how)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        destroy_process_groups()
 
 
 def destroy_process_groups() -> None:

@@ -10,7 +10,9 @@ makes first) and written to ``hydra.launcher.tasks_dir``; ``submit=true`` runs
 
 Outputs (checkpoints, ``summary.json``, logs) go to a bucket mounted on every node at
 ``LITSCALE_OUTPUTS`` (``file_mounts`` in MOUNT mode): they outlive the cluster (``down``), and
-every node of a sharded save writes into the same directory. Without a bucket they stay on
+every node of a sharded save writes into the same directory; as a directory's rename there is
+a copy of its files, a sharded save is published by a pointer file (``checkpoint.publish=pointer``
+on each job's command line, unless it says otherwise). Without a bucket they stay on
 the nodes' disks, so ``down=true`` and ``use_spot=true`` are refused in one line. With
 ``use_spot=true`` the task is a managed job (``sky jobs launch``): SkyPilot recovers it on new
 nodes after a preemption, and its run resumes from the newest complete checkpoint in the
@@ -37,7 +39,7 @@ from hydra_plugins.litscale_plugins.jobs import (
     write_checked,
 )
 from hydra_plugins.litscale_plugins.k8s import job_name
-from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_mount
+from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_mount, published_by_pointer
 from litscale.extras import JSONSCHEMA_SKYPILOT, SKYPILOT
 
 SCHEMA = Path(__file__).with_name("schemas") / "skypilot_task.yaml"
@@ -48,6 +50,7 @@ def task(name: str, args: list[str], params: dict[str, Any], *, cpu: bool) -> di
     """The SkyPilot task of one job: nodes, accelerators, workdir, the outputs bucket, setup and
     torchrun."""
     processes = int(params["processes_per_node"])
+    args = published_by_pointer(args, params)
     resources: dict[str, Any] = (
         {"cpus": f"{processes}+"} if cpu else {"accelerators": f"{params['gpu']}:{processes}"}
     )

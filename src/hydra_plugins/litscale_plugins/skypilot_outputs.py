@@ -36,3 +36,15 @@ def outputs_mount(params: dict[str, Any]) -> dict[str, Any]:
                                else {"name": bucket, **({"store": params["outputs_store"]}
                                                         if params.get("outputs_store") else {})})
     return {"file_mounts": {params["outputs"]: {**storage, "mode": "MOUNT"}}}
+
+
+def published_by_pointer(args: list[str], params: dict[str, Any]) -> list[str]:
+    """A job's arguments with ``checkpoint.publish=pointer`` where its outputs are a mounted
+    bucket, unless the job chooses: in MOUNT mode a directory's rename is a copy of its files
+    one by one (or fails), so a sharded checkpoint is published by a pointer file
+    (``litscale.atomic_checkpoint``). Said on the command line rather than left to ``auto``'s
+    look at the mount: the task reads as what it does, whatever the mount's type is called."""
+    if not params.get("outputs_bucket") or any(a.split("=", 1)[0].lstrip("+~") == "checkpoint.publish"
+                                               for a in args):
+        return args
+    return [*args, "checkpoint.publish=pointer"]

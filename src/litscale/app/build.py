@@ -194,8 +194,10 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
              if isinstance(node, DictConfig) and node.get("_target_") == "litscale.loggers.wandb_logger"}
     loggers = _build_named(loggers_cfg, trusted=trusted, extra=wandb)
     strategy, callbacks = build_strategy(cfg), _build_callbacks(cfg, layout)
-    if (cfg.get("checkpoint") or {}).get("async_save"):  # validation refused a strategy without it
+    checkpoint = cfg.get("checkpoint") or {}
+    if checkpoint.get("async_save"):  # validation refused a strategy without it
         strategy.async_save = True
+    strategy.checkpoint_publish = checkpoint.get("publish", "auto")
     if getattr(strategy, "compression", None) is not None:
         from litscale.callbacks.communication import CommunicationCallback
 

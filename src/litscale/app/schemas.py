@@ -59,7 +59,10 @@ class LauncherSchema:
 class CheckpointSchema:
     """``checkpoint.*``: how the strategy writes checkpoints."""
 
-    async_save: bool  # written in the background (litscale.async_checkpoint); the step pays for a copy
+    async_save: bool  # written in the background (litscale.async_checkpoint); the step pays for one copy
+    # how a sharded save is made visible (litscale.atomic_checkpoint): by a rename, by a pointer
+    # file (object-store mounts, where a directory's rename is not atomic), auto: by the mount
+    publish: Literal["auto", "rename", "pointer"] = "auto"
 
 
 @dataclass
