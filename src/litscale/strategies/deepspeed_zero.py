@@ -268,12 +268,8 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         directory, a DeepSpeed checkpoint of another world size or of ZeRO-3 against 1/2) read
         whole and written into the built ZeRO engine (``litscale.deepspeed_moves.load_into_zero``)."""
         from litscale.checkpoint_moves import read_as_file
-        from litscale.deepspeed_moves import (
-            deepspeed_as_file_checkpoint,
-            is_deepspeed_checkpoint,
-            load_into_zero,
-            reads_as_saved,
-        )
+        from litscale.checkpoint_reading import is_deepspeed_checkpoint
+        from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, load_into_zero, reads_as_saved
 
         path = str(self.broadcast(str(checkpoint_path)))
         if not is_deepspeed_checkpoint(path):
