@@ -131,19 +131,25 @@ def _replica_groups_summed(original):
     return on_before_optimizer_step
 
 
-def _outer_gradient_summed(original):
-    """DiLoCo's outer gradient taken from the replicas' summed deltas, not their mean: the
-    averaged parameters moved ``world size`` times as far from the anchor before the outer step."""
+def _average_not_divided(original):
+    """Local SGD's synchronisation all-reduces each fragment's parameters without dividing them
+    by the world size first (``average_parameters`` divides before its all-reduce; this one
+    forgot): the replicas' sum taken for their mean."""
 
-    def outer_step(self, params):
+    def start(self, params, fragment, *, due):
         import torch.distributed as dist
+        from torch.nn.utils import parameters_to_vector
 
-        ranks = dist.get_world_size(self.group)
-        for anchor, param in zip(self.outer.param_groups[0]["params"], params, strict=True):
-            param.copy_(anchor - ranks * (anchor - param))
-        return original(self, params)
+        from litscale.strategies.streaming import InFlight
 
-    return outer_step
+        if self.outer_dtype != "fp32":
+            return original(self, params, fragment, due=due)
+        flat = parameters_to_vector(self._members(params, fragment))
+        self._count(flat.numel() * flat.element_size())
+        return InFlight(fragment, due, quantized=False, works=[dist.all_reduce(flat, group=self.group, async_op=True)],
+                        decode=lambda: flat)
+
+    return start
 
 
 def _proximal_term_without_its_half(original):
@@ -411,9 +417,10 @@ _ROWS = [
            "with a sum, not a mean (every gradient x the groups)",
            "litscale.fault_tolerance:ReplicaFaultTolerance.on_before_optimizer_step", _replica_groups_summed,
            ("tests/test_fault_tolerance.py::test_the_groups_average_their_gradients_over_the_quorum",)),
-    Mutant("diloco-outer-gradient-summed", "DiLoCo's outer gradient is the sum of the replicas' deltas, not their mean "
-           "(x 2 on 2 ranks)", "litscale.strategies.local_sgd_state:LocalSGDState._outer_step",
-           _outer_gradient_summed, (f"{PARITY}[diloco_4-2ranks-sgd]",)),
+    Mutant("local-sgd-sum-not-mean", "local SGD's synchronisation takes the replicas' summed parameters for their "
+           "mean (its all-reduce not divided by the world size: x 2 on 2 ranks)",
+           "litscale.strategies.streaming:StreamingState._start", _average_not_divided,
+           (f"{PARITY}[local_sgd_4-2ranks-sgd]",)),
     Mutant("fedprox-proximal-gradient-doubled", "FedProx's proximal term lacks its 1/2: its gradient is "
            "2 mu (w - w_global)", "litscale.strategies.federated:proximal_term", _proximal_term_without_its_half,
            (f"{PARITY}[fedprox_4-2ranks-sgd]",)),
