@@ -39,6 +39,7 @@ PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-x", "-q", "-rf"
 # The clean session runs every test to the end and reports each one's outcome.
 CLEAN_PYTEST = ["-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "-rA"]
 FAIL_FAST_ENV = "LITSCALE_COMBINATIONS_FAIL_FAST"
+WHOLE_RUN = "(every row)"  # results.json: the seconds of the last run of every row
 
 
 def _catalog():
@@ -118,7 +119,10 @@ def table(rows: list, results: dict) -> str:
         lines.append(f"| **{mutant.name}**: {mutant.defect} | `{mutant.target}` | {tests} | {verdict} | "
                      f"{result.get('seconds', '')} |")
     caught = sum(results.get(m.name, {}).get("verdict") == "caught" for m in rows)
-    return "\n".join([f"{caught} of {len(rows)} planted defects caught.", "", *lines])
+    whole = results.get(WHOLE_RUN)
+    timing = (f" The last run of every row: {whole['seconds'] / 60:.0f} min ({whole['clean_seconds'] / 60:.0f} min "
+              f"of it the clean session), on {whole['machine']}." if whole else "")
+    return "\n".join([f"{caught} of {len(rows)} planted defects caught.{timing}", "", *lines])
 
 
 def write_readme(block: str) -> None:
@@ -145,12 +149,17 @@ def main() -> int:
     print(f"clean: {len(tests)} tests in one session", flush=True)
     started = time.monotonic()
     clean = run_clean(tests, args.timeout * len(tests))
+    clean_seconds = time.monotonic() - started
     print(f"clean: {sum(o == 'PASSED' for o in clean.values())} of {len(clean)} passed "
-          f"({time.monotonic() - started:.0f} s)", flush=True)
+          f"({clean_seconds:.0f} s)", flush=True)
     for mutant in chosen:
         result = results[mutant.name] = run_row(mutant, plant, clean, args.timeout)
         print(f"{mutant.name}: {result['verdict']} {result.get('caught_by', result.get('detail', ''))} "
               f"({result.get('seconds', 0)} s)", flush=True)
+        RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    if not args.only:
+        results[WHOLE_RUN] = {"seconds": round(time.monotonic() - started), "clean_seconds": round(clean_seconds),
+                              "machine": f"{os.cpu_count()} cores, 15-minute load {os.getloadavg()[2]:.1f} at the end"}
         RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     write_readme(table(rows, results))
     missed = [m.name for m in chosen if results[m.name]["verdict"] != "caught"]
