@@ -269,7 +269,11 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         whole and written into the built ZeRO engine (``litscale.deepspeed_moves.load_into_zero``)."""
         from litscale.checkpoint_moves import read_as_file
         from litscale.checkpoint_reading import is_deepspeed_checkpoint
-        from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, load_into_zero, reads_as_saved
+        from litscale.deepspeed_moves import (
+            deepspeed_as_file_checkpoint,
+            load_into_zero,
+            reads_as_saved,
+        )
 
         path = str(self.broadcast(str(checkpoint_path)))
         if not is_deepspeed_checkpoint(path):
