@@ -52,7 +52,7 @@ NO_REFERENCE = ("local_sgd", "federated")
 PER_RANK_STATISTICS = ("resnet", "moe")
 # The samples' seeds (LITSCALE_COMBINATION_SEED replaces each): make test validates 100 and trains
 # 20 of them (up to 2 ranks); make test-full validates 500 and trains 100 (up to 4 ranks); make
-# test-soak trains 100 more, of another draw.
+# test-soak trains 100 more, of another draw (5 seeds from SOAK_SEED, 20 each).
 SEED, FULL_SEED, SOAK_SEED = 40, 2026, 7
 # Set (make mutants): a trained sample stops at its first combination that fails.
 FAIL_FAST_ENV = "LITSCALE_COMBINATIONS_FAIL_FAST"
@@ -368,8 +368,14 @@ def test_a_hundred_accepted_combinations_train_and_match_one_process(root):
     check_trains(100, combination_seed(FULL_SEED), root, max_devices=4)
 
 
+# The soak draw in chunks of 20, each its own seed, so that CI's soak slices (cut by time) can
+# hold a chunk each rather than one test of the whole draw's half hour.
+SOAK_CHUNKS = 5
+
+
 @pytest.mark.soak
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
-def test_a_hundred_more_accepted_combinations_train_and_match_one_process(root):
-    check_trains(100, combination_seed(SOAK_SEED), root, max_devices=4)
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("chunk", range(SOAK_CHUNKS))
+def test_a_hundred_more_accepted_combinations_train_and_match_one_process(chunk, root):
+    check_trains(100 // SOAK_CHUNKS, combination_seed(SOAK_SEED) + chunk, root, max_devices=4)
