@@ -404,7 +404,7 @@ def test_fsdp_bytes_per_rank_are_the_predicted_shares_at_fake_worlds(world):
     """Parameters, gradients and AdamW state one rank holds after a step, against the planner's
     memory per rank (before activations), up to 64 ranks without starting one."""
     from litscale.planner.cost import memory_per_rank
-    from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
+    from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:

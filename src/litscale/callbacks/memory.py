@@ -24,8 +24,8 @@ from torch.optim import Optimizer
 from litscale.declarations import moe_parameter_counts
 from litscale.layout import mesh_of
 from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
-from litscale.step_memory import StepPeak
-from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
+from litscale.measure.step_memory import StepPeak
+from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
 
 __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 
@@ -61,7 +61,7 @@ class MemoryCallback(Callback):
 
     def __init__(self, measure_peak: bool = False) -> None:
         self.result: dict[str, float] = {}
-        # CPU: one step watched by torch's MemTracker (litscale.step_memory), which slows it.
+        # CPU: one step watched by torch's MemTracker (litscale.measure.step_memory), which slows it.
         self._step_peak: StepPeak | None = None
         self._measure_peak = measure_peak
         self._grads: int | None = None

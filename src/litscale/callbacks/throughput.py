@@ -3,7 +3,7 @@
 Lightning's ``ThroughputMonitor`` is not used here: it reports a rolling window per logging
 step and multiplies by the world size, where litscale wants the whole run's steady-state
 average and counts data-parallel ranks only (tensor- and pipeline-parallel ranks share a
-batch). What remains is two timestamps and a division; FLOPs come from ``litscale.flops``.
+batch). What remains is two timestamps and a division; FLOPs come from ``litscale.measure.flops``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from litscale.constraints import NonNegativeInt
-from litscale.flops import corrected_cpu_peak, flops_per_sample, peak_flops_per_device
+from litscale.measure.flops import corrected_cpu_peak, flops_per_sample, peak_flops_per_device
 from litscale.loggers import is_logging_step, log_to_loggers
 
 _COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,

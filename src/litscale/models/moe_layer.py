@@ -51,7 +51,7 @@ from torch.utils import flop_counter
 
 from litscale.models.llama import WHOLE_SEQUENCE, SwiGLU
 from litscale.models.moe_config import MoEConfig
-from litscale.tensor_bytes import shapes_only
+from litscale.measure.tensor_bytes import shapes_only
 
 # --- grouped matmul --------------------------------------------------------------------------
 

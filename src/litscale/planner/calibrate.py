@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from litscale.constraints import Fraction, NonNegativeFloat
-from litscale.flops import probe_matmul_flops
+from litscale.measure.flops import probe_matmul_flops
 from litscale.planner import machine
 from litscale.planner.cluster import Cluster, Link
 

@@ -388,7 +388,7 @@ def zero_memory_bytes(engine: Any, stage: int) -> dict[str, int]:
     partition is ``ds_tensor``. Gradients are the module's ``.grad`` (stage 1 keeps them
     whole until the step) plus the reduced partitions; the optimizer holds the fp32 master
     partition and the wrapped optimizer's state."""
-    from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
+    from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes
 
     zero = engine.optimizer
     params = list(engine.module.parameters())

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from litscale.declarations import find_expert_modules
 from litscale.layout import MeshAxis
-from litscale.tensor_bytes import shapes_only
+from litscale.measure.tensor_bytes import shapes_only
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
