@@ -72,7 +72,7 @@ def test_a_replica_setting_that_cannot_train_right_is_refused_in_one_line(tmp_pa
 @pytest.mark.slow  # a Hydra composition: 1-3 s
 def test_the_groups_ranks_together_must_fit_the_machine(tmp_path):
     from litscale.app.fault_tolerance_checks import check_every_group_fits
-    from litscale.layout import MeshSizes, RunLayout
+    from litscale.parallel.layout import MeshSizes, RunLayout
     from litscale.planner.machine import cores
 
     cfg, _ = compose_job(["fault_tolerance=replicas", "strategy=ddp", f"trainer.devices={cores()}", *RUN], tmp_path)
@@ -119,7 +119,7 @@ def test_the_groups_together_read_what_one_job_of_all_their_ranks_reads():
 
 def test_each_group_writes_under_its_own_dir(tmp_path):
     from litscale.app.run import RunSpec
-    from litscale.layout import RunLayout
+    from litscale.parallel.layout import RunLayout
 
     run_dir = str(tmp_path / "run")
     spec = RunSpec(config={"paths": {"output_dir": run_dir, "root_dir": str(tmp_path)},

@@ -11,7 +11,7 @@ import torch
 from helpers.configs import compose_job
 
 from litscale.app.validation import ConfigError, validate
-from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
 from litscale.lr_scaling import LRScaling
 
 

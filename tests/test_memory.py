@@ -120,9 +120,9 @@ def test_the_planner_and_the_memory_callback_read_one_statement_of_each_strategy
     """What a strategy states of itself (``sharding``) is what the planner costs: the planner's
     states at rest for each strategy equal the estimate the memory callback makes for the
     same strategy object on the same mesh."""
-    from litscale.layout import MeshSizes
+    from litscale.parallel.layout import MeshSizes
     from litscale.planner.plan import Plan
-    from litscale.sharding import LaidOut, state_bytes_per_rank
+    from litscale.parallel.sharding import LaidOut, state_bytes_per_rank
     from litscale.strategies import (
         DDPStrategy,
         FSDPStrategy,

@@ -16,7 +16,7 @@ from helpers.inprocess import train_on_pool
 from omegaconf import OmegaConf
 from torch import nn
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 from litscale.models.gpt import build_gpt
 from litscale.models.llama import build_llama
 from litscale.planner.cluster import Cluster, Link

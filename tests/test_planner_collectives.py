@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 from litscale.models.gpt import build_gpt
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives

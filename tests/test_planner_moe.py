@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 from litscale.models.moe import build_moe
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives, memory_per_rank, predict

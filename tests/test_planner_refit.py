@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from litscale.app.plan import refit
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 from litscale.models.gpt import build_gpt
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan

@@ -24,7 +24,7 @@ from litscale.app.scaling_study import (
 )
 from litscale.errors import ConfigError
 from litscale.measure.flops import flops_per_sample, measured_cpu_peak
-from litscale.layout import micro_batch_for
+from litscale.parallel.layout import micro_batch_for
 from litscale.models.gpt import build_gpt
 
 TINY = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=12", "trainer.val_check_interval=12",

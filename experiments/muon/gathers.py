@@ -80,7 +80,7 @@ def predicted(world: int) -> tuple[float, int]:
     from hydra import compose, initialize_config_dir
 
     from litscale.app.plan.runs import facts_of
-    from litscale.layout import MeshSizes
+    from litscale.parallel.layout import MeshSizes
     from litscale.planner.cluster import Cluster, Link
     from litscale.planner.cost import collectives
     from litscale.planner.plan import Plan

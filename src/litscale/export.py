@@ -40,7 +40,7 @@ def _strip_prefix(state_dict: dict, prefix: str) -> dict:
 def consolidated_state_dict(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
     """The full, unsharded ``state_dict`` of ``module.net`` (or of ``module`` if it has no
     ``net``) on CPU. A collective: every rank must call it; rank 0's result is complete."""
-    from litscale.contract import contract_value
+    from litscale.parallel.contract import contract_value
 
     state = _rank_state_dict(trainer, module)
     if not contract_value(trainer.strategy, "splits_layers_over_ranks") or not torch.distributed.is_initialized():

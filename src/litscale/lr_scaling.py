@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from litscale.arguments import checked_arguments
 from litscale.callbacks.throughput import data_parallel_size
 from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 from litscale.loggers import is_logging_step
 from litscale.mup import WidthScaling
 from litscale.schedulers import check_warmup_keys, constant, warmup_multiplier
@@ -121,7 +121,7 @@ class LRScaling(Callback):
         warmup_steps: Linear warmup in optimizer steps; replaces the scheduler's warmup.
         warmup_fraction: Warmup as a fraction of the run's optimizer steps (instead of steps).
         micro_batch_size: Per-device batch; by default the datamodule's ``batch_size``.
-        layout: The run's layout (``litscale.layout``): its micro batch, data-parallel size and
+        layout: The run's layout (``litscale.parallel.layout``): its micro batch, data-parallel size and
             accumulation make the global batch. Without it they are read from the trainer.
         base_width: µP (``litscale.mup``, ``lr_scaling=mup``): the width the LR was tuned at.
             The network is µP-parametrised against itself at that width (init, logits, attention

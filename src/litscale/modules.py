@@ -123,8 +123,8 @@ class TaskModule(LightningModule):
         global batch's mean gradient, summed over shards and stages), before clipping; the same
         number on every layout of a synchronous strategy, as one process takes it. A strategy
         that keeps gradients apart (DeepSpeed) logs its engine's instead."""
-        from litscale.contract import contract_value
-        from litscale.layout import MeshSizes
+        from litscale.parallel.contract import contract_value
+        from litscale.parallel.layout import MeshSizes
         from litscale.strategies.mesh import global_gradient_norm
 
         strategy = self._trainer.strategy

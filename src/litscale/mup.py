@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from litscale.declarations import declared
+from litscale.parallel.declarations import declared
 from litscale.muon import MATRIX, output_layers, parameter_roles
 
 # The optimizers the rule has multipliers for (Adam's per-element steps, Muon's orthogonal ones).

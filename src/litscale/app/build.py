@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.arguments import signature_annotations
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 from litscale.precision import PrecisionDtypes
 
 

@@ -1,5 +1,5 @@
 """The config's options against what its strategy says it accepts (the strategy contract,
-``litscale.contract``): each refusal one line, before any rank starts.
+``litscale.parallel.contract``): each refusal one line, before any rank starts.
 
 Validation asks here and only here which strategy takes which option; the strategies answer
 for themselves, so a new strategy (or a user's own) needs no entry in any table.
@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from litscale.app.devices import resolve_accelerator
 from litscale.app.safety import locate_target
 from litscale.app.width_checks import base_width_of, width_rule
-from litscale.contract import (
+from litscale.parallel.contract import (
     Option,
     missing_requirement,
     network_refusal,
@@ -87,7 +87,7 @@ def check_strategy_accepts(cfg: DictConfig, choices: dict[str, str], strategy: A
 
 def check_network_accepted(cfg: DictConfig, choices: dict[str, str], strategy: Any, net: nn.Module) -> None:
     """The strategy takes every option the network asks for by what it declares (a mixture of
-    experts: ``litscale.contract.network_options``), as ``docs/compatibility.md`` states it."""
+    experts: ``litscale.parallel.contract.network_options``), as ``docs/compatibility.md`` states it."""
     refused = network_refusal(strategy, net, strategy_name(cfg, choices),
                               typed=f"model={choices.get('model', cfg.model.net.get('_target_'))}")
     if refused is not None:

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 
 from litscale.app.safety import locate_target
-from litscale.contract import contract_value
+from litscale.parallel.contract import contract_value
 from litscale.errors import ConfigError
 
 CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")

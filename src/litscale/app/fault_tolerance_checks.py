@@ -6,7 +6,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 
 KEY = "fault_tolerance"
 

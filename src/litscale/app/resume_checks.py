@@ -21,7 +21,7 @@ from litscale.app.safety import locate_target
 from litscale.checkpoint_reading import LIGHTNING_META, is_deepspeed_checkpoint, read_plain
 from litscale.data.resume import shared_position, unshared_position
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 
 # The data module's state keys that place a resume (``ShardedDataModule.state_dict``).
 POSITION_KEYS = ("epoch", "samples_drawn", "dataset_samples")

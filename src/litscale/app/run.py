@@ -13,7 +13,7 @@ from litscale.app.run_log import log_printed_lines
 from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
 from litscale.app.validation import only_planned, planning, resume_search_dir, validate
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 
 
 @dataclass

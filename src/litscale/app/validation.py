@@ -1,5 +1,5 @@
 """Validation of a composed config, before any process or process group exists; it
-returns the run layout (``litscale.layout.RunLayout``), computed here once.
+returns the run layout (``litscale.parallel.layout.RunLayout``), computed here once.
 
 The schema is the code itself: every ``_target_`` is a typed keyword-only constructor, so a
 node's keys and values are checked against that constructor's signature (pydantic, through
@@ -48,9 +48,9 @@ from litscale.arguments import (
     signature_annotations,
 )
 from litscale.checkpoints import resolve_ckpt_path
-from litscale.contract import validate_setup
+from litscale.parallel.contract import validate_setup
 from litscale.errors import ConfigError
-from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
 from litscale.user_paths import user_path
 
 __all__ = ["ConfigError", "validate"]

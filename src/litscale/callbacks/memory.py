@@ -7,7 +7,7 @@ Gradients are read just before the first optimizer step (DeepSpeed frees its par
 gradients in the step), parameters and optimizer state just after it (Adam's state exists
 only then).
 
-The estimate is ``litscale.sharding.state_bytes_per_rank`` (the ZeRO paper's formulas on the
+The estimate is ``litscale.parallel.sharding.state_bytes_per_rank`` (the ZeRO paper's formulas on the
 rank's share of the mesh), from what the strategy states of itself (``sharding``,
 ``resolve_mesh``): the planner predicts memory from the same function.
 """
@@ -21,9 +21,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
-from litscale.declarations import moe_parameter_counts
-from litscale.layout import mesh_of
-from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
+from litscale.parallel.declarations import moe_parameter_counts
+from litscale.parallel.layout import mesh_of
+from litscale.parallel.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
 from litscale.measure.step_memory import StepPeak
 from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
 

@@ -176,7 +176,7 @@ def measure_contention(ranks: int, link: Link) -> float:
 
     import torch.multiprocessing as mp
 
-    from litscale.layout import MeshSizes
+    from litscale.parallel.layout import MeshSizes
     from litscale.planner.cost import Plan, collectives
     from litscale.planner.model_facts import model_facts
 

@@ -1,7 +1,7 @@
 """One plan's prediction: memory per rank, the collectives of a step, and the step time.
 
 Memory: parameters, gradients and optimizer state per strategy (the ZeRO paper's formulas on
-what each strategy states of itself, ``litscale.sharding``, from which the memory callback
+what each strategy states of itself, ``litscale.parallel.sharding``, from which the memory callback
 estimates every run beside its measurement), plus activations traced on the meta device, scaled by activation
 checkpointing, tensor parallel and the micro-batches a pipeline stage holds in flight.
 Communication: bytes of each collective of a step (ring algorithms), timed with the
@@ -26,7 +26,7 @@ from litscale.planner.moe_cost import (
 )
 from litscale.planner.pipeline_cost import rank_activation_bytes, rank_param_shares
 from litscale.planner.plan import Plan
-from litscale.sharding import Sharding, state_bytes_per_rank
+from litscale.parallel.sharding import Sharding, state_bytes_per_rank
 
 # Bytes per element by dtype name. (Optimizer state per parameter: ModelFacts'.)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

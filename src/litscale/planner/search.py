@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction, predict
 from litscale.planner.model_facts import ModelFacts

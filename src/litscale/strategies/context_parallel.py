@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from litscale.declarations import declared, find_moe_layers
+from litscale.parallel.declarations import declared, find_moe_layers
 from litscale.strategies.context_attention import causal_attention_of_chunks
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
-from litscale.contract import StrategyContract
-from litscale.sharding import REPLICATED, Sharding
+from litscale.parallel.contract import StrategyContract
+from litscale.parallel.sharding import REPLICATED, Sharding
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 
@@ -51,7 +51,7 @@ class DDPStrategy(StrategyContract, LightningDDPStrategy):
         )
         self.compression = compression
 
-    sharding: Sharding = REPLICATED  # litscale.sharding.LaidOut: what the memory figures read
+    sharding: Sharding = REPLICATED  # litscale.parallel.sharding.LaidOut: what the memory figures read
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """Every rank holds a full replica and sees distinct samples."""

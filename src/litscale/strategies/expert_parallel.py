@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from litscale.declarations import find_expert_modules
-from litscale.layout import MeshAxis
+from litscale.parallel.declarations import find_expert_modules
+from litscale.parallel.layout import MeshAxis
 from litscale.measure.tensor_bytes import shapes_only
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from litscale.declarations import declared, name_matches
+from litscale.parallel.declarations import declared, name_matches
 from litscale.precision import PrecisionDtypes
 
 if TYPE_CHECKING:

@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from litscale.declarations import declared
-from litscale.layout import CONTEXT, DATA, PIPELINE, TENSOR, MeshSizes
+from litscale.parallel.declarations import declared
+from litscale.parallel.layout import CONTEXT, DATA, PIPELINE, TENSOR, MeshSizes
 from litscale.lightning_private import optimizers_to_device
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-# The sizes and the dimension names live with the run layout (litscale.layout), which the app
+# The sizes and the dimension names live with the run layout (litscale.parallel.layout), which the app
 # computes before any strategy runs; the strategies share them from there.
 __all__ = ["CONTEXT", "DATA", "PIPELINE", "TENSOR", "MeshSizes"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from litscale.layout import CONTEXT, TENSOR, MeshSizes
+from litscale.parallel.layout import CONTEXT, TENSOR, MeshSizes
 from litscale.strategies.context_parallel import apply_context_parallel, data_context_mesh
 from litscale.strategies.expert_parallel import apply_expert_parallel
 from litscale.strategies.fully_shard import apply_fsdp, find_sharding_units

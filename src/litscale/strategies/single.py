@@ -12,8 +12,8 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import NonNegativeInt
-from litscale.contract import StrategyContract
-from litscale.sharding import REPLICATED, Sharding
+from litscale.parallel.contract import StrategyContract
+from litscale.parallel.sharding import REPLICATED, Sharding
 from litscale.strategies.mesh import MeshSizes
 
 
@@ -39,7 +39,7 @@ class SingleStrategy(StrategyContract, SingleDeviceStrategy):
             return torch.device("cuda", self.device_index)
         return self._root_device
 
-    sharding: Sharding = REPLICATED  # litscale.sharding.LaidOut: what the memory figures read
+    sharding: Sharding = REPLICATED  # litscale.parallel.sharding.LaidOut: what the memory figures read
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,

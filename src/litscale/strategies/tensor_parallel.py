@@ -24,9 +24,9 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
+from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.precision import PrecisionDtypes
-from litscale.sharding import Sharding, fsdp2_sharding
+from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.context_parallel import (
     check_context_parallel_fits,
     check_sequence_splits,
@@ -100,7 +100,7 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
 
     @property
     def sharding(self) -> Sharding:
-        """FSDP2 over the data dimension (litscale.sharding.LaidOut), on each rank's share."""
+        """FSDP2 over the data dimension (litscale.parallel.sharding.LaidOut), on each rank's share."""
         return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @classmethod

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
-from litscale.declarations import declared, name_matches
+from litscale.parallel.declarations import declared, name_matches
 from litscale.strategies.mesh import check_tensor_parallel_fits
 
 if TYPE_CHECKING:

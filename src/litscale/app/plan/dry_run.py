@@ -77,7 +77,7 @@ def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
 
     from litscale.app.build import build_strategy
     from litscale.app.validation import meta_net
-    from litscale.sharding import sharding_of
+    from litscale.parallel.sharding import sharding_of
 
     cfg = OmegaConf.create(run_config)
     strategy = build_strategy(cfg)

@@ -32,7 +32,7 @@ OWN_AVERAGING = "the strategy averages its ranks' models on its own schedule, wh
 
 def why_not(cfg: Any, strategy: Any, holder: nn.Module, stages: list) -> str | None:
     """Why one step of this run cannot run on the fake process group; None: it can."""
-    from litscale.contract import contract_value
+    from litscale.parallel.contract import contract_value
 
     if not contract_value(strategy, "plannable"):
         return OWN_AVERAGING

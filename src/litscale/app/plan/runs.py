@@ -9,7 +9,7 @@ import os
 from omegaconf import DictConfig, OmegaConf
 
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import ModelFacts, model_facts
@@ -19,7 +19,7 @@ from litscale.user_paths import user_path
 def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
     """The run as configured, as the planner's ``Plan``; None where its strategy is not one the
     planner costs (not a registered litscale strategy, or not ``plannable``)."""
-    from litscale.contract import contract_value
+    from litscale.parallel.contract import contract_value
     from litscale.planner.strategies import registered, takes
     from litscale.strategies.pipeline import default_virtual_stages
 

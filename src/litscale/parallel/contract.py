@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from litscale.atomic_checkpoint import publish
 from litscale.extras import Requirement
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -355,7 +355,7 @@ def why_not(strategy: Any, option: Option) -> str | None:
 def network_options(net: nn.Module, *, typed: str = "model=moe") -> dict[Option, str]:
     """The contract's options a network asks for by what it declares, each as typed (``typed``:
     how the run names the network): a mixture of experts declares its ``expert_modules``."""
-    from litscale.declarations import declared
+    from litscale.parallel.declarations import declared
 
     return {Option.MIXTURE_OF_EXPERTS: typed} if declared(net, "expert_modules") else {}
 
@@ -413,7 +413,7 @@ def missing_requirement(strategy: Any, strategy_name: str) -> str | None:
 def validate_setup(strategy: Any, *, world_size: int, net: nn.Module, seq_len: int | None = None,
                    micro_batch: int | None = None) -> None:
     """The strategy's own pre-flight check; a user's strategy without one is checked for its mesh
-    only (``litscale.layout.mesh_of``)."""
+    only (``litscale.parallel.layout.mesh_of``)."""
     if isinstance(strategy, StrategyContract):
         strategy.validate_setup(world_size=world_size, net=net, seq_len=seq_len, micro_batch=micro_batch)
         return

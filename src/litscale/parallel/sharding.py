@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 
 
 @dataclass(frozen=True)
