@@ -74,7 +74,7 @@ def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
                  hugging_face: bool = False) -> str:
     """Write ``<output_dir>/model.pt`` (rank 0) and return its path (on every rank); with
     ``hugging_face``, from the same gathered weights, also ``<output_dir>/hf/``, a
-    transformers directory (``litscale.hf_export``: model=llama and model=hf)."""
+    transformers directory (``litscale.models.hf_writing``: model=llama and model=hf)."""
     state_dict = consolidated_state_dict(trainer, module)
     path = os.path.abspath(os.path.join(output_dir, EXPORT_FILENAME))
     if trainer.is_global_zero:
@@ -82,7 +82,7 @@ def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
         torch.save(state_dict, path + ".tmp")
         os.replace(path + ".tmp", path)
         if hugging_face:
-            from litscale.hf_export import save_hf_directory  # transformers: an optional extra
+            from litscale.models.hf_writing import save_hf_directory  # transformers: an optional extra
 
             save_hf_directory(getattr(module, "net", module), state_dict, os.path.join(output_dir, HF_DIRNAME))
     after_fit(trainer, "export", "barrier")  # where a rank waits for rank 0's save

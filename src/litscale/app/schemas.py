@@ -24,7 +24,7 @@ class RunSchema:
     export_hf: bool
     elastic: bool = False  # the data-parallel count may change between the job's starts on its own
 
-    requires_when = {"export_hf": TRANSFORMERS}  # litscale.hf_export writes through transformers
+    requires_when = {"export_hf": TRANSFORMERS}  # litscale.models.hf_writing writes through transformers
 
 
 @dataclass

@@ -323,7 +323,7 @@ def meta_net(cfg: DictConfig):
             raise
 
 
-# The factories of the zoo's networks that have a Hugging Face form (litscale.hf_export).
+# The factories of the zoo's networks that have a Hugging Face form (litscale.models.hf_writing).
 HF_EXPORTABLE = {"litscale.models.llama.build_llama", "litscale.models.moe.build_moe", "litscale.models.hf.build_hf"}
 
 

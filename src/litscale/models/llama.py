@@ -363,7 +363,7 @@ def build_llama(
     return Llama(config)
 
 
-# --- a transformers Llama / Qwen3 config as litscale's (model.net.from_hf, litscale.hf_export) ---
+# --- a transformers Llama / Qwen3 config as litscale's (model.net.from_hf, litscale.models.hf_writing) ---
 
 
 def llama_config_of_hf(config: Any, source: str = "the config") -> LlamaConfig:
