@@ -227,10 +227,10 @@ def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, tas
 
 
 def _layerwise(name: str):
-    from litscale import optimizers
+    from litscale.optim import layerwise
 
     # A LR large enough that the trust ratio's rounding shows in 4 steps.
-    return functools.partial(getattr(optimizers, name), lr=1.0 if name == "LARS" else 1e-2)
+    return functools.partial(getattr(layerwise, name), lr=1.0 if name == "LARS" else 1e-2)
 
 
 # The optimizers a run of the mode steps with, built inside a rank (LARS and LAMB import

@@ -244,7 +244,7 @@ def test_the_library_imports_without_hydra():
     """Importing the library (strategies, compression, callbacks, models, data, layout) must
     not load Hydra or OmegaConf: a plain Lightning script never pays for them."""
     code = ("import sys, litscale.strategies, litscale.compression, litscale.callbacks, "
-            "litscale.models, litscale.data, litscale.parallel.layout, litscale.lr_scaling, litscale.modules; "
+            "litscale.models, litscale.data, litscale.parallel.layout, litscale.optim.lr_scaling, litscale.modules; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')))")
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr

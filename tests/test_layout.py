@@ -11,8 +11,8 @@ import torch
 from helpers.configs import compose_job
 
 from litscale.app.validation import ConfigError, validate
+from litscale.optim.lr_scaling import LRScaling
 from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
-from litscale.lr_scaling import LRScaling
 
 
 def test_global_batch_counts_data_parallel_ranks_only():

@@ -121,8 +121,8 @@ def test_the_planner_and_the_memory_callback_read_one_statement_of_each_strategy
     states at rest for each strategy equal the estimate the memory callback makes for the
     same strategy object on the same mesh."""
     from litscale.parallel.layout import MeshSizes
-    from litscale.planner.plan import Plan
     from litscale.parallel.sharding import LaidOut, state_bytes_per_rank
+    from litscale.planner.plan import Plan
     from litscale.strategies import (
         DDPStrategy,
         FSDPStrategy,

@@ -16,9 +16,9 @@ from helpers.inprocess import train_on_pool
 from omegaconf import OmegaConf
 from torch import nn
 
-from litscale.parallel.layout import MeshSizes
 from litscale.models.gpt import build_gpt
 from litscale.models.llama import build_llama
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives, memory_per_rank, predict
 from litscale.planner.model_facts import Profile, model_facts, saved_activation_bytes

@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from litscale.parallel.layout import MeshSizes
 from litscale.models.gpt import build_gpt
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives
 from litscale.planner.model_facts import model_facts
@@ -205,7 +205,7 @@ def test_a_muon_step_under_fsdp_gathers_each_matrix_update_as_predicted(fake_wor
     """Muon's step gathers each sharded hidden matrix's update whole (``full_tensor``): the
     planner's ``Muon update all-gather``, in calls and bytes, beside FSDP's own collectives."""
     from litscale.app.plan.runs import with_muon
-    from litscale.muon import Muon, parameter_roles
+    from litscale.optim.muon import Muon, parameter_roles
 
     world = fake_world
     net, facts = _gpt_and_facts()
@@ -403,8 +403,8 @@ def test_pipeline_step_sends_the_predicted_activations_and_gradients_on_two_rank
 def test_fsdp_bytes_per_rank_are_the_predicted_shares_at_fake_worlds(world):
     """Parameters, gradients and AdamW state one rank holds after a step, against the planner's
     memory per rank (before activations), up to 64 ranks without starting one."""
-    from litscale.planner.cost import memory_per_rank
     from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes
+    from litscale.planner.cost import memory_per_rank
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:

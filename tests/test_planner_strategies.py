@@ -14,8 +14,8 @@ import torch
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from litscale.parallel.layout import MeshSizes
 from litscale.models import gpt, llama, moe, moe_config
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import (

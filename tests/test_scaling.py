@@ -24,8 +24,8 @@ from litscale.app.scaling_study import (
 )
 from litscale.errors import ConfigError
 from litscale.measure.flops import flops_per_sample, measured_cpu_peak
-from litscale.parallel.layout import micro_batch_for
 from litscale.models.gpt import build_gpt
+from litscale.parallel.layout import micro_batch_for
 
 TINY = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=12", "trainer.val_check_interval=12",
         "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "data.seq_len=32",

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 
 from litscale.constraints import PositiveInt
 from litscale.determinism_checks import is_power_of_two
-from litscale.parameter_steps import whole_tensor
+from litscale.optim.parameter_steps import whole_tensor
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:

@@ -82,7 +82,9 @@ def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
         torch.save(state_dict, path + ".tmp")
         os.replace(path + ".tmp", path)
         if hugging_face:
-            from litscale.models.hf_writing import save_hf_directory  # transformers: an optional extra
+            from litscale.models.hf_writing import (
+                save_hf_directory,  # transformers: an optional extra
+            )
 
             save_hf_directory(getattr(module, "net", module), state_dict, os.path.join(output_dir, HF_DIRNAME))
     after_fit(trainer, "export", "barrier")  # where a rank waits for rank 0's save

@@ -35,7 +35,7 @@ def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
 def optimizer_groups(net: nn.Module, optimizer: object, weight_decay: float) -> list[dict]:
     """The param groups ``optimizer`` (a class or factory) is built from: by weight decay, and by
     role where it asks for them (Muon)."""
-    from litscale.muon import parameter_roles, wants_parameter_roles
+    from litscale.optim.muon import parameter_roles, wants_parameter_roles
 
     return (parameter_roles if wants_parameter_roles(optimizer) else weight_decay_groups)(net, weight_decay)
 

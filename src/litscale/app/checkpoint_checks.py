@@ -10,9 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from litscale.checkpoint_reading import is_deepspeed_checkpoint
 from litscale.checkpoints import network_shapes
-from litscale.parallel.contract import contract_value
 from litscale.deepspeed_moves import reads_as_saved, saved_layout
 from litscale.errors import ConfigError
+from litscale.parallel.contract import contract_value
 
 
 def check_checkpoint_network(cfg: DictConfig, ckpt_path: str | None, net: Any,

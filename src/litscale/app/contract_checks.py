@@ -14,6 +14,8 @@ from omegaconf import DictConfig
 from litscale.app.devices import resolve_accelerator
 from litscale.app.safety import locate_target
 from litscale.app.width_checks import base_width_of, width_rule
+from litscale.errors import ConfigError
+from litscale.optim.muon import adapts_each_tensor, wants_parameter_roles
 from litscale.parallel.contract import (
     Option,
     missing_requirement,
@@ -22,8 +24,6 @@ from litscale.parallel.contract import (
     why_not,
     why_not_with,
 )
-from litscale.errors import ConfigError
-from litscale.muon import adapts_each_tensor, wants_parameter_roles
 
 if TYPE_CHECKING:
     from torch import nn

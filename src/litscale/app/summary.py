@@ -144,7 +144,7 @@ def _scaled_lr(trainer: Trainer) -> float | None:
 
 def _lr_scaling(trainer: Trainer) -> dict:
     """What the LR-scaling rule did: rule, base and scaled peak LR, the global batch it saw."""
-    from litscale.lr_scaling import LRScaling
+    from litscale.optim.lr_scaling import LRScaling
 
     rule = next((c for c in trainer.callbacks if isinstance(c, LRScaling) and c.lr is not None), None)
     if rule is None:

@@ -48,8 +48,8 @@ from litscale.arguments import (
     signature_annotations,
 )
 from litscale.checkpoints import resolve_ckpt_path
-from litscale.parallel.contract import validate_setup
 from litscale.errors import ConfigError
+from litscale.parallel.contract import validate_setup
 from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
 from litscale.user_paths import user_path
 
@@ -297,7 +297,7 @@ def check_baseline(cfg: DictConfig) -> None:
 
 def check_warmup(cfg: DictConfig) -> None:
     """``warmup_steps`` and ``warmup_fraction`` are two ways to say one ramp: one at most."""
-    from litscale.schedulers import check_warmup_keys
+    from litscale.optim.schedulers import check_warmup_keys
 
     for group in ("scheduler", "lr_scaling"):
         node = cfg.get(group)

@@ -21,11 +21,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
+from litscale.measure.step_memory import StepPeak
+from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
 from litscale.parallel.declarations import moe_parameter_counts
 from litscale.parallel.layout import mesh_of
 from litscale.parallel.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
-from litscale.measure.step_memory import StepPeak
-from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
 
 __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 

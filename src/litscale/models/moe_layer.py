@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils import flop_counter
 
+from litscale.measure.tensor_bytes import shapes_only
 from litscale.models.llama import WHOLE_SEQUENCE, SwiGLU
 from litscale.models.moe_config import MoEConfig
-from litscale.measure.tensor_bytes import shapes_only
 
 # --- grouped matmul --------------------------------------------------------------------------
 

@@ -420,3 +420,10 @@ def validate_setup(strategy: Any, *, world_size: int, net: nn.Module, seq_len: i
     check = getattr(strategy, "validate_setup", None)
     if check is not None:
         check(world_size=world_size, net=net)
+
+
+def data_parallel_size(strategy: Any) -> int:
+    """How many ranks of a running strategy consume distinct samples: its sampler's replicas
+    (1 for a single process, or a strategy that shards no data)."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from litscale.parallel.sharding import Sharding, state_bytes_per_rank
 from litscale.planner.cluster import Cluster
 from litscale.planner.model_facts import ModelFacts
 from litscale.planner.moe_cost import (
@@ -26,7 +27,6 @@ from litscale.planner.moe_cost import (
 )
 from litscale.planner.pipeline_cost import rank_activation_bytes, rank_param_shares
 from litscale.planner.plan import Plan
-from litscale.parallel.sharding import Sharding, state_bytes_per_rank
 
 # Bytes per element by dtype name. (Optimizer state per parameter: ModelFacts'.)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -469,7 +469,7 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
 def newton_schulz_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
     """Muon's orthogonalisation on one rank: every hidden matrix it holds whole or gathers (a
     sharded matrix's update is gathered and orthogonalised on every rank of its shards,
-    ``litscale.muon``), a pipeline rank its stages' matrices, a ZeRO rank those of its partition
+    ``litscale.optim.muon``), a pipeline rank its stages' matrices, a ZeRO rank those of its partition
     (DeepSpeed's ZeRO Muon); FLOPs over the cluster's achieved throughput in its dtype, slowed
     by the node's contention as the forward-backward is."""
     share = 1 / plan.mesh.pipeline

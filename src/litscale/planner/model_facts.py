@@ -216,8 +216,8 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
     8,192 tokens), where the fused kernels of CPUs and GPUs keep only their output and log-sum-exp."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from litscale.parallel.declarations import find_moe_layers
     from litscale.measure.step_memory import TOTAL, total_only_tracker
+    from litscale.parallel.declarations import find_moe_layers
 
     fake_net = copy.deepcopy(net)
     in_moe: list[bool] = [False]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from litscale.parallel.layout import MeshSizes
-from litscale.planner.strategies import built, registered, takes
 from litscale.parallel.sharding import Sharding
+from litscale.planner.strategies import built, registered, takes
 
 # The strategies' keywords for mesh sizes: ``describe`` shows them as the mesh (pp, dp, cp, tp, ep).
 MESH_KEYWORDS = frozenset({"replicate_size", "data_parallel_size", "context_parallel_size", "tensor_parallel_size",

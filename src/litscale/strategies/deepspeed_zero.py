@@ -29,12 +29,12 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.extras import DEEPSPEED
+from litscale.optim.muon import Muon
 from litscale.parallel.contract import Option, SettingRefusal, StrategyContract, refusal_line
 from litscale.parallel.declarations import declared
-from litscale.extras import DEEPSPEED
-from litscale.muon import Muon
-from litscale.precision import PrecisionDtypes
 from litscale.parallel.sharding import Sharding
+from litscale.precision import PrecisionDtypes
 from litscale.strategies.fully_shard import norms_with_running_statistics
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from litscale.measure.tensor_bytes import shapes_only
 from litscale.parallel.declarations import find_expert_modules
 from litscale.parallel.layout import MeshAxis
-from litscale.measure.tensor_bytes import shapes_only
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

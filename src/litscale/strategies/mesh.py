@@ -21,9 +21,9 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from litscale.lightning_private import optimizers_to_device
 from litscale.parallel.declarations import declared
 from litscale.parallel.layout import CONTEXT, DATA, PIPELINE, TENSOR, MeshSizes
-from litscale.lightning_private import optimizers_to_device
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 
 if TYPE_CHECKING:

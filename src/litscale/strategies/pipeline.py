@@ -36,11 +36,11 @@ from litscale.arguments import checked_arguments
 from litscale.checkpoint_moves import load_file_into_sharded
 from litscale.checkpoint_reading import is_deepspeed_checkpoint
 from litscale.constraints import PositiveInt
-from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
 from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
-from litscale.precision import PrecisionDtypes
+from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.parallel.sharding import Sharding, fsdp2_sharding
+from litscale.precision import PrecisionDtypes
 from litscale.strategies.fully_shard import (
     find_sharding_units,
     fsdp_options,

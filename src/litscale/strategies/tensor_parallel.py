@@ -25,8 +25,8 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
-from litscale.precision import PrecisionDtypes
 from litscale.parallel.sharding import Sharding, fsdp2_sharding
+from litscale.precision import PrecisionDtypes
 from litscale.strategies.context_parallel import (
     check_context_parallel_fits,
     check_sequence_splits,

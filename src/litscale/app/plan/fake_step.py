@@ -82,8 +82,8 @@ def peak_of_one_step(cfg: Any, holder: nn.Module, strategy: Any = None) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from litscale.app.build import build, trusted_targets
-    from litscale.modules import next_token_loss, optimizer_groups
     from litscale.measure.step_memory import TOTAL, total_only_tracker
+    from litscale.modules import next_token_loss, optimizer_groups
 
     net, precision = holder["net"], cfg.precision
     mixed = precision.compute_dtype != precision.param_dtype and precision.compute_dtype != "float32"

@@ -172,7 +172,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     at the configured world, and the predicted memory per rank; return why it does not fit when
     that memory, with the parameters as built, exceeds the device's (None: it fits): ``plan=show``
     refuses it before any process starts, ``plan=auto`` writes a plan that fits instead."""
-    from litscale.lr_scaling import scaled_lr
+    from litscale.optim.lr_scaling import scaled_lr
     from litscale.planner.cost import predict
 
     _say(f"as configured: {layout.describe()}")

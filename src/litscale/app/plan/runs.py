@@ -101,7 +101,12 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
 def with_muon(facts: ModelFacts, *, ns_steps: int = 5, ns_dtype: str = "float32") -> ModelFacts:
     """``facts`` of a run that Muon steps: its state, its hidden matrices (their parameters and
     tensors) and the Newton-Schulz iterations' FLOPs over them."""
-    from litscale.muon import MATRIX, newton_schulz_flops, parameter_roles, state_bytes_per_param
+    from litscale.optim.muon import (
+        MATRIX,
+        newton_schulz_flops,
+        parameter_roles,
+        state_bytes_per_param,
+    )
 
     groups = parameter_roles(facts.net, 0.0)
     matrices = [p for group in groups if group["role"] == MATRIX for p in group["params"]]
@@ -118,7 +123,7 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
     from litscale.app.safety import locate_target
     from litscale.app.validation import meta_net
-    from litscale.muon import wants_parameter_roles
+    from litscale.optim.muon import wants_parameter_roles
     from litscale.planner import facts_cache
 
     shape = {"seq_len": int(cfg.data.seq_len), "vocab_size": int(cfg.data.vocab_size),
