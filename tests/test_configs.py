@@ -254,7 +254,7 @@ def check_plan(cfg, choices, tmp_path):
 
 
 def check_determinism(cfg, choices, tmp_path):
-    from litscale.determinism import LayoutInvariance
+    from litscale.reliability.determinism import LayoutInvariance
 
     determinism = build_module(cfg).determinism
     if "_target_" in cfg.determinism:

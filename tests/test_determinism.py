@@ -16,9 +16,9 @@ from helpers.configs import compose_job
 from helpers.distributed import run_distributed
 from helpers.strategies import ddp, fsdp
 
-from litscale import determinism
 from litscale.app.validation import ConfigError, validate
-from litscale.determinism import LayoutInvariance, _Subtree, tree_sum
+from litscale.reliability import determinism
+from litscale.reliability.determinism import LayoutInvariance, _Subtree, tree_sum
 
 STEPS = 20
 GLOBAL_BATCH = 16

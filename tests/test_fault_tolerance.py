@@ -25,7 +25,7 @@ from helpers.configs import compose_job
 from litscale.app.replica_launch import _spec_of_group, costs, describe, group_dir, job_throughput
 from litscale.app.validation import validate
 from litscale.errors import ConfigError
-from litscale.fault_tolerance import steps_log_path
+from litscale.reliability.replica_groups import steps_log_path
 
 RUN = ["trainer.accelerator=cpu", "data.batch_size=8", "data.seq_len=32", "data.max_bytes=400000",
        "trainer.limit_val_batches=6", "trainer.enable_progress_bar=false"]
@@ -302,7 +302,7 @@ def test_a_group_rejoining_past_an_epoch_with_a_partial_window_reads_the_step_it
     from torch.utils.data import DataLoader, TensorDataset
 
     from litscale.data.base import ResumableSampler
-    from litscale.fault_tolerance import _skip_samples
+    from litscale.reliability.replica_groups import _skip_samples
 
     dataset, batch, accumulation = TensorDataset(torch.arange(44)), 4, 3
 
@@ -360,7 +360,7 @@ def step_in_groups(modules: list, batches: list) -> None:
     every group at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from litscale.fault_tolerance import ReplicaFaultTolerance
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
     quorum = FakeQuorum(len(modules))
     for module, batch in zip(modules, batches, strict=True):
@@ -422,9 +422,9 @@ def test_two_groups_keep_the_first_groups_batch_norm_statistics_as_ddp_keeps_ran
     import copy
     from functools import partial
 
-    from litscale.determinism import running_statistics
     from litscale.models.resnet import ResNet
     from litscale.modules import ClassificationModule
+    from litscale.reliability.determinism import running_statistics
 
     torch.manual_seed(0)
     module = ClassificationModule(net=ResNet(input_shape=[1, 8, 8], num_classes=10, widths=[4, 8],
@@ -451,8 +451,8 @@ def test_a_dropped_step_takes_its_router_counts_with_it():
     next step's."""
     from types import SimpleNamespace
 
-    from litscale.fault_tolerance import ReplicaFaultTolerance
     from litscale.models.moe import build_moe
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
     torch.manual_seed(0)
     net = build_moe().train()

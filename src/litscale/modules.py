@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics.aggregation import MeanMetric
 
-from litscale.determinism import LayoutInvariance
 from litscale.loggers import is_logging_step
+from litscale.reliability.determinism import LayoutInvariance
 
 OptimizerFactory = Callable[[Iterable], Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -74,7 +74,7 @@ class TaskModule(LightningModule):
         self.compile_net = compile
         self.val_loss = MeanMetric()
         # This optimizer step's micro-batch losses, logged as train/loss at the step; replica
-        # groups (litscale.fault_tolerance) average them over the groups before that.
+        # groups (litscale.reliability.replica_groups) average them over the groups before that.
         self.window_losses: list[Tensor] = []
         self.initial_val_loss: float | None = None
 

@@ -167,7 +167,7 @@ def never_validates(trainer: DictConfig, ckpt_path: str | None) -> bool:
 def _replica_groups(cfg: DictConfig, datamodule: LightningDataModule, layout: RunLayout) -> Any:
     """``fault_tolerance=replicas`` on a rank of one group: the callback that averages across
     groups, and the group's block of the data order."""
-    from litscale.fault_tolerance import ReplicaFaultTolerance, replica_group
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance, replica_group
 
     datamodule.replica_group = replica_group() or (0, layout.replica_groups)
     ft = cfg.fault_tolerance

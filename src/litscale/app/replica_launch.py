@@ -6,7 +6,7 @@ replica group is one process here running torch's elastic agent, as ``torchrun
 --max-restarts`` would for it: the agent starts the group's ``trainer.devices`` ranks and, when
 one of them dies, stops the group's other ranks and starts the whole group again (up to
 ``fault_tolerance.max_restarts`` times), while the other groups train on
-(``litscale.fault_tolerance``). Each group writes to ``<run dir>/replicas/<group>/``; the job's
+(``litscale.reliability.replica_groups``). Each group writes to ``<run dir>/replicas/<group>/``; the job's
 ``summary.json`` is the first finished group's, with what the faults cost added under
 ``fault_tolerance``.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from litscale.app.launch import RankFailure, launch
-from litscale.fault_tolerance import (
+from litscale.reliability.replica_groups import (
     GROUP_ENV,
     GROUPS_ENV,
     LIGHTHOUSE_ENV,
@@ -323,7 +323,7 @@ def describe(cost: dict) -> str:
 
 
 def _group_record(run_dir: str, group: int) -> list[dict]:
-    """Group ``group``'s step record (``litscale.fault_tolerance.steps_log_path``)."""
+    """Group ``group``'s step record (``litscale.reliability.replica_groups.steps_log_path``)."""
     return _read_steps(steps_log_path(group_dir(run_dir, group)))
 
 

@@ -41,7 +41,7 @@ def _say(line: str) -> None:
 def _speaks_for_the_job() -> bool:
     """Whether this run's start and end are printed: under ``fault_tolerance=replicas`` only
     replica group 0's (the groups run the same layout; each writes its own summary.json)."""
-    from litscale.fault_tolerance import replica_group
+    from litscale.reliability.replica_groups import replica_group
 
     return (replica_group() or (0, 1))[0] == 0
 

@@ -213,10 +213,10 @@ def check_task_pairing(cfg: DictConfig, choices: dict[str, str]) -> None:
 
 def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:
     """``determinism=layout_invariant`` holds only for data-parallel layouts it can split, and
-    networks whose training is their loss and gradient (``litscale.determinism_checks``)."""
+    networks whose training is their loss and gradient (``litscale.reliability.determinism_checks``)."""
     if "_target_" not in (cfg.get("determinism") or {}):
         return
-    from litscale.determinism_checks import check_layout, check_network
+    from litscale.reliability.determinism_checks import check_layout, check_network
 
     compression = cfg.get("compression") or {}
     partition = (cfg.get("data") or {}).get("partition", "iid")

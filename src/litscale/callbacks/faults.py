@@ -94,7 +94,7 @@ class InjectFault(Callback):
 
     def _on_this_rank(self, trainer: Trainer) -> bool:
         """``rank`` (within its replica group under ``fault_tolerance=replicas``) of ``replica_group``."""
-        from litscale.fault_tolerance import replica_group
+        from litscale.reliability.replica_groups import replica_group
 
         if self.replica_group is not None and (replica_group() or (0, 1))[0] != self.replica_group:
             return False

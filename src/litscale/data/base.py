@@ -98,7 +98,7 @@ class ShardedDataModule(LightningDataModule):
     #: Set for ``determinism=layout_invariant``: the samples a rank takes per optimizer step
     #: (micro batch x accumulation), drawn as one contiguous block (``ContiguousBlockSampler``).
     rank_block: int | None = None
-    #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.fault_tolerance``).
+    #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.reliability.replica_groups``).
     replica_group: tuple[int, int] = (0, 1)
     #: Set for a job whose data-parallel count changes between its starts on its own (``elastic=true``:
     #: Ray's ``min_workers``/``max_workers``, an elastic PyTorchJob): a resume whose position the new

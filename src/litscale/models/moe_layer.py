@@ -291,7 +291,7 @@ class MoELayer(nn.Module):
 
     def counted_load(self) -> Tensor | None:
         """The counts ``take_statistics`` will hand back (assignments per expert, then dropped
-        ones), not reset: replica groups (``litscale.fault_tolerance``) sum them over the groups
+        ones), not reset: replica groups (``litscale.reliability.replica_groups``) sum them over the groups
         in place before the step's bias update reads them."""
         return self._load
 

@@ -50,7 +50,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from litscale.determinism import running_statistics
+from litscale.reliability.determinism import running_statistics
 
 # Written beside the groups' dirs once a group has finished the run.
 FINISHED_MARKER = "finished"
