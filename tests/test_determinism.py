@@ -192,7 +192,7 @@ def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, tas
     (global losses, full state on rank 0)."""
     import lightning as L
 
-    from litscale.export import consolidated_state_dict
+    from litscale.checkpoint.export import consolidated_state_dict
 
     module_class, net, data = _task(task, rank, world_size)
     determinism = LayoutInvariance(chunks=CHUNKS, seed=7)

@@ -509,7 +509,7 @@ class ExportAtFitEnd(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         from torch.distributed.tensor import DTensor
 
-        from litscale.export import export_model
+        from litscale.checkpoint.export import export_model
 
         # What is exported is gathered from shards: the translated plan did split the model.
         assert isinstance(pl_module.net.model.layers[0].self_attn.q_proj.weight, DTensor)

@@ -302,7 +302,7 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
     call it on every rank."""
     import lightning as L
 
-    from litscale.export import consolidated_state_dict
+    from litscale.checkpoint.export import consolidated_state_dict
 
     module, recorder = tiny_module(setup), StepRecorder(gradients=gradients)
     if setup.base_width is not None:  # µP as a run gets it: lr_scaling=mup's callback

@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from litscale.app.safety import locate_target
-from litscale.checkpoint_reading import LIGHTNING_META, is_deepspeed_checkpoint, read_plain
+from litscale.checkpoint.reading import LIGHTNING_META, is_deepspeed_checkpoint, read_plain
 from litscale.data.resume import shared_position, unshared_position
 from litscale.errors import ConfigError
 from litscale.parallel.layout import RunLayout
@@ -57,7 +57,7 @@ def saved_data_state(path: str, name: str) -> dict[str, Any] | None:
     (no tensor is read); None where there is none, or it cannot be read so."""
     try:
         if is_deepspeed_checkpoint(path):
-            from litscale.checkpoint_reading import deepspeed_files, read_deepspeed_file
+            from litscale.checkpoint.reading import deepspeed_files, read_deepspeed_file
 
             checkpoint = read_deepspeed_file(deepspeed_files(path)[0])
         else:

@@ -66,7 +66,7 @@ def say_skipped_checkpoints(cfg: DictConfig, chosen: str | None) -> None:
     """Once per job (rank 0 under torchrun or srun): the checkpoints a resume word passed over,
     so that a torn save is not skipped in silence."""
     from litscale.app.launch import external_rank
-    from litscale.checkpoints import RESUME_WORDS, skipped_line
+    from litscale.checkpoint.resume import RESUME_WORDS, skipped_line
 
     if cfg.get("ckpt_path") not in RESUME_WORDS or external_rank() not in (None, 0):
         return
@@ -85,7 +85,7 @@ def check_every_rank_saved(output_dir: str, world_size: int) -> None:
     ranks = range(world_size) if rank is None else range(rank, rank + 1)
     missing = ranks_without_preemption_checkpoint(output_dir, ranks)
     if missing:
-        from litscale.checkpoints import newest_last_checkpoint
+        from litscale.checkpoint.resume import newest_last_checkpoint
 
         names = ("rank " if len(missing) == 1 else "ranks ") + ",".join(map(str, missing))
         newest = newest_last_checkpoint(output_dir)
@@ -119,9 +119,10 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
     from litscale.app.build import build_run
     from litscale.app.ranks import record_rank
     from litscale.app.summary import finish_loggers, print_start, summarize
-    from litscale.callbacks.watchdog import after_fit, end_watch
-    from litscale.export import export_model
+    from litscale.callbacks.watchdog import end_watch
+    from litscale.checkpoint.export import export_model
     from litscale.health import flight_recorder
+    from litscale.health.beats import after_fit
     from litscale.strategies.lifecycle import destroy_process_group
 
     if spec.layout.world_size > 1:

@@ -59,8 +59,8 @@ class LauncherSchema:
 class CheckpointSchema:
     """``checkpoint.*``: how the strategy writes checkpoints."""
 
-    async_save: bool  # written in the background (litscale.async_checkpoint); the step pays for one copy
-    # how a sharded save is made visible (litscale.atomic_checkpoint): by a rename, by a pointer
+    async_save: bool  # written in the background (litscale.checkpoint.background); the step pays for one copy
+    # how a sharded save is made visible (litscale.checkpoint.atomic): by a rename, by a pointer
     # file (object-store mounts, where a directory's rename is not atomic), auto: by the mount
     publish: Literal["auto", "rename", "pointer"] = "auto"
 

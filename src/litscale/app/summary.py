@@ -104,7 +104,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         "scaling/mode": "strong" if layout.strong_scaling else "weak",
         "output_dir": os.path.abspath(built.config.paths.output_dir),
         "checkpoint": _best_checkpoint(trainer),
-        "export": export,  # the consolidated weights of the net (litscale.export)
+        "export": export,  # the consolidated weights of the net (litscale.checkpoint.export)
         "export_hf": _hf_export_dir(export, built.config),
         "wall_time_s": time.time() - started_at,
     }
@@ -156,7 +156,7 @@ def _lr_scaling(trainer: Trainer) -> dict:
 
 def _hf_export_dir(export: str | None, config) -> str | None:
     """``<run dir>/hf/`` where ``export_hf=true`` wrote a transformers directory beside ``model.pt``."""
-    from litscale.export import HF_DIRNAME
+    from litscale.checkpoint.export import HF_DIRNAME
 
     if export is None or not config.get("export_hf", False):
         return None

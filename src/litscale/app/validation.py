@@ -47,7 +47,7 @@ from litscale.arguments import (
     invalid_message,
     signature_annotations,
 )
-from litscale.checkpoints import resolve_ckpt_path
+from litscale.checkpoint.resume import resolve_ckpt_path
 from litscale.errors import ConfigError
 from litscale.parallel.contract import validate_setup
 from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for

@@ -141,7 +141,7 @@ class InjectFault(Callback):
             self._wait_from_step = trainer.global_step
 
     def on_after_fit(self, trainer: Trainer, work: str, collective: str | None = None) -> None:
-        """The run's work after fit (``litscale.callbacks.watchdog.after_fit``): ``kind=hang``
+        """The run's work after fit (``litscale.health.beats.after_fit``): ``kind=hang``
         with ``during`` that work hangs there."""
         if self.kind == "hang" and self.during == work and not self._fired and self._on_this_rank(trainer):
             self._fired = True

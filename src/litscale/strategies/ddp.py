@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
 from litscale.parallel.contract import StrategyContract
@@ -17,7 +18,7 @@ from litscale.strategies.lifecycle import destroy_process_group_at_exit
 from litscale.strategies.mesh import MeshSizes
 
 
-class DDPStrategy(StrategyContract, LightningDDPStrategy):
+class DDPStrategy(StrategyContract, StrategyCheckpointing, LightningDDPStrategy):
     """Lightning's DDP, plus gradient-compression hooks on CPU/gloo and a clean exit.
 
     Lightning attaches ``ddp_comm_hook`` only when the device is CUDA; torch's DDP runs comm

@@ -28,6 +28,7 @@ from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import PositiveInt
 from litscale.extras import DEEPSPEED
 from litscale.optim.muon import Muon
@@ -98,7 +99,7 @@ def zero_sharding(stage: int, *, contiguous_gradients: bool = True, overlap_comm
                     reduce_bucket_elements=reduce_bucket_size, reduce_buffer_bytes=4 if stage == 1 else 0)
 
 
-class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
+class DeepSpeedZeroStrategy(StrategyContract, StrategyCheckpointing, LightningDeepSpeedStrategy):
     """ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) or ZeRO-3 (+ parameters).
 
     Precision comes from the Trainer's ``precision`` (Lightning writes DeepSpeed's
@@ -260,27 +261,6 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         if norm is not None and is_logging_step(self.lightning_module.trainer):
             self.lightning_module.log("train/grad_norm", float(norm))
         return result
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """DeepSpeed's own directory through its engine when it was saved on as many ranks in
-        this stage's partition format; anything else (another strategy's file or sharded
-        directory, a DeepSpeed checkpoint of another world size or of ZeRO-3 against 1/2) read
-        whole and written into the built ZeRO engine (``litscale.deepspeed_moves.load_into_zero``)."""
-        from litscale.checkpoint_moves import read_as_file
-        from litscale.deepspeed_moves import (
-            deepspeed_as_file_checkpoint,
-            is_deepspeed_checkpoint,
-            load_into_zero,
-            reads_as_saved,
-        )
-
-        path = str(self.broadcast(str(checkpoint_path)))
-        if not is_deepspeed_checkpoint(path):
-            return load_into_zero(read_as_file(path), self.lightning_module, self.deepspeed_engine)
-        if reads_as_saved(path, self.stage, self.world_size):
-            return LightningDeepSpeedStrategy.load_checkpoint(self, checkpoint_path, weights_only)
-        return load_into_zero(deepspeed_as_file_checkpoint(path), self.lightning_module, self.deepspeed_engine)
 
     @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):

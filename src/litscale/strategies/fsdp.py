@@ -26,6 +26,7 @@ from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import PositiveInt
 from litscale.lightning_private import materialize_distributed_module
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
@@ -75,7 +76,7 @@ def fsdp_mesh_layout(sizes: MeshSizes) -> ShapeAndNames:
     return shape, names
 
 
-class FSDPStrategy(StrategyContract, ModelParallelStrategy):
+class FSDPStrategy(StrategyContract, StrategyCheckpointing, ModelParallelStrategy):
     """FSDP2 as a Lightning strategy: sharding units from the model, mixed precision from the
     ``precision`` group, DCP sharded checkpoints that resume at any world size.
 

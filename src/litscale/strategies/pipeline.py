@@ -23,7 +23,6 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -33,11 +32,8 @@ from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
-from litscale.checkpoint_moves import load_file_into_sharded
-from litscale.checkpoint_reading import is_deepspeed_checkpoint
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import PositiveInt
-from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
-from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.precision import PrecisionDtypes
@@ -127,7 +123,7 @@ def check_microbatches(microbatches: int, micro_batch: int | None) -> None:
             f"{', '.join(map(str, divisors))} (or a data.batch_size that is a multiple of {microbatches})")
 
 
-class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
+class PipelineParallelStrategy(StrategyContract, StrategyCheckpointing, ModelParallelStrategy):
     """Pipeline x data x tensor parallel as a Lightning strategy; stages from the model's blocks.
 
     ``Trainer(strategy=PipelineParallelStrategy(schedule="1f1b", microbatches=4),
@@ -280,42 +276,6 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
         options = fsdp_options(data_mesh, mp_policy=mixed_precision_policy(self.precision_dtypes))
         shard_units(find_sharding_units(view), reshard_after_forward=self.reshard_after_forward, **options)
         fully_shard(view, reshard_after_forward=False, **options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Each stage loads its own parameters and optimizer state from the DCP directory (or
-        from a file checkpoint, ``litscale.checkpoint_moves``).
-
-        Mirrors the sharded branch of Lightning's loader, which finds "the distributed model"
-        by its DTensor parameters and so refuses a pure pipeline stage (plain tensors)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(self.broadcast(checkpoint_path))
-        if path.is_file() or is_deepspeed_checkpoint(str(path)):  # read whole: each stage takes its own layers
-            whole = deepspeed_as_file_checkpoint(str(path)) if path.is_dir() else str(path)
-            return load_file_into_sharded(whole, self.model, self.optimizers,
-                                          strict=self.lightning_module.strict_loading)
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        distributed_checkpoint_load(model_state, path)
-        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
-        for index, optimizer in enumerate(self.optimizers):
-            # NOTE: DCP saves the non-tensor param_groups once, from rank 0, which lists only its
-            # stage's parameters: each group's hyperparameters (the learning rate the scheduler
-            # had set) are read from it, its parameters are this stage's own.
-            key, current = f"optimizer_{index}", get_optimizer_state_dict(self.model, optimizer)
-            hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in current["param_groups"]]
-            loaded = {key: {"state": current["state"], "param_groups": hyperparameters}}
-            distributed_checkpoint_load(loaded, path)
-            groups = [{**saved, "params": group["params"]}
-                      for saved, group in zip(loaded[key]["param_groups"], current["param_groups"], strict=True)]
-            set_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True),
-                                     optim_state_dict={"state": loaded[key]["state"], "param_groups": groups})
-        return torch.load(path / CHECKPOINT_METADATA_FILENAME, weights_only=weights_only)
 
     def _schedule(self, batch_size: int, training: bool):
         """The torch schedule for this micro-batch shape (stages infer shapes once, so a

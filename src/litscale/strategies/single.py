@@ -11,13 +11,14 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import NonNegativeInt
 from litscale.parallel.contract import StrategyContract
 from litscale.parallel.sharding import REPLICATED, Sharding
 from litscale.strategies.mesh import MeshSizes
 
 
-class SingleStrategy(StrategyContract, SingleDeviceStrategy):
+class SingleStrategy(StrategyContract, StrategyCheckpointing, SingleDeviceStrategy):
     """Lightning's single-device strategy, with the device taken from the accelerator.
 
     Lightning's class needs the device at construction, before the Trainer has chosen the

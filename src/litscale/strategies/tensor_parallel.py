@@ -23,6 +23,7 @@ from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import PositiveInt
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
 from litscale.parallel.sharding import Sharding, fsdp2_sharding
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
+class TensorParallelStrategy(StrategyContract, StrategyCheckpointing, ModelParallelStrategy):
     """Tensor parallel x FSDP2 (2D) as a Lightning strategy; the plan comes from the model.
 
     ``Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu",

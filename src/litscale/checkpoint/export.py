@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from litscale.callbacks.watchdog import after_fit
+from litscale.health.beats import after_fit
 
 EXPORT_FILENAME = "model.pt"
 HF_DIRNAME = "hf"
