@@ -215,7 +215,7 @@ def test_a_module_that_needs_another_imported_first_fails_alone(tmp_path):
 
 
 def test_modules_that_import_torch_or_lightning_are_forked_after_them():
-    assert _preload("litscale.strategies.mesh") == ("torch", "lightning")
+    assert _preload("litscale.strategies.mesh_strategy") == ("torch", "lightning")
     assert "torch" in _libraries_on_import("litscale.models.gpt")
     assert _preload("litscale.arguments") == ()
 

@@ -168,7 +168,7 @@ def _tensor_parallel_net(world: int):
 def _tensor_parallel_counts(world: int):
     """A whole step as the tensor-parallel strategy runs it: forward-backward, each partial
     gradient summed once (its ``optimizer_step``), and AdamW's step."""
-    from litscale.strategies.mesh import sum_partial_gradients_after
+    from litscale.parallel.gradient_norm import sum_partial_gradients_after
 
     net, _ = _tensor_parallel_net(world)
     step = sum_partial_gradients_after(lambda: _step(net, 2), net)
@@ -260,7 +260,7 @@ def test_tensor_parallel_step_of_a_mixture_of_experts_issues_the_predicted_colle
     tensor-parallel plan on the fake group: the dense layer as a GPT block; each MoE layer,
     whole on both ranks, gathers its input and its output's gradient but scatters neither."""
     from litscale.models.moe import build_moe
-    from litscale.strategies.mesh import sum_partial_gradients_after
+    from litscale.parallel.gradient_norm import sum_partial_gradients_after
     from litscale.strategies.tensor_plan import apply_declared_plan
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -451,13 +451,13 @@ def _expert_parallel_counts(rank: int, world: int):
     ``expert_parallel_size=2`` (experts over both ranks, everything else FSDP2), counted after
     an uncounted one."""
     from litscale.models.moe import build_moe
+    from litscale.parallel.mesh import ParallelMesh
     from litscale.strategies import FSDPStrategy
 
     torch.manual_seed(0)
     module = _Holder(build_moe(vocab_size=VOCAB, block_size=SEQ, **EVEN_ROUTING))
     strategy = FSDPStrategy(expert_parallel_size=world)
-    shape, names = strategy.mesh_layout(strategy.resolve_mesh(world))
-    strategy.split(module, init_device_mesh("cpu", shape, mesh_dim_names=names))
+    strategy.split(module, ParallelMesh.build(strategy.resolve_mesh(world), "cpu"))
     tokens = torch.randint(VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(rank))
 
     def step() -> None:

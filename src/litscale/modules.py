@@ -124,15 +124,13 @@ class TaskModule(LightningModule):
         number on every layout of a synchronous strategy, as one process takes it. A strategy
         that keeps gradients apart (DeepSpeed) logs its engine's instead."""
         from litscale.parallel.contract import contract_value
-        from litscale.parallel.layout import MeshSizes
-        from litscale.strategies.mesh import global_gradient_norm
+        from litscale.parallel.gradient_norm import global_gradient_norm
+        from litscale.parallel.layout import mesh_of
 
         strategy = self._trainer.strategy
         if contract_value(strategy, "keeps_gradients_apart"):
             return
-        resolve = getattr(strategy, "resolve_mesh", None)
-        world = self._trainer.world_size
-        sizes = resolve(world) if resolve is not None else MeshSizes(data_replicate=world)
+        sizes = mesh_of(strategy, self._trainer.world_size)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.log("train/grad_norm", global_gradient_norm(parameters, sizes=sizes))
 

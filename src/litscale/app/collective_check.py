@@ -194,9 +194,9 @@ def _first_step(cfg: Any, world_size: int, micro_batch: int) -> tuple[list[Colle
         mesh = strategy_mesh(strategy, world_size)
         strategy.split(module, mesh)
         module.to_empty(device="cpu")
-        # NOTE: Lightning's device mesh is set by the strategy's process-group setup, which a
-        # trace does not run; its batch hook reads the mesh there.
-        strategy._device_mesh = mesh
+        # NOTE: the strategy's mesh is set by its process-group setup, which a trace does not
+        # run; its batch hook reads the mesh there.
+        strategy.use_mesh(mesh)
         batch = strategy.batch_to_device(batch, torch.device("cpu"))
     else:
         module.to_empty(device="cpu")

@@ -36,7 +36,7 @@ def check_resume_position(cfg: DictConfig, layout: RunLayout) -> None:
     saved = saved_data_state(layout.ckpt_path, getattr(data_class, "__qualname__", ""))
     if saved is None or not all(isinstance(saved.get(key), int) for key in POSITION_KEYS):
         return  # no position saved (another data module), or a format not read before launch
-    ranks = layout.data_parallel_size * layout.replica_groups
+    ranks = layout.batch_ranks
     # determinism=layout_invariant: each rank takes one block of micro batch x accumulation samples
     block = layout.micro_batch * layout.accumulation if "_target_" in (cfg.get("determinism") or {}) else None
     epoch, samples = saved["epoch"], saved["samples_drawn"]

@@ -17,6 +17,7 @@ from litscale.data.partition import (
     partition_indices,
 )
 from litscale.data.resume import ResumableOrder, shared_position, skipped_line, unshared_position
+from litscale.parallel.layout import replicas_around
 
 
 class ResumableSampler(ResumableOrder, DistributedSampler):
@@ -152,7 +153,7 @@ class ShardedDataModule(LightningDataModule):
         data-parallel job of all their ranks reads (validation stays within each group)."""
         num_replicas, rank = self.replicas()
         group, groups = self.replica_group
-        return num_replicas * groups, group * num_replicas + rank
+        return replicas_around(num_replicas, rank, group=group, groups=groups)
 
     def _require(self, dataset: Dataset | None, split: str) -> Dataset:
         if dataset is None:

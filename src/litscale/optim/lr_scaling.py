@@ -167,9 +167,7 @@ class LRScaling(Callback):
         if stage != "fit":
             return
         if self.layout is not None:  # replica groups (fault_tolerance=replicas) are data parallel too
-            micro, dp, accumulation = (self.layout.micro_batch,
-                                       self.layout.data_parallel_size * self.layout.replica_groups,
-                                       self.layout.accumulation)
+            micro, dp, accumulation = self.layout.micro_batch, self.layout.batch_ranks, self.layout.accumulation
         else:
             micro, dp = self._micro_batch(trainer), data_parallel_size(trainer.strategy)
             accumulation = trainer.accumulate_grad_batches

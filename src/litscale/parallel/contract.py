@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from litscale.extras import Requirement
 from litscale.parallel.layout import MeshSizes
+from litscale.parallel.sharding import REPLICATED, Sharding
 
 if TYPE_CHECKING:
     from torch import nn
@@ -145,6 +146,9 @@ class StrategyContract:
     shares_checkpoint_formats: ClassVar[bool] = True
     # Each rank holds only some of the layers (pipeline stages): a whole-model export gathers them.
     splits_layers_over_ranks: ClassVar[bool] = False
+    # How it holds a rank's share of the model (``litscale.parallel.sharding``): what the memory
+    # callback, the planner and the dry run read. By default every rank holds it whole.
+    sharding: ClassVar[Sharding] = REPLICATED
     # Its gradients live in buffers of its own, not in each parameter's ``.grad`` (DeepSpeed
     # ZeRO's partitions): it logs ``train/grad_norm`` itself, as its engine takes the norm.
     keeps_gradients_apart: ClassVar[bool] = False

@@ -13,9 +13,8 @@ from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
 from litscale.parallel.contract import StrategyContract
-from litscale.parallel.sharding import REPLICATED, Sharding
+from litscale.parallel.layout import MeshSizes
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
-from litscale.strategies.mesh import MeshSizes
 
 
 class DDPStrategy(StrategyContract, StrategyCheckpointing, LightningDDPStrategy):
@@ -52,7 +51,6 @@ class DDPStrategy(StrategyContract, StrategyCheckpointing, LightningDDPStrategy)
         )
         self.compression = compression
 
-    sharding: Sharding = REPLICATED  # litscale.parallel.sharding.LaidOut: what the memory figures read
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """Every rank holds a full replica and sees distinct samples."""

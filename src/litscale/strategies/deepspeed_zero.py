@@ -34,11 +34,11 @@ from litscale.extras import DEEPSPEED
 from litscale.optim.muon import Muon
 from litscale.parallel.contract import Option, SettingRefusal, StrategyContract, refusal_line
 from litscale.parallel.declarations import declared
+from litscale.parallel.layout import MeshSizes
 from litscale.parallel.sharding import Sharding
 from litscale.precision import PrecisionDtypes
 from litscale.strategies.fully_shard import norms_with_running_statistics
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
-from litscale.strategies.mesh import MeshSizes
 from litscale.strategies.zero_muon import MUON_CONDITIONS, deepspeed_muon, why_not_muon
 
 _DEEPSPEED_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -14,8 +14,7 @@ from litscale.arguments import checked_arguments
 from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import NonNegativeInt
 from litscale.parallel.contract import StrategyContract
-from litscale.parallel.sharding import REPLICATED, Sharding
-from litscale.strategies.mesh import MeshSizes
+from litscale.parallel.layout import MeshSizes
 
 
 class SingleStrategy(StrategyContract, StrategyCheckpointing, SingleDeviceStrategy):
@@ -40,7 +39,6 @@ class SingleStrategy(StrategyContract, StrategyCheckpointing, SingleDeviceStrate
             return torch.device("cuda", self.device_index)
         return self._root_device
 
-    sharding: Sharding = REPLICATED  # litscale.parallel.sharding.LaidOut: what the memory figures read
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
