@@ -25,7 +25,7 @@ from helpers.configs import compose_job
 from litscale.app.replica_launch import _spec_of_group, costs, describe, group_dir, job_throughput
 from litscale.app.validation import validate
 from litscale.errors import ConfigError
-from litscale.reliability.replica_groups import steps_log_path
+from litscale.reliability.replica_groups import ReplicaGroup, steps_log_path
 
 RUN = ["trainer.accelerator=cpu", "data.batch_size=8", "data.seq_len=32", "data.max_bytes=400000",
        "trainer.limit_val_batches=6", "trainer.enable_progress_bar=false"]
@@ -126,7 +126,10 @@ def test_each_group_writes_under_its_own_dir(tmp_path):
                            "callbacks": {"model_checkpoint": {"dirpath": f"{run_dir}/checkpoints"}},
                            "logger": {"csv": {"save_dir": run_dir, "name": "csv"}}, "name": "run"},
                    layout=RunLayout())
-    moved = _spec_of_group(spec, run_dir, 2).config
+    identity = ReplicaGroup(group=2, groups=3, lighthouse="127.0.0.1:1", start_store="127.0.0.1:2")
+    group_spec = _spec_of_group(spec, run_dir, identity)
+    assert group_spec.replica_group == identity  # the group's identity is handed in, not put in the environment
+    moved = group_spec.config
     assert moved["paths"] == {"output_dir": f"{run_dir}/replicas/2", "root_dir": str(tmp_path)}
     assert moved["callbacks"]["model_checkpoint"]["dirpath"] == f"{run_dir}/replicas/2/checkpoints"
     assert moved["logger"]["csv"] == {"save_dir": f"{run_dir}/replicas/2", "name": "csv"}

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from litscale.app.devices import resolve_accelerator
+from litscale.app.fault_tolerance_checks import replicas_chosen
 from litscale.app.safety import locate_target
 from litscale.app.width_checks import base_width_of, width_rule
 from litscale.errors import ConfigError
@@ -55,7 +56,7 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
     if base_width_of(cfg) is not None:
         chosen[Option.WIDTH_SCALING] = width_rule(choices)
-    if (cfg.get("fault_tolerance") or {}).get("mode", "none") == "replicas":
+    if replicas_chosen(cfg):
         chosen[Option.REPLICA_GROUPS] = f"fault_tolerance={choices.get('fault_tolerance', 'replicas')}"
     return chosen
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -14,6 +15,9 @@ from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
 from litscale.app.validation import only_planned, planning, resume_search_dir, validate
 from litscale.parallel.layout import RunLayout
+
+if TYPE_CHECKING:
+    from litscale.reliability.replica_groups import ReplicaGroup
 
 
 @dataclass
@@ -27,6 +31,8 @@ class RunSpec:
     loggable_config: dict | None = None  # `config` without values from the environment
     scaling: ScalingContext = field(default_factory=ScalingContext)
     started_at: float = field(default_factory=time.time)
+    # fault_tolerance=replicas: this spec's group, and where the groups meet (the replica launcher's)
+    replica_group: ReplicaGroup | None = None
 
 
 def hydra_choices() -> dict[str, str]:
@@ -50,12 +56,10 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,
                    loggable_config=config_without_environment(cfg), scaling=job_context(cfg))
     if layout.replica_groups > 1:
+        from litscale.app.build import build, trusted_targets
         from litscale.app.replica_launch import launch_replica_groups
 
-        ft = cfg.fault_tolerance
-        return launch_replica_groups(run_rank, spec, groups=layout.replica_groups, processes=layout.processes_per_node,
-                                     min_replicas=ft.min_replicas, max_restarts=ft.max_restarts,
-                                     lighthouse=ft.lighthouse, straggler_timeout_s=ft.straggler_timeout_s)
+        return launch_replica_groups(run_rank, spec, replicas=build(cfg.fault_tolerance, trusted=trusted_targets(cfg)))
     result = launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
     if result.get("preempted"):
         check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)
@@ -128,7 +132,7 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
     if spec.layout.world_size > 1:
         flight_recorder.enable()  # before the process group exists: torch reads it then
     built = build_run(spec.config, spec.choices, spec.layout, loggable_config=spec.loggable_config,
-                      sweep_dir=spec.scaling.sweep_dir)
+                      sweep_dir=spec.scaling.sweep_dir, replica_group=spec.replica_group)
     outcome = "failed"
     try:
         record_rank(built.config.paths.output_dir)

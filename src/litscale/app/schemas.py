@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from litscale.constraints import AtLeastOne, AtLeastTwo, NonNegativeInt, PositiveFloat, PositiveInt
-from litscale.extras import TORCHAO, TORCHFT, TRANSFORMERS
+from litscale.constraints import AtLeastOne, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.extras import TORCHAO, TRANSFORMERS
 
 
 @dataclass
@@ -92,19 +92,3 @@ class OptimizerSchema:
     """What every ``optimizer/`` option shares; the rest is checked against its ``_target_``."""
 
     lr: PositiveFloat
-
-
-@dataclass
-class FaultToleranceSchema:
-    """``fault_tolerance/``: replica groups that keep training when one dies (``replicas``)."""
-
-    mode: Literal["none", "replicas"]
-    groups: AtLeastTwo = 3  # replica groups of trainer.devices ranks each
-    min_replicas: PositiveInt = 1  # fewest groups a step commits with
-    max_restarts: NonNegativeInt = 3  # times a group is started again
-    lighthouse: str | None = None  # host:port of a running torchft lighthouse
-    timeout_s: PositiveFloat = 10.0  # a cross-group collective, vote or state transfer
-    straggler_timeout_s: PositiveFloat = 30.0  # a quorum's wait for a live group that is late
-    quorum_timeout_s: PositiveFloat = 60.0  # a (re)starting group's wait for a quorum
-
-    requires_when = {"mode": TORCHFT}  # the lighthouse, manager and cross-group all-reduce

@@ -38,12 +38,10 @@ def _say(line: str) -> None:
     print(f"litscale: {line}", flush=True)
 
 
-def _speaks_for_the_job() -> bool:
+def _speaks_for_the_job(built: BuiltRun) -> bool:
     """Whether this run's start and end are printed: under ``fault_tolerance=replicas`` only
     replica group 0's (the groups run the same layout; each writes its own summary.json)."""
-    from litscale.reliability.replica_groups import replica_group
-
-    return (replica_group() or (0, 1))[0] == 0
+    return built.replica_group is None or built.replica_group.group == 0
 
 
 @rank_zero_only
@@ -51,7 +49,7 @@ def print_start(built: BuiltRun) -> None:
     """Derived numbers, computed once and printed: model size, strategy, devices, precision,
     and the run layout (processes, mesh, batch). The LR the global batch implies is the
     LR-scaling callback's line."""
-    if not _speaks_for_the_job():
+    if not _speaks_for_the_job(built):
         return
     trainer, choices = built.trainer, built.choices
     net = built.config.model.get("net", {})
@@ -121,7 +119,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         with open(path + ".tmp", "w") as handle:
             json.dump(summary, handle, indent=2)
         os.replace(path + ".tmp", path)  # never a half-written summary
-        if _speaks_for_the_job():
+        if _speaks_for_the_job(built):
             _print_end(summary)
     return summary
 

@@ -30,7 +30,6 @@ from litscale.app.resume_checks import check_resume_position
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.app.schemas import (
     CheckpointSchema,
-    FaultToleranceSchema,
     LauncherSchema,
     OptimizerSchema,
     PlanSchema,
@@ -50,7 +49,7 @@ from litscale.arguments import (
 from litscale.checkpoint.resume import resolve_ckpt_path
 from litscale.errors import ConfigError
 from litscale.parallel.contract import validate_setup
-from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for, world_size_of
 from litscale.user_paths import user_path
 
 __all__ = ["ConfigError", "validate"]
@@ -58,7 +57,7 @@ __all__ = ["ConfigError", "validate"]
 
 # Groups whose value is one object built from `_target_` / a dict of named objects.
 TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression",
-                 "lr_scaling", "cluster", "determinism")
+                 "lr_scaling", "cluster", "determinism", "fault_tolerance")
 NAMED_TARGET_GROUPS = ("logger", "callbacks")
 
 
@@ -90,8 +89,6 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("preflight", cfg.preflight, PreflightSchema)
     if cfg.get("checkpoint") is not None:
         check_schema("checkpoint", cfg.checkpoint, CheckpointSchema)
-    if cfg.get("fault_tolerance") is not None:
-        check_schema("fault_tolerance", cfg.fault_tolerance, FaultToleranceSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     check_width_options(cfg, choices)
@@ -253,7 +250,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
     """Lay the run out on the strategy's mesh, build the model on the meta device (no memory)
     and let the strategy check both (its contract's ``validate_setup``)."""
     num_nodes = int(cfg.trainer.get("num_nodes", 1))
-    world_size = processes * num_nodes
+    world_size = world_size_of(num_nodes=num_nodes, processes_per_node=processes)
     accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
     global_batch = (cfg.get("scaling") or {}).get("global_batch")
     try:

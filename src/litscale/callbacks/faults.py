@@ -93,10 +93,12 @@ class InjectFault(Callback):
             self._fired = True
 
     def _on_this_rank(self, trainer: Trainer) -> bool:
-        """``rank`` (within its replica group under ``fault_tolerance=replicas``) of ``replica_group``."""
-        from litscale.reliability.replica_groups import replica_group
+        """``rank`` (within its replica group under ``fault_tolerance=replicas``) of ``replica_group``:
+        the group the replicas' callback was handed."""
+        from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
-        if self.replica_group is not None and (replica_group() or (0, 1))[0] != self.replica_group:
+        group = next((c.group for c in trainer.callbacks if isinstance(c, ReplicaFaultTolerance)), 0)
+        if self.replica_group is not None and group != self.replica_group:
             return False
         return self.rank is None or trainer.global_rank == self.rank
 

@@ -191,7 +191,12 @@ class RunLayout:
 
     @property
     def world_size(self) -> int:
-        return self.num_nodes * self.processes_per_node
+        return world_size_of(num_nodes=self.num_nodes, processes_per_node=self.processes_per_node)
+
+    @property
+    def replica_processes(self) -> int:
+        """Processes of every replica group on this node (the groups run on one node)."""
+        return self.processes_per_node * self.replica_groups
 
     @property
     def data_parallel_size(self) -> int:
@@ -241,6 +246,11 @@ def mesh_of(strategy: Any, world_size: int) -> MeshSizes:
     if resolve_mesh is None:
         return MeshSizes(data_replicate=world_size)
     return resolve_mesh(world_size)
+
+
+def world_size_of(*, num_nodes: int, processes_per_node: int) -> int:
+    """The world: nodes x processes per node (what a run layout is of, before its mesh is known)."""
+    return num_nodes * processes_per_node
 
 
 def resolve_mesh_sizes(
