@@ -117,6 +117,55 @@ def test_the_groups_together_read_what_one_job_of_all_their_ranks_reads():
     assert by_groups == one_job and len({i for part in one_job for i in part}) == 96
 
 
+def test_the_groups_average_their_gradients_over_the_quorum():
+    """Two replica groups in this process, each with its own torchft ``Manager`` (threads, one
+    lighthouse, real gloo groups): after the callback's cross-group step, each group holds the
+    mean of the two groups' gradients, as one data-parallel job of both would (a sum was the
+    defect ``make mutants`` plants: the end-to-end checks are ``soak`` and use AdamW with
+    clipping, which a gradient's scale cannot reach)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    gradients = {0: [torch.tensor([1.0, -2.0]), torch.tensor([[0.5]])],
+                 1: [torch.tensor([3.0, 4.0]), torch.tensor([[-1.5]])]}
+
+    def group(index: int) -> list[torch.Tensor]:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), load_state_dict=lambda state: None,
+                          state_dict=lambda: {}, min_replica_size=2, use_async_quorum=False,
+                          timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=30),
+                          connect_timeout=timedelta(seconds=30), rank=0, world_size=1, store_addr="127.0.0.1",
+                          store_port=store.port, lighthouse_addr=lighthouse.address(), replica_id=f"group_{index}")
+        try:
+            module = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros_like(g)) for g in gradients[index])
+            for param, grad in zip(module, gradients[index], strict=True):
+                param.grad = grad.clone()
+            callback = ReplicaFaultTolerance(run_dir="unused")
+            callback.manager = manager
+            manager.start_quorum()
+            callback.on_before_optimizer_step(None, module, None)
+            return [param.grad for param in module]
+        finally:
+            manager.shutdown(wait=False)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            averaged = list(pool.map(group, (0, 1)))
+    finally:
+        lighthouse.shutdown()
+    expected = [(a + b) / 2 for a, b in zip(gradients[0], gradients[1], strict=True)]
+    for grads in averaged:
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_each_group_writes_under_its_own_dir(tmp_path):
     from litscale.app.run import RunSpec
     from litscale.parallel.layout import RunLayout
