@@ -261,8 +261,8 @@ def _resume_one_micro_batch_behind(original):
     """A resume that starts each rank one micro batch before where the checkpoint stopped (the
     batch in flight at the save counted as not trained): that batch is trained twice."""
 
-    def resume_point(self, sampler, num_replicas):
-        point = original(self, sampler, num_replicas)
+    def resume_point(self, num_replicas):
+        point = original(self, num_replicas)
         if point is None or point[1] == 0:
             return point
         return point[0], point[1] - self.batch_size
@@ -349,9 +349,9 @@ def _published_before_its_last_file(original):
                 file = os.path.join(path, os.path.basename(file))
             return save(obj, file, *args, **kwargs)
 
-        def publish_once(staged, target):
+        def publish_once(staged, target, **options):
             if not published:
-                publish(staged, target)
+                publish(staged, target, **options)
 
         torch.save, strategy_checkpointing.publish = save_into_published, publish_once
         try:
