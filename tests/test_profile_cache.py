@@ -194,3 +194,13 @@ def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibratio
     monkeypatch.setattr(calibrate, "probe_matmul_flops", lambda dtype, seconds: 2e10)
     assert calibrate.local_cpu().peak_flops["float32"] == 2e10  # a plan measures this machine again
     assert calibrate.calibrated_figures()["machine"] == machine.fingerprint()
+
+
+def test_the_code_a_profile_depends_on_is_where_the_cache_reads_it():
+    """Every part of ``TIMED_CODE`` exists in the package (a moved module left behind in the
+    list made every digest, and so every run's prediction, fail)."""
+    from pathlib import Path
+
+    package = Path(profile_cache.__file__).resolve().parents[1]
+    assert [part for part in profile_cache.TIMED_CODE if not (package / part).exists()] == []
+    assert len(profile_cache.code_digest()) == 16
