@@ -75,8 +75,8 @@ def steps_while(pending, net, optimizer, limit: int = 50, *, distributed: bool =
 def measure(kind: str, preset: str, saves: int, rank: int = 0) -> dict:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    from litscale.checkpoint.background import CheckpointWriter, start_directory_save
     from litscale.checkpoint.atomic import publish, remove, staging_path
+    from litscale.checkpoint.background import CheckpointWriter, start_directory_save
 
     net = build(preset)
     if kind == "dcp":

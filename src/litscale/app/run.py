@@ -1,4 +1,4 @@
-"""``train(cfg)``: validate -> start ranks -> (on each rank) build -> fit -> summary."""
+"""``train(cfg)``: validate -> predict -> start ranks -> (on each rank) build -> fit -> summary."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.app.launch import launch, wait_for_the_cause
+from litscale.app.launch import external_rank, launch, wait_for_the_cause
+from litscale.app.prediction import RunPrediction
 from litscale.app.run_log import log_printed_lines
 from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
@@ -33,6 +34,8 @@ class RunSpec:
     started_at: float = field(default_factory=time.time)
     # fault_tolerance=replicas: this spec's group, and where the groups meet (the replica launcher's)
     replica_group: ReplicaGroup | None = None
+    # the planner's prediction for this run, made before launch for rank 0's summary
+    prediction: RunPrediction | None = None
 
 
 def hydra_choices() -> dict[str, str]:
@@ -54,16 +57,35 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
 
         return run_plan(cfg, layout, choices)
     spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,
-                   loggable_config=config_without_environment(cfg), scaling=job_context(cfg))
+                   loggable_config=config_without_environment(cfg), scaling=job_context(cfg),
+                   prediction=predict_once(cfg, choices, layout))
     if layout.replica_groups > 1:
         from litscale.app.build import build, trusted_targets
         from litscale.app.replica_launch import launch_replica_groups
 
-        return launch_replica_groups(run_rank, spec, replicas=build(cfg.fault_tolerance, trusted=trusted_targets(cfg)))
-    result = launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
-    if result.get("preempted"):
-        check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)
+        result = launch_replica_groups(run_rank, spec, replicas=build(cfg.fault_tolerance, trusted=trusted_targets(cfg)))
+    else:
+        result = launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
+        if result.get("preempted"):
+            check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)
+    if spec.prediction is not None:
+        from litscale.app.plan.runs import record_contradiction
+
+        record_contradiction(spec.prediction, result)
     return result
+
+
+def predict_once(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> RunPrediction | None:
+    """The planner's prediction for this run, made once per job before its ranks start, in the
+    process whose summary holds it (rank 0's under torchrun or srun; None on the others)."""
+    from litscale.app.plan.runs import predict_run
+
+    if external_rank() not in (None, 0):
+        return None
+    try:
+        return predict_run(cfg, choices, layout)
+    except Exception as error:  # a prediction is a comparison, never a reason for a run to fail
+        return RunPrediction(figures={"plan/error": f"{type(error).__name__}: {error}".splitlines()[0]})
 
 
 def say_skipped_checkpoints(cfg: DictConfig, chosen: str | None) -> None:
@@ -155,7 +177,8 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
         export = export_model(built.trainer, built.module, built.config.paths.output_dir,
                               hugging_face=bool(spec.config.get("export_hf", False)))
         after_fit(built.trainer, "summary")
-        summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling)
+        summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling,
+                            prediction=spec.prediction)
         outcome = "success"
         return summary
     finally:

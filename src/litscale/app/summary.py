@@ -17,6 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
 from litscale.app.build import BuiltRun
+from litscale.app.prediction import RunPrediction
 from litscale.app.scaling_study import ScalingContext, find_baseline, scaling_metrics
 from litscale.callbacks.communication import CommunicationCallback
 from litscale.callbacks.memory import MemoryCallback
@@ -69,9 +70,10 @@ def _metric(trainer: Trainer, name: str) -> float | None:
 
 
 def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
-              scaling: ScalingContext | None = None) -> dict:
+              scaling: ScalingContext | None = None, prediction: RunPrediction | None = None) -> dict:
     """Collect final metrics; rank 0 adds scaling efficiency against its baseline (and logs
-    it), writes ``summary.json`` and prints a few lines."""
+    it) and the planner's ``prediction`` (made before launch) beside the step it measured,
+    writes ``summary.json`` and prints a few lines."""
     trainer, module = built.trainer, built.module
     measured = {name: value for callback in trainer.callbacks if isinstance(callback, MEASURING_CALLBACKS)
                 for name, value in callback.result.items()}
@@ -112,7 +114,8 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         # A step watched for its CPU memory peak (memory/peak_rank) is slowed by the watching:
         # its time is no measurement to hold a prediction to.
         timed = "memory/peak_rank" not in summary
-        summary.update(_prediction(built, summary.get("perf/step_time_s") if timed else None))
+        if prediction is not None:  # made before launch (app.run.predict_once): held to the step measured
+            summary.update(prediction.held_to(summary.get("perf/step_time_s") if timed else None))
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
         _plot_label_histograms(summary)
@@ -191,16 +194,6 @@ def _plot_label_histograms(summary: dict) -> None:
 
         plot = plot_label_histograms(histograms, os.path.join(summary["output_dir"], "label_histograms.png"))
         summary["data"]["label_histograms_plot"] = plot
-
-
-def _prediction(built: BuiltRun, measured_step_s: float | None) -> dict:
-    """The planner's prediction for this run (``plan/*``), beside what it measured."""
-    from litscale.app.plan.runs import predicted_for_run
-
-    try:
-        return predicted_for_run(built.config, built.choices, built.layout, measured_step_s)
-    except Exception as error:  # a prediction is a comparison, never a reason for a run to fail
-        return {"plan/error": f"{type(error).__name__}: {error}".splitlines()[0]}
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
