@@ -1,4 +1,4 @@
-"""A checkpoint is complete or invisible (``litscale.atomic_checkpoint``): a process killed at
+"""A checkpoint is complete or invisible (``litscale.checkpoint.atomic``): a process killed at
 any moment of a save leaves the newest complete checkpoint for ``ckpt_path=auto`` to resume.
 
 ``scripts/save_twice.py`` saves version 1 of ``last.ckpt`` through a litscale strategy, then
@@ -20,8 +20,8 @@ import pytest
 import torch
 from helpers.cli import REPO, cli_env
 
-from litscale.atomic_checkpoint import staging_path
-from litscale.checkpoints import is_complete_checkpoint, newest_last_checkpoint
+from litscale.checkpoint.atomic import staging_path
+from litscale.checkpoint.resume import is_complete_checkpoint, newest_last_checkpoint
 
 pytestmark = pytest.mark.slow  # each kill is a fresh interpreter
 

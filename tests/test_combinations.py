@@ -39,7 +39,7 @@ from helpers.inprocess import train_job_on_pool
 from helpers.run_trace import RunTrace, differences, read_trace
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from litscale.checkpoints import is_complete_checkpoint
+from litscale.checkpoint.resume import is_complete_checkpoint
 from litscale.errors import ConfigError
 
 # fp32 parity with a single-process run (PyTorch's defaults), bf16's looser bar (DESIGN.md).

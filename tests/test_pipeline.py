@@ -167,7 +167,7 @@ def test_pipeline_and_3d_mesh_errors_are_one_line(kwargs, message):
 
 
 def test_3d_mesh_sizes_resolve_and_valid_setups_pass():
-    from litscale.strategies.mesh import MeshSizes, resolve_mesh_sizes
+    from litscale.parallel.layout import MeshSizes, resolve_mesh_sizes
 
     assert resolve_mesh_sizes(8, pipeline=2, data=None, tensor=2) == MeshSizes(2, 2, 2)
     assert resolve_mesh_sizes(4, pipeline=None, data=1, tensor=2) == MeshSizes(2, 1, 2)

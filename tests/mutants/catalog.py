@@ -99,14 +99,13 @@ def _experts_divided_by_expert_data_ranks(original):
     every data rank: each rank's expert gradient already sums its expert-parallel peers' tokens,
     so it comes out ``expert_parallel_size`` times too large."""
 
-    def apply_expert_parallel(module, mesh, *, expert_parallel_size, borrowed_dims, **options):
-        from litscale.declarations import find_expert_modules
+    def apply_expert_parallel(module, expert_mesh, expert_data_mesh, **options):
+        from litscale.parallel.declarations import find_expert_modules
 
-        original(module, mesh, expert_parallel_size=expert_parallel_size, borrowed_dims=borrowed_dims, **options)
-        if expert_parallel_size > 1:
-            expert_data_ranks = mesh[borrowed_dims].size() // expert_parallel_size
+        original(module, expert_mesh, expert_data_mesh, **options)
+        if expert_mesh.size() > 1:
             for experts in find_expert_modules(module):
-                experts.set_gradient_divide_factor(expert_data_ranks)
+                experts.set_gradient_divide_factor(expert_data_mesh.size())
 
     return apply_expert_parallel
 
@@ -118,7 +117,7 @@ def _replica_groups_summed(original):
         import torch
         from torch.distributed import ReduceOp
 
-        from litscale.fault_tolerance import _local
+        from litscale.reliability.replica_groups import _local
 
         grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
         if not grads:
@@ -218,7 +217,7 @@ def _lr_scaled_twice(original):
     """The LR-scaling rule applied again to the LR it had already scaled."""
 
     def setup(self, trainer, pl_module, stage):
-        from litscale.lr_scaling import scaled_lr
+        from litscale.optim.lr_scaling import scaled_lr
 
         original(self, trainer, pl_module, stage)
         if self.lr is not None:
@@ -262,8 +261,8 @@ def _resume_one_micro_batch_behind(original):
     """A resume that starts each rank one micro batch before where the checkpoint stopped (the
     batch in flight at the save counted as not trained): that batch is trained twice."""
 
-    def resume_point(self, sampler, num_replicas):
-        point = original(self, sampler, num_replicas)
+    def resume_point(self, num_replicas):
+        point = original(self, num_replicas)
         if point is None or point[1] == 0:
             return point
         return point[0], point[1] - self.batch_size
@@ -337,11 +336,11 @@ def _published_before_its_last_file(original):
 
         import torch
 
-        from litscale import contract
-        from litscale.atomic_checkpoint import staging_path
+        from litscale.checkpoint import strategy_checkpointing
+        from litscale.checkpoint.atomic import staging_path
 
         path = os.path.abspath(str(filepath))
-        staging, save, publish, published = staging_path(path), torch.save, contract.publish, []
+        staging, save, publish, published = staging_path(path), torch.save, strategy_checkpointing.publish, []
 
         def save_into_published(obj, file, *args, **kwargs):
             if isinstance(file, str | os.PathLike) and os.path.dirname(os.path.abspath(file)) == staging:
@@ -350,15 +349,15 @@ def _published_before_its_last_file(original):
                 file = os.path.join(path, os.path.basename(file))
             return save(obj, file, *args, **kwargs)
 
-        def publish_once(staged, target):
+        def publish_once(staged, target, **options):
             if not published:
-                publish(staged, target)
+                publish(staged, target, **options)
 
-        torch.save, contract.publish = save_into_published, publish_once
+        torch.save, strategy_checkpointing.publish = save_into_published, publish_once
         try:
             return original(self, checkpoint, filepath, storage_options)
         finally:
-            torch.save, contract.publish = save, publish
+            torch.save, strategy_checkpointing.publish = save, publish
 
     return save_checkpoint
 
@@ -407,7 +406,7 @@ _ROWS = [
            (f"{PARITY}[moe_fsdp_ep2-2ranks-sgd]",)),
     Mutant("replica-groups-sum-not-mean", "fault_tolerance=replicas reduces the gradients over the replica groups "
            "with a sum, not a mean (every gradient x the groups)",
-           "litscale.fault_tolerance:ReplicaFaultTolerance.on_before_optimizer_step", _replica_groups_summed,
+           "litscale.reliability.replica_groups:ReplicaFaultTolerance.on_before_optimizer_step", _replica_groups_summed,
            ("tests/test_fault_tolerance.py::test_the_groups_average_their_gradients_over_the_quorum",)),
     Mutant("local-sgd-sum-not-mean", "local SGD's synchronisation takes the replicas' summed parameters for their "
            "mean (its all-reduce not divided by the world size: x 2 on 2 ranks)",
@@ -423,7 +422,7 @@ _ROWS = [
     # A collective missing or doubled.
     Mutant("gradient-norm-all-reduced-twice", "the gradient norm across the mesh all-reduces its sum of squares "
            "twice: the logged train/grad_norm (and clipping's divisor) sqrt(2) too large on 2 ranks",
-           "litscale.strategies.mesh:gradient_norm_across_mesh", _norm_all_reduced_twice,
+           "litscale.parallel.gradient_norm:gradient_norm_across_mesh", _norm_all_reduced_twice,
            (f"{PARITY}[fsdp_reshard-2ranks-sgd]",)),
     Mutant("moe-load-not-all-reduced", "the MoE bias update reads each rank's own routing counts: the load's "
            "all-reduce over the ranks is missing", "litscale.callbacks.moe:summed_over_ranks",
@@ -435,17 +434,17 @@ _ROWS = [
            ("tests/test_moe.py::test_causal_lm_module_adds_the_aux_loss_once",)),
     Mutant("batch-norm-statistics-not-carried", "determinism=layout_invariant never carries the chunks' mean "
            "running statistics into the network's batch norms",
-           "litscale.determinism:LayoutInvariance._carry_statistics", _statistics_not_carried,
+           "litscale.reliability.determinism:LayoutInvariance._carry_statistics", _statistics_not_carried,
            ("tests/test_determinism.py::test_batch_norm_statistics_after_a_step_are_the_mean_of_the_chunks",)),
     Mutant("lr-scaled-twice", "the LR-scaling rule is applied twice (x 4 instead of x 2 at twice the base batch)",
-           "litscale.lr_scaling:LRScaling.setup", _lr_scaled_twice,
+           "litscale.optim.lr_scaling:LRScaling.setup", _lr_scaled_twice,
            ("tests/test_lr_scaling.py::test_resume_at_another_global_batch_rescales_the_restored_schedule",)),
     Mutant("mup-router-taken-for-hidden", "µP takes a router (only its fan-in grows) for a hidden matrix: its init "
-           "multiplier 1/sqrt(m), not 1/m", "litscale.mup:WidthScaling._role", _router_as_hidden,
+           "multiplier 1/sqrt(m), not 1/m", "litscale.optim.mup:WidthScaling._role", _router_as_hidden,
            ("tests/test_mup.py::test_a_router_is_a_readout_and_experts_are_hidden",)),
     # Moves, resumes, data, exports, compression, saves.
     Mutant("deepspeed-move-moments-rotated", "a ZeRO checkpoint moved to another strategy gives each parameter its "
-           "neighbour's Adam moments", "litscale.deepspeed_moves:deepspeed_as_file_checkpoint", _moments_rotated,
+           "neighbour's Adam moments", "litscale.checkpoint.deepspeed:deepspeed_as_file_checkpoint", _moments_rotated,
            ("tests/test_deepspeed_moves.py::test_every_parameter_and_moment_is_put_back_whole_from_its_fragments",)),
     Mutant("resume-one-micro-batch-behind", "a resume restarts each rank one micro batch before where the checkpoint "
            "stopped: that batch is trained twice", "litscale.data.base:ShardedDataModule._resume_point",
@@ -460,13 +459,13 @@ _ROWS = [
            ("tests/test_reliability.py::test_stop_signal_saves_checkpoint_and_auto_resume_reproduces_losses"
             "[ddp-sigterm]",)),
     Mutant("tp-export-of-local-shards", "the export of a tensor-parallel network writes each rank's local shard, not "
-           "the gathered tensor", "litscale.export:_rank_state_dict", _export_of_the_local_shard,
+           "the gathered tensor", "litscale.checkpoint.export:_rank_state_dict", _export_of_the_local_shard,
            ("tests/test_tensor_parallel.py::test_strategy_tp2_fits_like_single_process_and_checkpoint_loads_unsharded",)),
     Mutant("compression-residual-dropped", "gradient compression with error feedback drops the residual",
            "litscale.compression.allgather:encode_with_error_feedback", _residual_dropped,
            ("tests/test_compression.py::test_error_feedback_loses_nothing_over_two_steps[topk]",)),
     Mutant("published-before-its-last-file", "a sharded checkpoint is published when its shards are written, before "
-           "its last file (meta.pt)", "litscale.contract:StrategyContract.save_checkpoint",
+           "its last file (meta.pt)", "litscale.checkpoint.strategy_checkpointing:StrategyCheckpointing.save_checkpoint",
            _published_before_its_last_file,
            ("tests/test_atomic_checkpoints.py::test_a_save_is_published_only_after_its_last_file",)),
 ]

@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
-from litscale.callbacks.watchdog import after_fit
+from litscale.health.beats import after_fit
 
 EXPORT_FILENAME = "model.pt"
 HF_DIRNAME = "hf"
@@ -40,7 +40,7 @@ def _strip_prefix(state_dict: dict, prefix: str) -> dict:
 def consolidated_state_dict(trainer: Trainer, module: LightningModule) -> dict[str, torch.Tensor]:
     """The full, unsharded ``state_dict`` of ``module.net`` (or of ``module`` if it has no
     ``net``) on CPU. A collective: every rank must call it; rank 0's result is complete."""
-    from litscale.contract import contract_value
+    from litscale.parallel.contract import contract_value
 
     splits_layers = contract_value(trainer.strategy, "splits_layers_over_ranks")
     state = _rank_state_dict(trainer, module, every_rank=splits_layers)
@@ -78,7 +78,7 @@ def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
                  hugging_face: bool = False) -> str:
     """Write ``<output_dir>/model.pt`` (rank 0) and return its path (on every rank); with
     ``hugging_face``, from the same gathered weights, also ``<output_dir>/hf/``, a
-    transformers directory (``litscale.hf_export``: model=llama and model=hf)."""
+    transformers directory (``litscale.models.hf_writing``: model=llama and model=hf)."""
     state_dict = consolidated_state_dict(trainer, module)
     path = os.path.abspath(os.path.join(output_dir, EXPORT_FILENAME))
     if trainer.is_global_zero:
@@ -86,7 +86,9 @@ def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
         torch.save(state_dict, path + ".tmp")
         os.replace(path + ".tmp", path)
         if hugging_face:
-            from litscale.hf_export import save_hf_directory  # transformers: an optional extra
+            from litscale.models.hf_writing import (
+                save_hf_directory,  # transformers: an optional extra
+            )
 
             save_hf_directory(getattr(module, "net", module), state_dict, os.path.join(output_dir, HF_DIRNAME))
     after_fit(trainer, "export", "barrier")  # where a rank waits for rank 0's save
