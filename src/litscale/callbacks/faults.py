@@ -97,9 +97,10 @@ class InjectFault(Callback):
         the group the replicas' callback was handed."""
         from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
-        group = next((c.group for c in trainer.callbacks if isinstance(c, ReplicaFaultTolerance)), 0)
-        if self.replica_group is not None and group != self.replica_group:
-            return False
+        if self.replica_group is not None:
+            group = next((c.group for c in trainer.callbacks if isinstance(c, ReplicaFaultTolerance)), 0)
+            if group != self.replica_group:
+                return False
         return self.rank is None or trainer.global_rank == self.rank
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
