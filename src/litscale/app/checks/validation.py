@@ -5,8 +5,10 @@ The schema is the code itself: every ``_target_`` is a typed keyword-only constr
 node's keys and values are checked against that constructor's signature (pydantic, through
 ``litscale.arguments``, with the ranges of ``litscale.constraints``). Keys that are not
 constructor arguments (``seed``, ``ckpt_path``, the precision group) are described by the
-dataclasses below. Cross-group rules (task pairing, devices vs the machine, precision vs
-accelerator) follow.
+dataclasses of ``schemas``. Cross-group rules follow, in ``validate``'s order: task pairing,
+widths, the strategy's own refusals (``contract``), devices vs the machine (``devices``), the
+layout (checked by the strategy's contract), the checkpoint resumed (``checkpoint``), the run
+modes (determinism, ``fault_tolerance``), the packages the ranks import (``extras``).
 
 Every problem is a ``ConfigError`` whose message is one line naming the key, the bad value
 and what is allowed.
