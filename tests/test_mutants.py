@@ -57,3 +57,34 @@ def test_the_readme_table_lists_exactly_the_catalogs_rows():
     assert listed == list(CATALOG.MUTANTS)
     targets = re.findall(r"^\| \*\*[\w-]+\*\*: .*? \| `([^`]+)` \|", block, re.M)
     assert targets == [mutant.target for mutant in CATALOG.MUTANTS.values()]
+
+
+def _arguments_of(function) -> tuple[list[object], dict[str, object]]:
+    """One call's arguments as ``function``'s callers pass them: its positional parameters by
+    position, its keyword-only ones by name (each a placeholder; nothing is called)."""
+    positional, keywords = [], {}
+    for parameter in inspect.signature(function, follow_wrapped=False).parameters.values():
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            positional.append(object())
+        elif parameter.kind is parameter.KEYWORD_ONLY:
+            keywords[parameter.name] = object()
+    return positional, keywords
+
+
+@pytest.mark.parametrize("mutant", CATALOG.MUTANTS.values(), ids=lambda mutant: mutant.name)
+def test_each_row_replaces_its_function_with_one_its_callers_can_call(mutant):
+    """The replacement takes the arguments the function does: a signature that drifted (a
+    parameter added or dropped in ``src``) raises TypeError where the defect should act, which
+    fails the row's tests for the wrong reason and reads as caught."""
+    module_name, qualname = mutant.target.split(":")
+    holder = importlib.import_module(module_name)
+    *owners, attribute = qualname.split(".")
+    for owner in owners:
+        holder = getattr(holder, owner)
+    found = inspect.getattr_static(holder, attribute)
+    original = found.__func__ if isinstance(found, staticmethod | classmethod) else found
+    positional, keywords = _arguments_of(original)
+    try:
+        inspect.signature(mutant.wrap(original), follow_wrapped=False).bind(*positional, **keywords)
+    except TypeError as error:
+        raise AssertionError(f"{mutant.name}: {mutant.target}'s replacement cannot be called as it is: {error}") from None

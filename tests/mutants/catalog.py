@@ -302,12 +302,12 @@ def _rng_restored_at_load(original):
 def _export_of_the_local_shard(original):
     """A DTensor network exported as each rank's local shards (``to_local``), not gathered whole."""
 
-    def rank_state_dict(trainer, module):
+    def rank_state_dict(trainer, module, **options):
         from torch.distributed.tensor import DTensor
 
         net = getattr(module, "net", module)
         if not any(isinstance(p, DTensor) for p in net.parameters()):
-            return original(trainer, module)
+            return original(trainer, module, **options)
         return {name: (value.to_local() if isinstance(value, DTensor) else value).detach().cpu().clone()
                 for name, value in net.state_dict().items()}
 
