@@ -154,7 +154,7 @@ def test_here_resumes_only_from_the_runs_own_dir_never_another_job_of_its_name(t
     start is fresh even where another job of the sweep has saved."""
     from helpers.configs import compose_job
 
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     monkeypatch.setenv("LITSCALE_OUTPUTS", str(tmp_path))
     sweep = tmp_path / "default" / "multiruns" / "2026-11-28_10-00-00"

@@ -223,7 +223,7 @@ def reference_of(combination: Combination, root: Path) -> tuple[Checked, dict] |
     the global micro batch (every layout trains step ``k`` on the same samples, and logs their
     mean loss); ``None`` where the result differs by design (compression, local SGD, a model
     whose loss takes statistics of the rank's micro batch)."""
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     if combination.compression != "none" or combination.strategy in NO_REFERENCE + ("single",):
         return None  # (one process is its own reference; a parallel strategy on one rank has one)

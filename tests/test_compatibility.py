@@ -10,10 +10,10 @@ import pytest
 from helpers.configs import compose_job
 from helpers.inprocess import refusal_on_pool
 
+from litscale.app.checks.contract import check_strategy_accepts
+from litscale.app.checks.validation import validate
 from litscale.app.compatibility import HEADINGS, render, strategy_nodes
 from litscale.app.compatibility import strategy_rows as _strategy_rows
-from litscale.app.contract_checks import check_strategy_accepts
-from litscale.app.validation import validate
 from litscale.errors import ConfigError
 from litscale.parallel.contract import Option, why_not
 

@@ -34,9 +34,9 @@ from litscale.app.build import (
     build_run,
     build_strategy,
 )
-from litscale.app.devices import CPU_PRECISIONS
-from litscale.app.safety import locate_target
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.devices import CPU_PRECISIONS
+from litscale.app.checks.safety import locate_target
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.arguments import signature_annotations
 from litscale.compression import CommHook
 from litscale.modules import TaskModule

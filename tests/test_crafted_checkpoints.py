@@ -111,7 +111,7 @@ def test_a_crafted_checkpoint_under_any_form_of_ckpt_path_runs_nothing_and_is_re
         tmp_path, outputs_root, form):
     from helpers.configs import compose_job
 
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     marker, run_dir = tmp_path / "MARKER", tmp_path / "run"
     typed, resolved = _place(form, outputs_root, run_dir, marker)

@@ -138,7 +138,7 @@ def test_an_optimizer_without_adams_moments_cannot_move_either(tmp_path, stage3)
 def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_starts(tmp_path):
     from omegaconf import OmegaConf
 
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
     from litscale.errors import ConfigError
     from litscale.strategies.fsdp import FSDPStrategy
 
@@ -174,7 +174,7 @@ def test_another_strategys_checkpoint_goes_into_zero_with_adam_only(tmp_path, st
     from helpers.configs import compose_job
 
     from litscale.app.build import build_strategy
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
     from litscale.errors import ConfigError
 
     path = str(tmp_path / "last.ckpt")
@@ -200,7 +200,7 @@ def test_a_deepspeed_checkpoint_moves_into_another_zero_layout_with_adam_and_not
     from helpers.configs import compose_job
 
     from litscale.app.build import build_strategy
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
     from litscale.checkpoint.deepspeed import reads_as_saved
     from litscale.errors import ConfigError
 
@@ -336,7 +336,7 @@ def test_a_sharded_directory_of_sgd_into_zero_is_refused_by_what_its_optimizer_k
     from omegaconf import OmegaConf
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
     from litscale.errors import ConfigError
     from litscale.strategies import DeepSpeedZeroStrategy
 

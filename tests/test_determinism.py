@@ -16,7 +16,7 @@ from helpers.configs import compose_job
 from helpers.distributed import run_distributed
 from helpers.strategies import ddp, fsdp
 
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.reliability import determinism
 from litscale.reliability.determinism import LayoutInvariance, _Subtree, tree_sum
 

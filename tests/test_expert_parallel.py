@@ -98,7 +98,7 @@ EP = ["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
     ids=["ranks", "experts", "dense", "tensor-parallel-ranks", "with-context-parallel"],
 )
 def test_a_bad_expert_parallel_size_is_one_line(overrides, message, tmp_path, outputs_root):
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     cfg, choices = compose_job(overrides, tmp_path / "run")
     with pytest.raises(ConfigError) as error:

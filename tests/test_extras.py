@@ -1,6 +1,6 @@
 """A config that needs an optional package (an extra of ``pyproject.toml``) that is not
 installed is refused in one line naming what asked for it and the ``pip install`` line, before
-any run dir or rank exists (``litscale.extras``, ``litscale.app.extras_checks``).
+any run dir or rank exists (``litscale.extras``, ``litscale.app.checks.extras``).
 
 The checks run in this process (``check_command_line``, the pre-flight ``train.py`` runs before
 Hydra makes a run dir), with the package hidden from ``importlib.util.find_spec``; the tests
@@ -100,8 +100,8 @@ def test_a_jobs_packages_are_checked_where_its_ranks_start(hidden, tmp_path, out
     machine, or is only planned, which imports nothing, does not ask for it."""
     from helpers.configs import compose_job
 
-    from litscale.app.extras_checks import check_job_extras
-    from litscale.app.validation import validate
+    from litscale.app.checks.extras import check_job_extras
+    from litscale.app.checks.validation import validate
     from litscale.errors import ConfigError
 
     hidden(("torchao",))

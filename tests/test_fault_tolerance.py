@@ -22,8 +22,8 @@ import torch
 from helpers.cli import explain, final_weights, run_in_own_group
 from helpers.configs import compose_job
 
+from litscale.app.checks.validation import validate
 from litscale.app.replica_launch import _spec_of_group, costs, describe, group_dir, job_throughput
-from litscale.app.validation import validate
 from litscale.errors import ConfigError
 from litscale.reliability.replica_groups import ReplicaGroup, steps_log_path
 
@@ -71,7 +71,7 @@ def test_a_replica_setting_that_cannot_train_right_is_refused_in_one_line(tmp_pa
 @pytest.mark.slow  # a Hydra composition and a validation: 1-3 s
 @pytest.mark.slow  # a Hydra composition: 1-3 s
 def test_the_groups_ranks_together_must_fit_the_machine(tmp_path):
-    from litscale.app.fault_tolerance_checks import check_every_group_fits
+    from litscale.app.checks.fault_tolerance import check_every_group_fits
     from litscale.parallel.layout import MeshSizes, RunLayout
     from litscale.planner.machine import cores
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.configs import compose_job
 
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.optim.lr_scaling import LRScaling
 from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
 from litscale.parallel.mesh import world_layout

@@ -16,8 +16,8 @@ from helpers.cli import explain
 from helpers.configs import compose_job
 from helpers.inprocess import train_on_pool
 
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.app.mup_check import CoordinateCheck, main
-from litscale.app.validation import ConfigError, validate
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.models.moe import MoEConfig, MoEDecoder
 from litscale.modules import weight_decay_groups

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from helpers.configs import compose_job
 from omegaconf import OmegaConf
 
+from litscale.app.checks.validation import meta_net, validate
 from litscale.app.plan.dry_run import REPLICATED_MESH, built_in_this_process, built_on_fake_world
 from litscale.app.plan.ranking import configured_plan, facts_of
-from litscale.app.validation import meta_net, validate
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import memory_per_rank
 

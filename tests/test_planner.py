@@ -148,8 +148,8 @@ def test_precision_fp8_runs_its_float8_layers_share_of_the_flops_at_the_float8_p
 def test_a_runs_precision_fp8_is_the_plans_float8(tmp_path):
     from helpers.configs import compose_job
 
+    from litscale.app.checks.validation import validate
     from litscale.app.plan import ranking as plan_module
-    from litscale.app.validation import validate
 
     for precision, float8 in (("fp8", True), ("bf16_mixed", False)):
         cfg, choices = compose_job([f"precision={precision}", "cluster=h100_8x"], tmp_path / precision)
@@ -444,10 +444,10 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     from helpers.configs import compose_job
 
     from litscale.app.build import build
+    from litscale.app.checks.validation import validate
     from litscale.app.plan import profile as plan_profile
     from litscale.app.plan import ranking as plan_module
     from litscale.app.plan.runs import predict_run
-    from litscale.app.validation import validate
     from litscale.planner import profile_cache
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
@@ -568,7 +568,7 @@ def test_a_failed_verify_job_is_recorded_and_the_plans_after_it_still_run(tmp_pa
 def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
     from helpers.configs import compose_job
 
-    from litscale.app.validation import ConfigError, validate
+    from litscale.app.checks.validation import ConfigError, validate
 
     cfg, choices = compose_job(["plan=show", "cluster=h100_8x", "cluster.nodes=0"], tmp_path / "run")
     with pytest.raises(ConfigError) as error:

@@ -11,7 +11,7 @@ import torch
 from helpers.configs import compose_job
 from torch.utils.flop_counter import FlopCounterMode
 
-from litscale.app.contract_checks import chosen_options, run_settings
+from litscale.app.checks.contract import chosen_options, run_settings
 from litscale.app.plan.runs import facts_of
 from litscale.optim.muon import MATRIX, newton_schulz, newton_schulz_flops, parameter_roles
 from litscale.parallel.layout import MeshSizes

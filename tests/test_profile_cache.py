@@ -25,10 +25,10 @@ def cached_run(tmp_path, monkeypatch):
     """A DDP-less GPT-nano run on a made-up calibration, its model 'timed' by a made-up child
     (seconds recorded in ``timed``) and cached as ``plan=show`` does."""
     from litscale.app.build import build
+    from litscale.app.checks.validation import validate
     from litscale.app.plan import profile as plan_profile
     from litscale.app.plan import ranking
     from litscale.app.plan.runs import predict_run, record_contradiction
-    from litscale.app.validation import validate
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
     monkeypatch.delenv(machine.MAX_LOAD_ENV, raising=False)

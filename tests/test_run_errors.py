@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers.configs import compose_job
 
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.checkpoint.resume import resolve_ckpt_path
 
 

@@ -20,7 +20,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer, see
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from litscale.app.safety import allowed_prefixes, check_targets, locate_target
+from litscale.app.checks.safety import allowed_prefixes, check_targets, locate_target
 from litscale.arguments import signature_annotations
 from litscale.parallel.layout import RunLayout
 from litscale.precision import PrecisionDtypes

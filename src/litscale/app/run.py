@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
+from litscale.app.checks.safety import config_without_environment
+from litscale.app.checks.validation import only_planned, planning, resume_search_dir, validate
 from litscale.app.launch import external_rank, launch, wait_for_the_cause
 from litscale.app.prediction import RunPrediction
 from litscale.app.run_log import log_printed_lines
-from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
-from litscale.app.validation import only_planned, planning, resume_search_dir, validate
 from litscale.parallel.layout import RunLayout
 
 if TYPE_CHECKING:

@@ -272,7 +272,7 @@ class ShardedDataModule(LightningDataModule):
                                 ranks=num_replicas, block=self.rank_block)
         if point.skipped:
             reason = unshared_position(epoch, samples, ranks=num_replicas, block=self.rank_block)
-            if not self.elastic:  # the app refuses it before launch (litscale.app.resume_checks)
+            if not self.elastic:  # the app refuses it before launch (litscale.app.checks.checkpoint)
                 raise ValueError(f"trainer.devices: {reason}; allowed: a count of data-parallel ranks that divides "
                                  f"it, elastic=true to skip ahead to sample {samples + point.skipped}, or start "
                                  "fresh with ckpt_path=null")

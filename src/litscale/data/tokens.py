@@ -103,7 +103,7 @@ class TokenDataModule(ShardedDataModule):
     """
 
     task = "causal_lm"
-    #: litscale.app.validation prepares and sets up the data before any rank starts.
+    #: litscale.app.checks.validation prepares and sets up the data before any rank starts.
     prepare_before_launch = True
 
     @checked_arguments("data")

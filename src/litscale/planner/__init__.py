@@ -5,5 +5,7 @@ Library modules, no Hydra: ``cluster`` (the machines), ``model_facts`` (what a m
 FLOPs and activation bytes traced on the meta device), ``plan`` (one way to run), ``cost``
 (its prediction), ``strategies`` (the registered strategies, each built and asked why it
 refuses a plan), ``search`` (every plan for a world size and global batch, pruned with
-reasons, ranked).
+reasons, ranked), ``calibrate`` (this machine's figures), ``trust`` and the caches of facts
+and timed profiles. The app asks it before launch (``plan=show|auto``, and each run's own
+prediction); nothing of it runs on a rank.
 """

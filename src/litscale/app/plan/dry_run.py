@@ -77,7 +77,7 @@ def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
     from torch import nn
 
     from litscale.app.build import build_strategy
-    from litscale.app.validation import meta_net
+    from litscale.app.checks.validation import meta_net
     from litscale.parallel.contract import contract_value
 
     cfg = OmegaConf.create(run_config)

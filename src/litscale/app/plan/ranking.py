@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.app.contract_checks import chosen_options, run_settings
+from litscale.app.checks.contract import chosen_options, run_settings
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
 from litscale.app.plan.verify import aligned
 from litscale.errors import ConfigError
@@ -124,7 +124,7 @@ def pick_layout(cfg: DictConfig, choices: dict[str, str]) -> tuple[list[str], st
     taken where the trial's model group ranks its plans as measured (``litscale.planner.trust``)
     or where the given layout would not fit the device's memory (by the formula: no strategy is
     built here, as ``plan=show`` builds one, to keep each trial's planning to the cost model)."""
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
     from litscale.planner.cost import predict
 
     layout = validate(cfg, choices=choices, this_machine=False)
@@ -238,7 +238,7 @@ def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayo
     ``built``: the bytes of parameters rank 0 holds. NOTE: each rank's step runs here for real,
     one after the other, so a what-if at hundreds of ranks or of a model larger than this
     machine is not traced (``preflight.collectives=true`` traces any run that starts here)."""
-    from litscale.app.collective_check import check_collectives, not_traced_reason
+    from litscale.app.checks.collectives import check_collectives, not_traced_reason
 
     strategy = choices.get("strategy", "")
     reason = not_traced_reason(strategy, cfg) if layout.world_size > 1 else None
@@ -304,7 +304,7 @@ def _verify(cfg: DictConfig, cluster: Cluster, choices: dict[str, str], top: lis
     """Measure ``top`` here, each written as ``<plan_dir>/experiment/verify_<i>.yaml``; return the
     plan measured fastest (None when none could be measured), after saying where the predicted
     order was wrong."""
-    from litscale.app.devices import resolve_accelerator
+    from litscale.app.checks.devices import resolve_accelerator
     from litscale.app.plan.verify import check_verifiable, order_mistakes, table, verify
 
     reason = check_verifiable(cluster)

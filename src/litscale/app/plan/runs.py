@@ -125,8 +125,8 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     ``planner.facts_cache``); a mixture of experts' load
     imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
     of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
-    from litscale.app.safety import locate_target
-    from litscale.app.validation import meta_net
+    from litscale.app.checks.safety import locate_target
+    from litscale.app.checks.validation import meta_net
     from litscale.optim.muon import wants_parameter_roles
     from litscale.planner import facts_cache
 

@@ -56,7 +56,7 @@ def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunL
 def check_every_group_fits(cfg: DictConfig, layout: RunLayout, typed: str) -> None:
     """Every group has devices of its own on this machine (GPUs are split between the groups;
     CPU ranks beyond the cores only with launcher.oversubscribe=true, as for one job)."""
-    from litscale.app.devices import machine_device_count, resolve_accelerator
+    from litscale.app.checks.devices import machine_device_count, resolve_accelerator
 
     accelerator = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
     available, ranks = machine_device_count(accelerator), layout.replica_processes

@@ -1,6 +1,6 @@
 """Validation of the devices a run asks for: that they exist on this machine, that the
 strategy fits their count, and that the precision runs on their accelerator. Part of
-``litscale.app.validation``; every problem a one-line ``ConfigError``."""
+``litscale.app.checks.validation``; every problem a one-line ``ConfigError``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig
 
-from litscale.app.safety import locate_target
+from litscale.app.checks.safety import locate_target
 from litscale.errors import ConfigError
 from litscale.parallel.contract import contract_value
 
@@ -116,7 +116,7 @@ def check_devices(cfg: DictConfig, choices: dict[str, str], *, this_machine: boo
 def check_float8_machine(precision: str | None, accelerator: str) -> None:
     """Float8 matmuls (torchao's float8 training) need a CUDA GPU of compute capability 8.9+
     (Ada, Hopper, Blackwell); the ``torchao`` package is checked with the other optional
-    packages (``litscale.app.extras_checks``)."""
+    packages (``litscale.app.checks.extras``)."""
     import torch
 
     if accelerator != "gpu" or torch.cuda.get_device_capability() < (8, 9):

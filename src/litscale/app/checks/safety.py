@@ -18,13 +18,53 @@ from litscale.errors import ConfigError
 TRUSTED_PREFIXES = ("litscale.", "torch.", "lightning.", "pytorch_optimizer.")
 
 
+# Modules that moved out of the package root into its packages (old -> new): a config that
+# still names a class at its old place is told, in one line, where it is now.
+MOVED_MODULES = {
+    "litscale.async_checkpoint": "litscale.checkpoint.background",
+    "litscale.atomic_checkpoint": "litscale.checkpoint.atomic",
+    "litscale.checkpoint_moves": "litscale.checkpoint.moves",
+    "litscale.checkpoint_reading": "litscale.checkpoint.reading",
+    "litscale.checkpoints": "litscale.checkpoint.resume",
+    "litscale.deepspeed_moves": "litscale.checkpoint.deepspeed",
+    "litscale.export": "litscale.checkpoint.export",
+    "litscale.contract": "litscale.parallel.contract",
+    "litscale.declarations": "litscale.parallel.declarations",
+    "litscale.layout": "litscale.parallel.layout",
+    "litscale.sharding": "litscale.parallel.sharding",
+    "litscale.determinism": "litscale.reliability.determinism",
+    "litscale.determinism_checks": "litscale.reliability.determinism_checks",
+    "litscale.fault_tolerance": "litscale.reliability.replica_groups",
+    "litscale.optimizers": "litscale.optim.layerwise",
+    "litscale.lr_scaling": "litscale.optim.lr_scaling",
+    "litscale.muon": "litscale.optim.muon",
+    "litscale.mup": "litscale.optim.mup",
+    "litscale.parameter_steps": "litscale.optim.parameter_steps",
+    "litscale.schedulers": "litscale.optim.schedulers",
+    "litscale.hf_export": "litscale.models.hf_writing",
+    "litscale.flops": "litscale.measure.flops",
+    "litscale.step_memory": "litscale.measure.step_memory",
+    "litscale.tensor_bytes": "litscale.measure.tensor_bytes",
+}
+
+
+def moved_target(target: str) -> str | None:
+    """Where ``target`` is now if its module moved (``MOVED_MODULES``); None if it did not."""
+    module, _, name = target.rpartition(".")
+    return f"{MOVED_MODULES[module]}.{name}" if module in MOVED_MODULES else None
+
+
 def locate_target(target: str, path: str) -> Any:
-    """The object a ``_target_`` names (importing its module), or a one-line error."""
+    """The object a ``_target_`` names (importing its module), or a one-line error (naming
+    where it is now, for a class whose module moved)."""
     from hydra.utils import get_object
 
     try:
         return get_object(target)
     except Exception as error:  # Hydra wraps ImportError/AttributeError in its own types
+        now = moved_target(target)
+        if now is not None:
+            raise ConfigError(f"{path}._target_={target!r} moved to {now}; allowed: {path}._target_={now}") from None
         raise ConfigError(f"{path}._target_={target!r} cannot be imported: {error}".splitlines()[0]) from None
 
 

@@ -5,8 +5,10 @@ The schema is the code itself: every ``_target_`` is a typed keyword-only constr
 node's keys and values are checked against that constructor's signature (pydantic, through
 ``litscale.arguments``, with the ranges of ``litscale.constraints``). Keys that are not
 constructor arguments (``seed``, ``ckpt_path``, the precision group) are described by the
-dataclasses below. Cross-group rules (task pairing, devices vs the machine, precision vs
-accelerator) follow.
+dataclasses of ``schemas``. Cross-group rules follow, in ``validate``'s order: task pairing,
+widths, the strategy's own refusals (``contract``), devices vs the machine (``devices``), the
+layout (checked by the strategy's contract), the checkpoint resumed (``checkpoint``), the run
+modes (determinism, ``fault_tolerance``), the packages the ranks import (``extras``).
 
 Every problem is a ``ConfigError`` whose message is one line naming the key, the bad value
 and what is allowed.
@@ -21,14 +23,17 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from litscale.app.checkpoint_checks import check_checkpoint_moves, check_checkpoint_network
-from litscale.app.contract_checks import check_network_accepted, check_strategy_accepts
-from litscale.app.devices import check_devices
-from litscale.app.extras_checks import check_job_extras
-from litscale.app.fault_tolerance_checks import check_fault_tolerance, replica_groups
-from litscale.app.resume_checks import check_resume_position
-from litscale.app.safety import allowed_prefixes, check_targets, locate_target
-from litscale.app.schemas import (
+from litscale.app.checks.checkpoint import (
+    check_checkpoint_moves,
+    check_checkpoint_network,
+    check_resume_position,
+)
+from litscale.app.checks.contract import check_network_accepted, check_strategy_accepts
+from litscale.app.checks.devices import check_devices
+from litscale.app.checks.extras import check_job_extras
+from litscale.app.checks.fault_tolerance import check_fault_tolerance, replica_groups
+from litscale.app.checks.safety import allowed_prefixes, check_targets, locate_target
+from litscale.app.checks.schemas import (
     CheckpointSchema,
     LauncherSchema,
     OptimizerSchema,
@@ -38,7 +43,7 @@ from litscale.app.schemas import (
     RunSchema,
     ScalingSchema,
 )
-from litscale.app.width_checks import check_declared_widths, check_width_options
+from litscale.app.checks.width import check_declared_widths, check_width_options
 from litscale.arguments import (
     check_value,
     describe,

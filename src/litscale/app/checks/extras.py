@@ -26,8 +26,8 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from litscale.app.safety import locate_target
-from litscale.app.schemas import PrecisionSchema, RunSchema
+from litscale.app.checks.safety import locate_target
+from litscale.app.checks.schemas import PrecisionSchema, RunSchema
 from litscale.errors import ConfigError
 from litscale.extras import TENSORBOARD, WANDB, Requirement
 

@@ -86,7 +86,7 @@ class Collective:
 def not_traced_reason(strategy: str, cfg: Any) -> str | None:
     """Why the configured strategy's first step is not traced: its contract's ``untraced``
     (``strategy``, the option's name, is not consulted: the class answers); None: it is."""
-    from litscale.app.safety import locate_target
+    from litscale.app.checks.safety import locate_target
 
     return contract_value(locate_target(cfg.strategy._target_, "strategy"), "untraced")
 

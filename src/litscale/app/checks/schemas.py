@@ -1,6 +1,6 @@
 """The keys of ``conf/`` that are not constructor arguments (the top level, the precision
 group, ``scaling``, ``launcher``, ``preflight``, ``plan``), described as dataclasses whose
-annotations ``litscale.app.validation`` checks a composed config against; a key that makes
+annotations ``litscale.app.checks.validation`` checks a composed config against; a key that makes
 litscale import an optional package is named in the schema's ``requires_when``
 (``litscale.extras``)."""
 

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
-from litscale.app.devices import resolve_accelerator
-from litscale.app.fault_tolerance_checks import replicas_chosen
-from litscale.app.safety import locate_target
-from litscale.app.width_checks import base_width_of, width_rule
+from litscale.app.checks.devices import resolve_accelerator
+from litscale.app.checks.fault_tolerance import replicas_chosen
+from litscale.app.checks.safety import locate_target
+from litscale.app.checks.width import base_width_of, width_rule
 from litscale.errors import ConfigError
 from litscale.optim.muon import adapts_each_tensor, wants_parameter_roles
 from litscale.parallel.contract import (
