@@ -213,3 +213,23 @@ def test_unpacked_positions_are_the_plain_causal_forward():
     tokens = torch.randint(64, (2, 24))
     with torch.no_grad():
         torch.testing.assert_close(net(tokens, torch.arange(24).expand(2, 24)), net(tokens), **TOLERANCE)
+
+
+def test_document_mask_windows_restart_positions_after_each_end_of_text(tmp_path):
+    """``data=tokens`` with ``data.document_mask=true``: packed windows of raw text as
+    ``TokenBatch`` rows whose positions restart after every end-of-text token, every target counted."""
+    import json
+
+    from litscale.data.tokens import TokenDataModule
+
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"doc {n} " + "x" * (n % 7)}) + "\n" for n in range(60)))
+    module = TokenDataModule(seq_len=16, batch_size=2, tokenizer="byte", paths=str(corpus), document_mask=True,
+                             cache_dir=str(tmp_path / "cache"))
+    module.prepare_data()
+    module.setup("fit")
+    row = module.train_dataset[3]
+    assert isinstance(row, TokenBatch) and (row.targets != IGNORE_INDEX).all()
+    ends = (row.tokens == module.tokenizer.eos_id).nonzero().flatten().tolist()
+    assert ends and all(row.positions[end + 1] == 0 for end in ends if end + 1 < 16)
+    assert module.train_dataset.counted_tokens().tolist() == [16] * len(module.train_dataset)

@@ -36,13 +36,14 @@ class ResumableSampler(ResumableOrder, DistributedSampler):
         """This rank's indices for the epoch: every ``num_replicas``-th of the permutation."""
         return DistributedSampler.__iter__(self)
 
-    def epoch_order(self) -> np.ndarray:
-        """The epoch's global order, every rank's samples: the seeded permutation (the index
-        order without ``shuffle``), cut to what the ranks draw."""
+    def epoch_order(self, epoch: int | None = None) -> np.ndarray:
+        """The global order of data epoch ``epoch`` (default: the current one), every rank's
+        samples: the seeded permutation (the index order without ``shuffle``), cut to what the
+        ranks draw."""
         if not self.shuffle:
             return np.arange(self.total_size)
         generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
+        generator.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
         return torch.randperm(len(self.dataset), generator=generator).numpy()[:self.total_size]
 
     def count_steps(self, *, global_batch: int, micro_batch: int) -> None:
@@ -50,6 +51,11 @@ class ResumableSampler(ResumableOrder, DistributedSampler):
         a ``SampleKey`` with the counted fraction of its global batch of ``global_batch``
         samples: every rank computes the same fractions from the shared order, no message."""
         self._steps = (global_batch, micro_batch)
+
+    def drawn_per_epoch(self) -> int:
+        """Samples of a whole epoch's order the ranks draw together (whole micro batches)."""
+        micro = self._steps[1] if self._steps else 1
+        return self.num_samples // micro * micro * self.num_replicas
 
     def keyed(self, order: Iterator[int]) -> Iterator[SampleKey]:
         global_batch, micro_batch = self._steps

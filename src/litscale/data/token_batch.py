@@ -127,3 +127,12 @@ def model_inputs(net, batch: TokenBatch) -> tuple[torch.Tensor, ...]:
     if getattr(net, "attends_within_documents", False):
         return batch.tokens, batch.positions
     return (batch.tokens,)
+
+
+def packs_documents(data) -> str | None:
+    """The data key that packs several documents into a row (``data.pack``, ``data.document_mask``),
+    where ``data`` (a data config) sets one, else None."""
+    for key in ("pack", "document_mask"):
+        if data.get(key):
+            return f"data.{key}"
+    return None
