@@ -216,3 +216,43 @@ def test_a_two_source_mixture_draws_each_source_at_its_weight_through_the_traini
         rows = [row for s, row in drawn if s == source]
         size = len(dataset.sources[source])
         assert sorted(rows[:size]) == list(range(size))
+
+
+@pytest.mark.parametrize("sources, message", [
+    ("[{paths: null, weight: 0}]", "data.sources[0].weight=0 is not valid; allowed: a number above 0"),
+    ("[{paths: null, kind: audio}]", "data.sources[0].kind='audio' is not valid; allowed: sft (conversations) or "
+                                     "text (documents)"),
+    ("[{paths: null}, {paths: null, wieght: 2}]", "data.sources[1].wieght is not a key of a source; allowed: paths, "
+                                                  "weight, kind, name"),
+    ("[]", "data.sources=[] has no source; allowed: a list of {paths, weight, kind}"),
+    ("[{paths: /nowhere/*.jsonl}]", "data.sources[0].paths='/nowhere/*.jsonl' matches no files; allowed: a glob of "
+                                    ".jsonl or .parquet files"),
+])
+def test_a_bad_source_of_a_mixture_is_refused_in_one_line_before_any_rank_starts(tmp_path, sources, message):
+    cfg, choices = compose_job(["model=llama", "data=sft", f"data.sources={sources}", "trainer.accelerator=cpu",
+                                f"data.cache_dir={tmp_path / 'cache'}"], tmp_path / "run")
+    with pytest.raises(ConfigError) as refused:
+        validate(cfg, choices=choices)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resume_of_a_mixture_with_other_weights_is_refused_before_any_rank_starts(tmp_path):
+    """The checkpoint's data state names the sources and weights it drew from: a resume that
+    would draw other rows at the same position is one line, not a run on other data."""
+    checkpoint = tmp_path / "saved.ckpt"
+    drawn = [{"name": "chats", "weight": 0.7, "drawn": 17}, {"name": "more", "weight": 0.3, "drawn": 7}]
+    torch.save({"state_dict": {}, "global_step": 3, "SFTDataModule": {
+        "epoch": 0, "samples_drawn": 24, "seed": 1, "dataset_samples": 900, "sources": drawn}}, checkpoint)
+
+    def resume(weights):
+        sources = ", ".join(f"{{paths: null, weight: {w}, name: {n}}}" for n, w in zip(("chats", "more"), weights,
+                                                                                         strict=True))
+        cfg, choices = compose_job(["model=llama", "data=sft", f"data.sources=[{sources}]", "trainer.accelerator=cpu",
+                                    f"data.cache_dir={tmp_path / 'cache'}", f"ckpt_path={checkpoint}"], tmp_path / "run")
+        return validate(cfg, choices=choices)
+
+    with pytest.raises(ConfigError, match=r"^data.sources=.* is not the mixture the checkpoint was trained on "
+                                          r"\(chats 0.7, more 0.3\); allowed: the checkpoint's sources"):
+        resume((0.5, 0.5))
+    resume((0.7, 0.3))

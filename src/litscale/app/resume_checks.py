@@ -7,7 +7,9 @@ at a position they draw together (``litscale.data.resume.shared_position``). A r
 that cannot share it out is refused here, in one line. An elastic job (``elastic=true``, which
 the Ray and Kubernetes launchers set where the rank count changes on its own) is not: its
 ranks skip ahead to the next position they can share out, and say how many samples that
-skipped (``litscale.data.base.ShardedDataModule``).
+skipped (``litscale.data.base.ShardedDataModule``). A data module whose saved state says more
+(a mixture's sources and weights) says here what a resume cannot continue
+(``saved_state_mismatch``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from litscale.app.safety import locate_target
 from litscale.checkpoint_reading import LIGHTNING_META, is_deepspeed_checkpoint, read_plain
@@ -34,6 +36,11 @@ def check_resume_position(cfg: DictConfig, layout: RunLayout) -> None:
         return
     data_class = locate_target(cfg.data._target_, "data")
     saved = saved_data_state(layout.ckpt_path, getattr(data_class, "__qualname__", ""))
+    mismatch = getattr(data_class, "saved_state_mismatch", None)
+    if saved is not None and mismatch is not None:
+        message = mismatch(saved, OmegaConf.to_container(cfg.data, resolve=True))
+        if message:
+            raise ConfigError(message)
     if saved is None or not all(isinstance(saved.get(key), int) for key in POSITION_KEYS):
         return  # no position saved (another data module), or a format not read before launch
     ranks = layout.data_parallel_size * layout.replica_groups

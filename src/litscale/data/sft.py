@@ -259,6 +259,24 @@ class SFTDataModule(ShardedDataModule):
                                 for s, drawn in zip(self.sources, positions, strict=True)]
         return state
 
+    @staticmethod
+    def saved_state_mismatch(saved: dict[str, Any], data: dict[str, Any]) -> str | None:
+        """Why a checkpoint's data state (``saved``) cannot continue under the data config
+        ``data`` (resolved), in one line, before any rank starts: it drew from other sources or
+        at other weights. None where it can, or where ``data.sources`` is itself wrong (the
+        data module's own check says so)."""
+        try:
+            ours = sources_of(data.get("paths"), data.get("sources"))
+        except ValueError:
+            return None
+        theirs = [(str(s.get("name")), float(s.get("weight", 0))) for s in saved.get("sources") or []]
+        mine = [(s.name, s.weight) for s in ours] if len(ours) > 1 else []
+        if theirs == mine:
+            return None
+        shown = ", ".join(f"{name} {weight:g}" for name, weight in theirs) or "one source (data.paths)"
+        return (f"data.sources={data.get('sources')!r} is not the mixture the checkpoint was trained on ({shown}); "
+                "allowed: the checkpoint's sources, names and weights, or start fresh with ckpt_path=null")
+
     def _continue_restored_order(self) -> None:
         super()._continue_restored_order()
         restored = self._restored_state
