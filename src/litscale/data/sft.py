@@ -42,6 +42,7 @@ from litscale.data.sft_cache import (
     sft_cache_stem,
 )
 from litscale.data.tokenizer import load_tokenizer
+from litscale.data.tokenizer_directory import write_tokenizer_directory
 from litscale.user_paths import user_path
 
 log = logging.getLogger(__name__)
@@ -276,6 +277,11 @@ class SFTDataModule(ShardedDataModule):
         shown = ", ".join(f"{name} {weight:g}" for name, weight in theirs) or "one source (data.paths)"
         return (f"data.sources={data.get('sources')!r} is not the mixture the checkpoint was trained on ({shown}); "
                 "allowed: the checkpoint's sources, names and weights, or start fresh with ckpt_path=null")
+
+    def save_tokenizer(self, directory: str) -> list[str]:
+        """The tokenizer and the chat template this run trained with, as transformers reads them
+        (an exported Hugging Face directory's)."""
+        return write_tokenizer_directory(self.tokenizer, self.template, directory)
 
     def _continue_restored_order(self) -> None:
         super()._continue_restored_order()

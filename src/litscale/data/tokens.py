@@ -22,6 +22,7 @@ from litscale.data.partition import ClientSampler, contiguous_source_clients
 from litscale.data.token_batch import SampleKey, TokenBatch, positions_after_ends, sample_key
 from litscale.data.token_cache import TokenCache, build_cache, cache_stem, is_complete, load_cache
 from litscale.data.tokenizer import load_tokenizer
+from litscale.data.tokenizer_directory import write_tokenizer_directory
 from litscale.user_paths import user_path
 
 __all__ = ["PackedSequences", "TokenDataModule", "missing_paths_error"]
@@ -171,6 +172,10 @@ class TokenDataModule(ShardedDataModule):
     @property
     def tokens_per_sample(self) -> int | None:
         return self.seq_len
+
+    def save_tokenizer(self, directory: str) -> list[str]:
+        """The tokenizer, as transformers reads it (an exported Hugging Face directory's)."""
+        return write_tokenizer_directory(self.tokenizer, None, directory)
 
     def _source(self) -> str:
         return f"data.paths={self.paths!r}" if self.paths is not None else "the standard library"
