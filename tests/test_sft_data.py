@@ -256,3 +256,11 @@ def test_a_resume_of_a_mixture_with_other_weights_is_refused_before_any_rank_sta
                                           r"\(chats 0.7, more 0.3\); allowed: the checkpoint's sources"):
         resume((0.5, 0.5))
     resume((0.7, 0.3))
+
+
+def test_a_template_that_names_no_role_renders_every_role_and_one_that_names_some_knows_only_those():
+    generic = ChatTemplate("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] }}"
+                           "{% endfor %}", "generic", "<|im_end|>")
+    assert generic.knows_role("system") and generic.knows_role("tool")
+    naming = ChatTemplate(CHATML, "chatml", "<|im_end|>")
+    assert naming.knows_role("assistant") and not naming.knows_role("narrator")

@@ -65,7 +65,13 @@ class ChatTemplate:
         """The template names the role (litscale's own: system, user, assistant)."""
         if self.text == BUILTIN_TEMPLATE:
             return role in ROLES
-        return f"'{role}'" in self.text or f'"{role}"' in self.text
+
+        def named(name: str) -> bool:
+            return f"'{name}'" in self.text or f'"{name}"' in self.text
+
+        # A template that names no role at all writes each message's role as it is (ChatML's
+        # generic form): it knows every role.
+        return named(role) or not any(named(name) for name in ROLES)
 
 
 def load_chat_template(tokenizer: str, chat_template: str | None, eos_token: str) -> ChatTemplate:

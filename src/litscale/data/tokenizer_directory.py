@@ -32,6 +32,9 @@ def write_tokenizer_directory(tokenizer: TextTokenizer, template: ChatTemplate |
     own = tokenizer.name != "bpe" and settings.is_file()
     config = json.loads(settings.read_text(encoding="utf-8")) if own else {"tokenizer_class": "PreTrainedTokenizerFast"}
     config["eos_token"] = tokenizer.eos_token
+    # A causal LM takes no token type ids, which a generic fast tokenizer returns unless told:
+    # generate() refuses inputs the model does not use.
+    config.setdefault("model_input_names", ["input_ids", "attention_mask"])
     if template is not None:
         config["chat_template"] = template.text
     (target / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
