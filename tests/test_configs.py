@@ -258,7 +258,7 @@ def check_plan(cfg, choices, tmp_path):
 
 
 def check_determinism(cfg, choices, tmp_path):
-    from litscale.determinism import LayoutInvariance
+    from litscale.reliability.determinism import LayoutInvariance
 
     determinism = build_module(cfg).determinism
     if "_target_" in cfg.determinism:
@@ -269,8 +269,9 @@ def check_determinism(cfg, choices, tmp_path):
 
 def check_fault_tolerance(cfg, choices, tmp_path):
     layout = validate(cfg, choices=choices)
-    assert cfg.fault_tolerance.mode == choices["fault_tolerance"]
-    assert layout.replica_groups == (cfg.fault_tolerance.groups if choices["fault_tolerance"] == "replicas" else 1)
+    replicas = build(cfg.fault_tolerance) if "_target_" in cfg.fault_tolerance else None
+    assert (replicas is not None) == (choices["fault_tolerance"] == "replicas")
+    assert layout.replica_groups == (replicas.groups if replicas is not None else 1)
 
 
 GROUP_CHECKS = {

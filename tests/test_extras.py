@@ -38,7 +38,7 @@ CASES = {
     "transformers-export": (["model=llama", "export_hf=true"], ("transformers",),
                             f"export_hf=true needs the transformers package, {INSTALL} 'litscale[hf]'"),
     "torchft": (["fault_tolerance=replicas", "fault_tolerance.groups=2", "launcher.oversubscribe=true"],
-                ("torchft",), f"fault_tolerance.mode=replicas needs the torchft package, {INSTALL} 'litscale[ft]'"),
+                ("torchft",), f"fault_tolerance=replicas needs the torchft package, {INSTALL} 'litscale[ft]'"),
     "ray": (["-m", "hydra/launcher=ray"], ("ray",),
             f"hydra/launcher=ray needs the ray package, {INSTALL} 'litscale[ray]'"),
     "jsonschema-k8s": (["-m", "hydra/launcher=k8s"], ("jsonschema",),

@@ -23,7 +23,7 @@ def run_dir(tmp_path_factory):
     """A run dir as a data=sft run of model=llama leaves it (its config and model.pt, random
     weights), and its Hugging Face export with the tokenizer, as export_hf=true writes them."""
     from litscale.data.sft import SFTDataModule
-    from litscale.hf_export import save_hf_directory
+    from litscale.models.hf_writing import save_hf_directory
 
     run = tmp_path_factory.mktemp("run")
     cfg, _ = compose_job(["model=llama", "data=sft", "data.seq_len=64"], run)

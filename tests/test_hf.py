@@ -23,12 +23,12 @@ from litscale.models.hf import HFCausalLM, HFModelConfig, build_hf
 from litscale.models.llama import ROPE_SCALINGS, Llama, LlamaConfig
 from litscale.models.moe import MoEConfig, MoEDecoder
 
-# transformers, and litscale.hf_export which imports it, at their first use (helpers.deferred).
+# transformers, and litscale.models.hf_writing which imports it, at their first use (helpers.deferred).
 AutoModelForCausalLM = Deferred("transformers", "AutoModelForCausalLM")
 llama_from_hf = Deferred("litscale.models.llama", "llama_from_hf")
 moe_from_hf = Deferred("litscale.models.moe", "moe_from_hf")
 moe_layout_of = Deferred("litscale.models.moe_config", "moe_layout_of")
-save_hf_directory = Deferred("litscale.hf_export", "save_hf_directory")
+save_hf_directory = Deferred("litscale.models.hf_writing", "save_hf_directory")
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64)
@@ -461,7 +461,7 @@ def test_export_hf_is_refused_in_one_line_where_it_cannot_work(overrides, messag
 
 
 def test_export_hf_is_accepted_for_a_mixture_of_experts(tmp_path, outputs_root):
-    """litscale.hf_export writes a MoE's Hugging Face form (tested above): a run may ask for it."""
+    """litscale.models.hf_writing writes a MoE's Hugging Face form (tested above): a run may ask for it."""
     from litscale.app.validation import validate
 
     cfg, choices = compose_job(["export_hf=true", "model=moe", "data=synthetic", "data.seq_len=32"], tmp_path / "run")
@@ -509,7 +509,7 @@ class ExportAtFitEnd(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         from torch.distributed.tensor import DTensor
 
-        from litscale.export import export_model
+        from litscale.checkpoint.export import export_model
 
         # What is exported is gathered from shards: the translated plan did split the model.
         assert isinstance(pl_module.net.model.layers[0].self_attn.q_proj.weight, DTensor)

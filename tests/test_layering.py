@@ -215,7 +215,7 @@ def test_a_module_that_needs_another_imported_first_fails_alone(tmp_path):
 
 
 def test_modules_that_import_torch_or_lightning_are_forked_after_them():
-    assert _preload("litscale.strategies.mesh") == ("torch", "lightning")
+    assert _preload("litscale.strategies.mesh_strategy") == ("torch", "lightning")
     assert "torch" in _libraries_on_import("litscale.models.gpt")
     assert _preload("litscale.arguments") == ()
 
@@ -244,7 +244,7 @@ def test_the_library_imports_without_hydra():
     """Importing the library (strategies, compression, callbacks, models, data, layout) must
     not load Hydra or OmegaConf: a plain Lightning script never pays for them."""
     code = ("import sys, litscale.strategies, litscale.compression, litscale.callbacks, "
-            "litscale.models, litscale.data, litscale.layout, litscale.lr_scaling, litscale.modules; "
+            "litscale.models, litscale.data, litscale.parallel.layout, litscale.optim.lr_scaling, litscale.modules; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')))")
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr

@@ -308,7 +308,7 @@ def test_tied_embeddings_share_storage():
 @pytest.mark.parametrize("config", [TINY, QK_NORM_TIED, dataclasses.replace(TINY, n_kv_heads=1, n_layer=3)],
                          ids=["gqa", "qk_norm_tied", "multi_query"])
 def test_flops_per_token_equals_torchs_flop_counter(config):
-    """Forward and backward of a batch on the meta device, as ``litscale.flops`` counts a
+    """Forward and backward of a batch on the meta device, as ``litscale.measure.flops`` counts a
     network without a formula."""
     from torch.utils.flop_counter import FlopCounterMode
 

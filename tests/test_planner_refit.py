@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from litscale.app.plan import refit
-from litscale.layout import MeshSizes
 from litscale.models.gpt import build_gpt
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import model_facts

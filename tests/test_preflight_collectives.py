@@ -219,7 +219,7 @@ def test_a_strategy_that_is_not_traced_is_named(capsys):
 def test_what_is_traced_is_the_contract_s_answer(strategy):
     """The check asks each strategy's class (``untraced``), keeping no table of names."""
     from litscale.app.safety import locate_target
-    from litscale.contract import contract_value
+    from litscale.parallel.contract import contract_value
 
     cfg = compose_full([f"strategy={strategy}"])
     strategy_class = locate_target(cfg.strategy._target_, "strategy")

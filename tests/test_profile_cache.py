@@ -27,7 +27,7 @@ def cached_run(tmp_path, monkeypatch):
     from litscale.app.build import build
     from litscale.app.plan import profile as plan_profile
     from litscale.app.plan import ranking
-    from litscale.app.plan.runs import predicted_for_run
+    from litscale.app.plan.runs import predict_run, record_contradiction
     from litscale.app.validation import validate
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
@@ -49,7 +49,13 @@ def cached_run(tmp_path, monkeypatch):
         return ranking.timed_here(cfg, build(cfg.cluster), ranking.facts_of(cfg), [plan])
 
     def predicted(measured_step_s=None):
-        return predicted_for_run(cfg, choices, layout, measured_step_s)
+        """As a run does: ``train()`` predicts before launch, rank 0's summary holds the
+        measured step to it, and ``train()`` records a contradiction once the ranks are done."""
+        prediction = predict_run(cfg, choices, layout)
+        held = prediction.held_to(measured_step_s)
+        record_contradiction(prediction, {**held, "perf/step_time_s": measured_step_s,
+                                          "output_dir": str(tmp_path / "run")})
+        return held
 
     plan_show()
     assert timed == [{"plain": {16}}]
@@ -194,3 +200,13 @@ def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibratio
     monkeypatch.setattr(calibrate, "probe_matmul_flops", lambda dtype, seconds: 2e10)
     assert calibrate.local_cpu().peak_flops["float32"] == 2e10  # a plan measures this machine again
     assert calibrate.calibrated_figures()["machine"] == machine.fingerprint()
+
+
+def test_the_code_a_profile_depends_on_is_where_the_cache_reads_it():
+    """Every part of ``TIMED_CODE`` exists in the package (a moved module left behind in the
+    list made every digest, and so every run's prediction, fail)."""
+    from pathlib import Path
+
+    package = Path(profile_cache.__file__).resolve().parents[1]
+    assert [part for part in profile_cache.TIMED_CODE if not (package / part).exists()] == []
+    assert len(profile_cache.code_digest()) == 16

@@ -23,9 +23,9 @@ from litscale.app.scaling_study import (
     variant_of,
 )
 from litscale.errors import ConfigError
-from litscale.flops import flops_per_sample, measured_cpu_peak
-from litscale.layout import micro_batch_for
+from litscale.measure.flops import flops_per_sample, measured_cpu_peak
 from litscale.models.gpt import build_gpt
+from litscale.parallel.layout import micro_batch_for
 
 TINY = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=12", "trainer.val_check_interval=12",
         "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "data.seq_len=32",
@@ -92,7 +92,7 @@ def test_cpu_peak_is_probed_once_and_cached(tmp_path, monkeypatch):
 def test_a_cpu_peak_that_a_run_beat_is_measured_again_and_never_below_the_run(tmp_path, monkeypatch):
     """A peak probed while the machine was busy reads low, and MFU above 100%: a run faster than
     the cached peak replaces it with the larger of a new probe and what the run reached."""
-    from litscale.flops import corrected_cpu_peak
+    from litscale.measure.flops import corrected_cpu_peak
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     threads = torch.get_num_threads()

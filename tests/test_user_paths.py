@@ -96,7 +96,7 @@ def litscale_cache(home, monkeypatch):
 
 
 def ckpt_path(home, monkeypatch):
-    from litscale.checkpoints import resolve_ckpt_path
+    from litscale.checkpoint.resume import resolve_ckpt_path
 
     return resolve_ckpt_path("~/ckpt/last.ckpt", search_dir=str(home)), str(home / "ckpt" / "last.ckpt")
 

@@ -11,7 +11,7 @@ constructor arguments:
 
 Who reads: ``litscale.app.extras_checks`` walks a composed config's ``_target_``s and schemas
 and refuses a missing package in one line (``Requirement.refusal``) before any run dir or rank
-exists; the planner prunes a strategy whose package is missing (``litscale.contract``).
+exists; the planner prunes a strategy whose package is missing (``litscale.parallel.contract``).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from litscale.data.token_batch import (
     loss_denominator,
     model_inputs,
 )
-from litscale.determinism import LayoutInvariance
 from litscale.loggers import is_logging_step
+from litscale.reliability.determinism import LayoutInvariance
 
 OptimizerFactory = Callable[[Iterable], Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -49,7 +49,7 @@ def next_token_loss(logits: Tensor, targets: Tensor, counted_fraction: Tensor | 
 def optimizer_groups(net: nn.Module, optimizer: object, weight_decay: float) -> list[dict]:
     """The param groups ``optimizer`` (a class or factory) is built from: by weight decay, and by
     role where it asks for them (Muon)."""
-    from litscale.muon import parameter_roles, wants_parameter_roles
+    from litscale.optim.muon import parameter_roles, wants_parameter_roles
 
     return (parameter_roles if wants_parameter_roles(optimizer) else weight_decay_groups)(net, weight_decay)
 
@@ -88,7 +88,7 @@ class TaskModule(LightningModule):
         self.compile_net = compile
         self.val_loss = MeanMetric()
         # This optimizer step's micro-batch losses, logged as train/loss at the step; replica
-        # groups (litscale.fault_tolerance) average them over the groups before that.
+        # groups (litscale.reliability.replica_groups) average them over the groups before that.
         self.window_losses: list[Tensor] = []
         self.initial_val_loss: float | None = None
 
@@ -137,16 +137,14 @@ class TaskModule(LightningModule):
         global batch's mean gradient, summed over shards and stages), before clipping; the same
         number on every layout of a synchronous strategy, as one process takes it. A strategy
         that keeps gradients apart (DeepSpeed) logs its engine's instead."""
-        from litscale.contract import contract_value
-        from litscale.layout import MeshSizes
-        from litscale.strategies.mesh import global_gradient_norm
+        from litscale.parallel.contract import contract_value
+        from litscale.parallel.gradient_norm import global_gradient_norm
+        from litscale.parallel.layout import mesh_of
 
         strategy = self._trainer.strategy
         if contract_value(strategy, "keeps_gradients_apart"):
             return
-        resolve = getattr(strategy, "resolve_mesh", None)
-        world = self._trainer.world_size
-        sizes = resolve(world) if resolve is not None else MeshSizes(data_replicate=world)
+        sizes = mesh_of(strategy, self._trainer.world_size)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.log("train/grad_norm", global_gradient_norm(parameters, sizes=sizes))
 

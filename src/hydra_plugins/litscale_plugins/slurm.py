@@ -48,7 +48,7 @@ def group_by_resources(resources: list[dict[str, Any]]) -> list[tuple[dict[str, 
 
 def resume_checkpoint(job_dir: str, restart_count: int) -> str | None:
     """The checkpoint a requeued job resumes from: its own newest ``last.ckpt``, if any."""
-    from litscale.checkpoints import newest_last_checkpoint
+    from litscale.checkpoint.resume import newest_last_checkpoint
 
     if restart_count < 1 or not os.path.isdir(job_dir):
         return None

@@ -8,11 +8,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.checkpoint_reading import is_deepspeed_checkpoint
-from litscale.checkpoints import network_shapes
-from litscale.contract import contract_value
-from litscale.deepspeed_moves import reads_as_saved, saved_layout
+from litscale.checkpoint.deepspeed import reads_as_saved, saved_layout
+from litscale.checkpoint.reading import is_deepspeed_checkpoint
+from litscale.checkpoint.resume import network_shapes
 from litscale.errors import ConfigError
+from litscale.parallel.contract import contract_value
 
 
 def check_checkpoint_network(cfg: DictConfig, ckpt_path: str | None, net: Any,
@@ -63,8 +63,8 @@ def _model_named(choice: str | None, preset: Any) -> str:
 def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any, world_size: int,
                            choices: dict[str, str]) -> None:
     """A checkpoint resumes on a layout that can read it: files and sharded directories move
-    between every strategy (``litscale.checkpoint_moves``); a DeepSpeed checkpoint of Adam or
-    AdamW moves to any of them, read whole (``litscale.deepspeed_moves``), as it does into
+    between every strategy (``litscale.checkpoint.moves``); a DeepSpeed checkpoint of Adam or
+    AdamW moves to any of them, read whole (``litscale.checkpoint.deepspeed``), as it does into
     DeepSpeed at another world size or between ZeRO-3 and ZeRO-1/2; into DeepSpeed they move
     only from Adam or AdamW into Adam or AdamW (``into_zero_refusal``)."""
     if not ckpt_path:
@@ -76,7 +76,7 @@ def check_checkpoint_moves(cfg: DictConfig, ckpt_path: str | None, strategy: Any
     # DeepSpeed's own loader takes it (as many ranks, the same partition format); else it moves
     native = saved_by_deepspeed and to_deepspeed and reads_as_saved(ckpt_path, strategy.stage, world_size)
     if saved_by_deepspeed and not native:
-        from litscale.deepspeed_moves import why_not_movable
+        from litscale.checkpoint.deepspeed import why_not_movable
 
         reason = why_not_movable(ckpt_path)
         if reason is not None:
@@ -110,8 +110,8 @@ def into_zero_refusal(cfg: DictConfig, ckpt_path: str) -> str | None:
     import torch
 
     from litscale.app.safety import locate_target
-    from litscale.checkpoint_moves import saved_state_kinds
-    from litscale.deepspeed_moves import not_adams_state
+    from litscale.checkpoint.deepspeed import not_adams_state
+    from litscale.checkpoint.moves import saved_state_kinds
 
     optimizer = locate_target(cfg.optimizer._target_, "optimizer")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Adam)):

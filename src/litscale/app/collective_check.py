@@ -14,7 +14,7 @@ carries a comm hook: torch's plain ``allreduce_hook``, or the configured compres
 exchanges are then the ones traced. FSDP2's, tensor parallel's, context parallel's (the
 all-gather of keys and values) and expert parallel's (the all-to-all of token counts and
 tokens) collectives are issued from Python and traced as they are. A strategy whose contract
-sets ``untraced`` (``litscale.contract``) is named as not traced, with its reason; a trace that
+sets ``untraced`` (``litscale.parallel.contract``) is named as not traced, with its reason; a trace that
 saw no collective at all says so instead of reporting agreement.
 """
 
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from litscale.app.plan.dry_run import fake_group, strategy_mesh, without_process_group
-from litscale.contract import contract_value
+from litscale.parallel.contract import contract_value
 
 # c10d's ops (``dist.*``) and the functional ones (DTensor) -> the name a user knows.
 OP_NAMES = {
@@ -194,9 +194,9 @@ def _first_step(cfg: Any, world_size: int, micro_batch: int) -> tuple[list[Colle
         mesh = strategy_mesh(strategy, world_size)
         strategy.split(module, mesh)
         module.to_empty(device="cpu")
-        # NOTE: Lightning's device mesh is set by the strategy's process-group setup, which a
-        # trace does not run; its batch hook reads the mesh there.
-        strategy._device_mesh = mesh
+        # NOTE: the strategy's mesh is set by its process-group setup, which a trace does not
+        # run; its batch hook reads the mesh there.
+        strategy.use_mesh(mesh)
         batch = strategy.batch_to_device(batch, torch.device("cpu"))
     else:
         module.to_empty(device="cpu")

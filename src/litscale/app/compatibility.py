@@ -1,4 +1,4 @@
-"""``docs/compatibility.md``, written from the strategy contract (``litscale.contract``).
+"""``docs/compatibility.md``, written from the strategy contract (``litscale.parallel.contract``).
 
     python -m litscale.app.compatibility > docs/compatibility.md
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from litscale.contract import ALTERNATIVES, Option, contract_value, why_not
+from litscale.parallel.contract import ALTERNATIVES, Option, contract_value, why_not
 
 CONF_STRATEGIES = Path(__file__).resolve().parents[3] / "conf" / "strategy"
 # Arguments a run passes at build time (runtime objects), not written in the option files.
@@ -63,7 +63,7 @@ def render() -> str:
     lines = ["# Compatibility", "",
              "Which option each strategy takes (`yes`) or refuses before any rank starts (`no`, with the",
              "one-line reason a run prints). Written by `python -m litscale.app.compatibility > docs/compatibility.md`",
-             "from what each strategy states (`litscale.contract`); the tests check it is current, and a",
+             "from what each strategy states (`litscale.parallel.contract`); the tests check it is current, and a",
              "generated test (`tests/test_combinations.py`) checks that validation refuses exactly these and",
              "that what it accepts trains.", "",
              "| strategy | " + " | ".join(HEADINGS.values()) + " | collective check | needs |",

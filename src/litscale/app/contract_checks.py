@@ -1,5 +1,5 @@
 """The config's options against what its strategy says it accepts (the strategy contract,
-``litscale.contract``): each refusal one line, before any rank starts.
+``litscale.parallel.contract``): each refusal one line, before any rank starts.
 
 Validation asks here and only here which strategy takes which option; the strategies answer
 for themselves, so a new strategy (or a user's own) needs no entry in any table.
@@ -12,9 +12,12 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import DictConfig
 
 from litscale.app.devices import resolve_accelerator
+from litscale.app.fault_tolerance_checks import replicas_chosen
 from litscale.app.safety import locate_target
 from litscale.app.width_checks import base_width_of, width_rule
-from litscale.contract import (
+from litscale.errors import ConfigError
+from litscale.optim.muon import adapts_each_tensor, wants_parameter_roles
+from litscale.parallel.contract import (
     Option,
     missing_requirement,
     network_refusal,
@@ -22,8 +25,6 @@ from litscale.contract import (
     why_not,
     why_not_with,
 )
-from litscale.errors import ConfigError
-from litscale.muon import adapts_each_tensor, wants_parameter_roles
 
 if TYPE_CHECKING:
     from torch import nn
@@ -55,7 +56,7 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.ASYNC_SAVE] = Option.ASYNC_SAVE.value
     if base_width_of(cfg) is not None:
         chosen[Option.WIDTH_SCALING] = width_rule(choices)
-    if (cfg.get("fault_tolerance") or {}).get("mode", "none") == "replicas":
+    if replicas_chosen(cfg):
         chosen[Option.REPLICA_GROUPS] = f"fault_tolerance={choices.get('fault_tolerance', 'replicas')}"
     data = cfg.get("data") or {}
     if data.get("document_mask"):
@@ -92,7 +93,7 @@ def check_strategy_accepts(cfg: DictConfig, choices: dict[str, str], strategy: A
 
 def check_network_accepted(cfg: DictConfig, choices: dict[str, str], strategy: Any, net: nn.Module) -> None:
     """The strategy takes every option the network asks for by what it declares (a mixture of
-    experts: ``litscale.contract.network_options``), as ``docs/compatibility.md`` states it."""
+    experts: ``litscale.parallel.contract.network_options``), as ``docs/compatibility.md`` states it."""
     refused = network_refusal(strategy, net, strategy_name(cfg, choices),
                               typed=f"model={choices.get('model', cfg.model.net.get('_target_'))}")
     if refused is not None:

@@ -9,8 +9,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 
 from litscale.app.safety import locate_target
-from litscale.contract import contract_value
 from litscale.errors import ConfigError
+from litscale.parallel.contract import contract_value
 
 CPU_PRECISIONS = ("fp32", "bf16_mixed", "bf16_true")
 

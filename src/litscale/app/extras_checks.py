@@ -27,7 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from litscale.app.safety import locate_target
-from litscale.app.schemas import FaultToleranceSchema, PrecisionSchema, RunSchema
+from litscale.app.schemas import PrecisionSchema, RunSchema
 from litscale.errors import ConfigError
 from litscale.extras import TENSORBOARD, WANDB, Requirement
 
@@ -37,7 +37,7 @@ OTHER_PACKAGES_TARGETS: dict[str, tuple[Requirement, ...]] = {
     "lightning.pytorch.loggers.WandbLogger": (WANDB,),
 }
 # The schemas of keys that are not constructor arguments, by where they sit in the config.
-SCHEMAS = (("", RunSchema), ("precision", PrecisionSchema), ("fault_tolerance", FaultToleranceSchema))
+SCHEMAS = (("", RunSchema), ("precision", PrecisionSchema))
 # What the sweep's own process builds under ``-m``: Hydra's launcher and sweeper.
 SWEEP_NODES = ("launcher", "sweeper")
 UNSET = (None, False, "none")

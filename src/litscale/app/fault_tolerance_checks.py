@@ -6,13 +6,13 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 
 KEY = "fault_tolerance"
 
 
 def replicas_chosen(cfg: DictConfig) -> bool:
-    return (cfg.get(KEY) or {}).get("mode", "none") == "replicas"
+    return "_target_" in (cfg.get(KEY) or {})
 
 
 def replica_groups(cfg: DictConfig) -> int:
@@ -23,7 +23,7 @@ def replica_groups(cfg: DictConfig) -> int:
 def check_fault_tolerance(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, *,
                           this_machine: bool = True) -> None:
     """Replica groups are asked for where they can run and average what they claim to (the keys'
-    types and ranges: ``FaultToleranceSchema``, checked with the other schemas)."""
+    types and ranges: ``ReplicaGroups``' fields, checked with the other ``_target_``s)."""
     from litscale.app.launch import launched_externally
 
     if not replicas_chosen(cfg):
@@ -59,7 +59,7 @@ def check_every_group_fits(cfg: DictConfig, layout: RunLayout, typed: str) -> No
     from litscale.app.devices import machine_device_count, resolve_accelerator
 
     accelerator = resolve_accelerator(str(cfg.trainer.get("accelerator", "auto")))
-    available, ranks = machine_device_count(accelerator), layout.replica_groups * layout.processes_per_node
+    available, ranks = machine_device_count(accelerator), layout.replica_processes
     oversubscribe = accelerator == "cpu" and bool((cfg.get("launcher") or {}).get("oversubscribe"))
     if ranks > available and not oversubscribe:
         unit = "GPUs" if accelerator == "gpu" else "CPU cores"

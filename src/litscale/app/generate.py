@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from litscale.app.preflight import EXIT_BAD_CONFIG
+from litscale.checkpoint.export import EXPORT_FILENAME
 from litscale.data.chat import ChatTemplate, load_chat_template, prompt_tokens
 from litscale.data.tokenizer import TextTokenizer, load_tokenizer
 from litscale.errors import ConfigError
-from litscale.export import EXPORT_FILENAME
 
 ALLOWED_SOURCE = ("a run dir (model.pt and .hydra/config.yaml) or a Hugging Face directory (config.json and "
                   "tokenizer.json: export_hf=true writes <run dir>/hf)")

@@ -20,10 +20,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from litscale.app.safety import locate_target
-from litscale.checkpoint_reading import LIGHTNING_META, is_deepspeed_checkpoint, read_plain
+from litscale.checkpoint.reading import LIGHTNING_META, is_deepspeed_checkpoint, read_plain
 from litscale.data.resume import shared_position, unshared_position
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 
 # The data module's state keys that place a resume (``ShardedDataModule.state_dict``).
 POSITION_KEYS = ("epoch", "samples_drawn", "dataset_samples")
@@ -43,7 +43,7 @@ def check_resume_position(cfg: DictConfig, layout: RunLayout) -> None:
             raise ConfigError(message)
     if saved is None or not all(isinstance(saved.get(key), int) for key in POSITION_KEYS):
         return  # no position saved (another data module), or a format not read before launch
-    ranks = layout.data_parallel_size * layout.replica_groups
+    ranks = layout.batch_ranks
     # determinism=layout_invariant: each rank takes one block of micro batch x accumulation samples
     block = layout.micro_batch * layout.accumulation if "_target_" in (cfg.get("determinism") or {}) else None
     epoch, samples = saved["epoch"], saved["samples_drawn"]
@@ -64,7 +64,7 @@ def saved_data_state(path: str, name: str) -> dict[str, Any] | None:
     (no tensor is read); None where there is none, or it cannot be read so."""
     try:
         if is_deepspeed_checkpoint(path):
-            from litscale.checkpoint_reading import deepspeed_files, read_deepspeed_file
+            from litscale.checkpoint.reading import deepspeed_files, read_deepspeed_file
 
             checkpoint = read_deepspeed_file(deepspeed_files(path)[0])
         else:

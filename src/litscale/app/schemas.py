@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from litscale.constraints import AtLeastOne, AtLeastTwo, NonNegativeInt, PositiveFloat, PositiveInt
-from litscale.extras import TORCHAO, TORCHFT, TRANSFORMERS
+from litscale.constraints import AtLeastOne, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.extras import TORCHAO, TRANSFORMERS
 
 
 @dataclass
@@ -24,7 +24,7 @@ class RunSchema:
     export_hf: bool
     elastic: bool = False  # the data-parallel count may change between the job's starts on its own
 
-    requires_when = {"export_hf": TRANSFORMERS}  # litscale.hf_export writes through transformers
+    requires_when = {"export_hf": TRANSFORMERS}  # litscale.models.hf_writing writes through transformers
 
 
 @dataclass
@@ -59,8 +59,8 @@ class LauncherSchema:
 class CheckpointSchema:
     """``checkpoint.*``: how the strategy writes checkpoints."""
 
-    async_save: bool  # written in the background (litscale.async_checkpoint); the step pays for one copy
-    # how a sharded save is made visible (litscale.atomic_checkpoint): by a rename, by a pointer
+    async_save: bool  # written in the background (litscale.checkpoint.background); the step pays for one copy
+    # how a sharded save is made visible (litscale.checkpoint.atomic): by a rename, by a pointer
     # file (object-store mounts, where a directory's rename is not atomic), auto: by the mount
     publish: Literal["auto", "rename", "pointer"] = "auto"
 
@@ -92,19 +92,3 @@ class OptimizerSchema:
     """What every ``optimizer/`` option shares; the rest is checked against its ``_target_``."""
 
     lr: PositiveFloat
-
-
-@dataclass
-class FaultToleranceSchema:
-    """``fault_tolerance/``: replica groups that keep training when one dies (``replicas``)."""
-
-    mode: Literal["none", "replicas"]
-    groups: AtLeastTwo = 3  # replica groups of trainer.devices ranks each
-    min_replicas: PositiveInt = 1  # fewest groups a step commits with
-    max_restarts: NonNegativeInt = 3  # times a group is started again
-    lighthouse: str | None = None  # host:port of a running torchft lighthouse
-    timeout_s: PositiveFloat = 10.0  # a cross-group collective, vote or state transfer
-    straggler_timeout_s: PositiveFloat = 30.0  # a quorum's wait for a live group that is late
-    quorum_timeout_s: PositiveFloat = 60.0  # a (re)starting group's wait for a quorum
-
-    requires_when = {"mode": TORCHFT}  # the lighthouse, manager and cross-group all-reduce

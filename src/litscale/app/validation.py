@@ -1,5 +1,5 @@
 """Validation of a composed config, before any process or process group exists; it
-returns the run layout (``litscale.layout.RunLayout``), computed here once.
+returns the run layout (``litscale.parallel.layout.RunLayout``), computed here once.
 
 The schema is the code itself: every ``_target_`` is a typed keyword-only constructor, so a
 node's keys and values are checked against that constructor's signature (pydantic, through
@@ -30,7 +30,6 @@ from litscale.app.resume_checks import check_resume_position
 from litscale.app.safety import allowed_prefixes, check_targets, locate_target
 from litscale.app.schemas import (
     CheckpointSchema,
-    FaultToleranceSchema,
     LauncherSchema,
     OptimizerSchema,
     PlanSchema,
@@ -47,10 +46,10 @@ from litscale.arguments import (
     invalid_message,
     signature_annotations,
 )
-from litscale.checkpoints import resolve_ckpt_path
-from litscale.contract import validate_setup
+from litscale.checkpoint.resume import resolve_ckpt_path
 from litscale.errors import ConfigError
-from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.parallel.contract import validate_setup
+from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for, world_size_of
 from litscale.user_paths import user_path
 
 __all__ = ["ConfigError", "validate"]
@@ -58,7 +57,7 @@ __all__ = ["ConfigError", "validate"]
 
 # Groups whose value is one object built from `_target_` / a dict of named objects.
 TARGET_GROUPS = ("trainer", "data", "model", "strategy", "optimizer", "scheduler", "compression",
-                 "lr_scaling", "cluster", "determinism")
+                 "lr_scaling", "cluster", "determinism", "fault_tolerance")
 NAMED_TARGET_GROUPS = ("logger", "callbacks")
 
 
@@ -90,8 +89,6 @@ def validate(cfg: DictConfig, *, choices: dict[str, str] | None = None,
         check_schema("preflight", cfg.preflight, PreflightSchema)
     if cfg.get("checkpoint") is not None:
         check_schema("checkpoint", cfg.checkpoint, CheckpointSchema)
-    if cfg.get("fault_tolerance") is not None:
-        check_schema("fault_tolerance", cfg.fault_tolerance, FaultToleranceSchema)
     # Before the nodes are resolved: a model interpolates sizes from data of its own task.
     check_task_pairing(cfg, choices)
     check_width_options(cfg, choices)
@@ -213,10 +210,10 @@ def check_task_pairing(cfg: DictConfig, choices: dict[str, str]) -> None:
 
 def check_determinism(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> None:
     """``determinism=layout_invariant`` holds only for data-parallel layouts it can split, and
-    networks whose training is their loss and gradient (``litscale.determinism_checks``)."""
+    networks whose training is their loss and gradient (``litscale.reliability.determinism_checks``)."""
     if "_target_" not in (cfg.get("determinism") or {}):
         return
-    from litscale.determinism_checks import check_layout, check_network
+    from litscale.reliability.determinism_checks import check_layout, check_network
 
     compression = cfg.get("compression") or {}
     partition = (cfg.get("data") or {}).get("partition", "iid")
@@ -253,7 +250,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
     """Lay the run out on the strategy's mesh, build the model on the meta device (no memory)
     and let the strategy check both (its contract's ``validate_setup``)."""
     num_nodes = int(cfg.trainer.get("num_nodes", 1))
-    world_size = processes * num_nodes
+    world_size = world_size_of(num_nodes=num_nodes, processes_per_node=processes)
     accumulation = int(cfg.trainer.get("accumulate_grad_batches") or 1)
     global_batch = (cfg.get("scaling") or {}).get("global_batch")
     try:
@@ -310,7 +307,7 @@ def check_baseline(cfg: DictConfig) -> None:
 
 def check_warmup(cfg: DictConfig) -> None:
     """``warmup_steps`` and ``warmup_fraction`` are two ways to say one ramp: one at most."""
-    from litscale.schedulers import check_warmup_keys
+    from litscale.optim.schedulers import check_warmup_keys
 
     for group in ("scheduler", "lr_scaling"):
         node = cfg.get(group)
@@ -336,7 +333,7 @@ def meta_net(cfg: DictConfig):
             raise
 
 
-# The factories of the zoo's networks that have a Hugging Face form (litscale.hf_export).
+# The factories of the zoo's networks that have a Hugging Face form (litscale.models.hf_writing).
 HF_EXPORTABLE = {"litscale.models.llama.build_llama", "litscale.models.moe.build_moe", "litscale.models.hf.build_hf"}
 
 

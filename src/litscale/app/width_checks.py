@@ -23,7 +23,7 @@ def check_width_options(cfg: DictConfig, choices: dict[str, str]) -> None:
     directory is beside the point when µP could not fine-tune it anyway)."""
     if base_width_of(cfg) is None:
         return
-    from litscale.mup import SUPPORTED_OPTIMIZERS
+    from litscale.optim.mup import SUPPORTED_OPTIMIZERS
 
     rule = width_rule(choices)
     optimizer = cfg.optimizer._target_
@@ -49,7 +49,7 @@ def check_declared_widths(cfg: DictConfig, choices: dict[str, str]) -> None:
     import torch
 
     from litscale.app.build import build, trusted_targets
-    from litscale.mup import WidthScaling
+    from litscale.optim.mup import WidthScaling
 
     rule = width_rule(choices)
     model = choices.get("model", cfg.model.get("_target_"))

@@ -19,6 +19,7 @@ from litscale.data.partition import (
 )
 from litscale.data.resume import ResumableOrder, shared_position, skipped_line, unshared_position
 from litscale.data.token_batch import SampleKey, step_fractions
+from litscale.parallel.layout import replicas_around
 
 
 class ResumableSampler(ResumableOrder, DistributedSampler):
@@ -137,7 +138,7 @@ class ShardedDataModule(LightningDataModule):
     #: Set for ``determinism=layout_invariant``: the samples a rank takes per optimizer step
     #: (micro batch x accumulation), drawn as one contiguous block (``ContiguousBlockSampler``).
     rank_block: int | None = None
-    #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.fault_tolerance``).
+    #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.reliability.replica_groups``).
     replica_group: tuple[int, int] = (0, 1)
     #: Set for a job whose data-parallel count changes between its starts on its own (``elastic=true``:
     #: Ray's ``min_workers``/``max_workers``, an elastic PyTorchJob): a resume whose position the new
@@ -194,7 +195,7 @@ class ShardedDataModule(LightningDataModule):
         data-parallel job of all their ranks reads (validation stays within each group)."""
         num_replicas, rank = self.replicas()
         group, groups = self.replica_group
-        return num_replicas * groups, group * num_replicas + rank
+        return replicas_around(num_replicas, rank, group=group, groups=groups)
 
     def _require(self, dataset: Dataset | None, split: str) -> Dataset:
         if dataset is None:

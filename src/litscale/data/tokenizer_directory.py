@@ -4,7 +4,7 @@ for a fine-tune, the chat template it was trained with. So the exported director
 what ``AutoTokenizer.from_pretrained`` and ``apply_chat_template`` need, and what
 ``python -m litscale.app.generate`` prompts the model with.
 
-Who calls it: ``litscale.export.export_model`` (rank 0, ``export_hf=true``), through the data
+Who calls it: ``litscale.checkpoint.export.export_model`` (rank 0, ``export_hf=true``), through the data
 module's ``save_tokenizer``.
 """
 

@@ -9,10 +9,10 @@ an error, never a hub id.
 -> logits`` (causal, no KV cache), and the model-parallel declarations, derived from the
 model's own data (``hf_parallel.py``). Its children are the transformers model's, so its
 ``state_dict`` keys are the transformers checkpoint's (``model.layers.0.mlp.up_proj.weight``):
-``litscale.hf_export`` writes them out as they are.
+``litscale.models.hf_writing`` writes them out as they are.
 
 transformers is an optional extra (``pip install 'litscale[hf]'``); only this module and
-``litscale.hf_export`` import it, and nothing imports them unless ``model=hf`` or a Hugging
+``litscale.models.hf_writing`` import it, and nothing imports them unless ``model=hf`` or a Hugging
 Face export is asked for.
 """
 

@@ -183,7 +183,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_head * head_dim, d, bias=False)
         self.q_norm = nn.RMSNorm(head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=config.norm_eps) if config.qk_norm else None
-        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.mup), a plain run leaves it at 1.
+        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.optim.mup), a plain run leaves it at 1.
         self.score_multiplier = 1.0
 
     @property
@@ -247,7 +247,7 @@ class Llama(nn.Module):
     pipeline_blocks = pipeline_blocks
     context_parallel_attention = context_parallel_attention
     output_layers = ("lm_head",)  # the layer an optimizer of matrices (Muon) leaves to AdamW
-    output_multiplier = 1.0  # on the logits; µP sets it (litscale.mup)
+    output_multiplier = 1.0  # on the logits; µP sets it (litscale.optim.mup)
     # forward takes ``positions`` of packed rows and keeps attention inside each document.
     attends_within_documents = True
 
@@ -299,7 +299,7 @@ class Llama(nn.Module):
                 x = x * self.output_multiplier
         return x
 
-    # µP's declarations (litscale.mup): the width, and this model at another width.
+    # µP's declarations (litscale.optim.mup): the width, and this model at another width.
     def mup_width(self) -> int:
         return self.config.n_embd
 
@@ -376,7 +376,7 @@ def build_llama(
     return Llama(config)
 
 
-# --- a transformers Llama / Qwen3 config as litscale's (model.net.from_hf, litscale.hf_export) ---
+# --- a transformers Llama / Qwen3 config as litscale's (model.net.from_hf, litscale.models.hf_writing) ---
 
 
 def llama_config_of_hf(config: Any, source: str = "the config") -> LlamaConfig:

@@ -202,7 +202,7 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
     """The bytes autograd saves in one forward (``saved``, as ``saved_activation_bytes``), the
     high-water mark of the forward and backward above the parameters and the gradients backward
     ends with (``step``, 0 without ``backward``), as torch's MemTracker counts the tensors alive
-    (litscale.step_memory: what a run's ``callbacks.memory.measure_peak`` measures), and of the
+    (litscale.measure.step_memory: what a run's ``callbacks.memory.measure_peak`` measures), and of the
     saved bytes those saved inside a mixture of experts' MoE layers. Gradients start as None, as
     each training step finds them.
 
@@ -223,8 +223,8 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
     8,192 tokens), where the fused kernels of CPUs and GPUs keep only their output and log-sum-exp."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from litscale.declarations import find_moe_layers
-    from litscale.step_memory import TOTAL, total_only_tracker
+    from litscale.measure.step_memory import TOTAL, total_only_tracker
+    from litscale.parallel.declarations import find_moe_layers
 
     fake_net = copy.deepcopy(net)
     in_moe: list[bool] = [False]
@@ -437,7 +437,7 @@ def moe_facts(net: nn.Module, saved_per_sample: float = 0.0) -> MoEFacts | None:
     its modules: each declared module's parent is its MoE layer (router, experts, shared
     experts); None for a dense network. ``saved_per_sample``: the traced bytes its MoE layers
     save for backward, per sample."""
-    from litscale.declarations import find_expert_modules, moe_parameter_counts
+    from litscale.parallel.declarations import find_expert_modules, moe_parameter_counts
 
     experts = find_expert_modules(net)
     config = getattr(net, "config", None)

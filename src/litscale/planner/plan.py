@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
+from litscale.parallel.sharding import Sharding
 from litscale.planner.strategies import built, registered, takes
-from litscale.sharding import Sharding
 
 # The strategies' keywords for mesh sizes: ``describe`` shows them as the mesh (pp, dp, cp, tp, ep).
 MESH_KEYWORDS = frozenset({"replicate_size", "data_parallel_size", "context_parallel_size", "tensor_parallel_size",
@@ -57,7 +57,7 @@ class Plan:
     @property
     def sharding(self) -> Sharding:
         """How the plan's strategy, built with its options, holds a rank's share
-        (``litscale.sharding``; a pipeline keeps its stage gathered through the step)."""
+        (``litscale.parallel.sharding``; a pipeline keeps its stage gathered through the step)."""
         return built(self.strategy, self.strategy_options()).sharding
 
     def describe(self) -> str:

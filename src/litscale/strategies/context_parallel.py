@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from litscale.declarations import declared, find_moe_layers
 from litscale.models.documents import Documents
+from litscale.parallel.declarations import declared, find_moe_layers
 from litscale.strategies.context_attention import causal_attention_of_chunks
 
 if TYPE_CHECKING:
@@ -153,13 +153,3 @@ def apply_context_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
     shard = SequenceShard(mesh)
     for user in [*(attention_modules(module) or ()), *find_moe_layers(module)]:
         user.sequence = shard
-
-
-def data_context_mesh(mesh: DeviceMesh, data: tuple[str, ...], context: str) -> DeviceMesh:
-    """The mesh FSDP shards over when the sequence is split: the data dimensions with the
-    context one folded into the innermost (context-parallel ranks hold the same parameters
-    and see parts of the same samples, so they share the sharding and the gradient mean)."""
-    *outer, inner = data
-    name = f"{inner}_{context}"
-    mesh[(inner, context)]._flatten(name)
-    return mesh[(*outer, name)]

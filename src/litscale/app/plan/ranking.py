@@ -14,7 +14,7 @@ from litscale.app.contract_checks import chosen_options, run_settings
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
 from litscale.app.plan.verify import aligned
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
 from litscale.planner.model_facts import ModelFacts
@@ -172,7 +172,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     at the configured world, and the predicted memory per rank; return why it does not fit when
     that memory, with the parameters as built, exceeds the device's (None: it fits): ``plan=show``
     refuses it before any process starts, ``plan=auto`` writes a plan that fits instead."""
-    from litscale.lr_scaling import scaled_lr
+    from litscale.optim.lr_scaling import scaled_lr
     from litscale.planner.cost import predict
 
     _say(f"as configured: {layout.describe()}")
@@ -341,7 +341,7 @@ def table(ranked: list[Prediction], cluster: Cluster) -> str:
 def overrides(plan: Plan, cluster: Cluster) -> list[str]:
     """The command-line overrides that run ``plan``: its strategy with the options it was
     planned with (each one, so the run does not depend on the option file's defaults)."""
-    from litscale.layout import mesh_of
+    from litscale.parallel.layout import mesh_of
     from litscale.planner.strategies import built
 
     laid_out = mesh_of(built(plan.strategy, plan.strategy_options()), plan.mesh.world_size)

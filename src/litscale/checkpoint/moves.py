@@ -10,7 +10,7 @@ conversion assumes the module's parameter order, which is not the groups' order 
 decay splits the parameters (``modules.weight_decay_groups``), and so gives a parameter another
 one's moments. Every save therefore records the names of each optimizer's parameters, group by
 group (``OPTIMIZER_PARAM_NAMES``), and the conversions here go by name. A DeepSpeed
-checkpoint is read whole as a file (``litscale.deepspeed_moves``) and moves as one; a file or a
+checkpoint is read whole as a file (``litscale.checkpoint.deepspeed``) and moves as one; a file or a
 directory moves into a ZeRO engine through DeepSpeed's own setters (``deepspeed_moves.load_into_zero``).
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from litscale.checkpoint_reading import read_dcp_metadata, read_plain
+from litscale.checkpoint.reading import read_dcp_metadata, read_plain
 
 # Checkpoint key: for each optimizer, for each of its groups, its parameters' names.
 OPTIMIZER_PARAM_NAMES = "optimizer_param_names"
@@ -157,7 +157,7 @@ def optimizer_states_by_position(checkpoint: dict[str, Any], module: nn.Module,
 def load_file_into_sharded(path: str | dict[str, Any], model: nn.Module, optimizers: list[Optimizer], *,
                            strict: bool) -> dict[str, Any]:
     """Load a file checkpoint (its path, or the checkpoint as read: a DeepSpeed directory read as
-    one by ``litscale.deepspeed_moves``) into a sharded (DTensor, or pipeline-stage) model and
+    one by ``litscale.checkpoint.deepspeed``) into a sharded (DTensor, or pipeline-stage) model and
     its optimizers; returns the checkpoint's other state for Lightning to restore."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -181,3 +181,40 @@ def load_file_into_sharded(path: str | dict[str, Any], model: nn.Module, optimiz
         set_optimizer_state_dict(model, _unwrapped(optimizer), optim_state_dict=state_by_name(state, saved, names),
                                  options=StateDictOptions(full_state_dict=True, strict=not partial))
     return checkpoint
+
+
+def load_directory_into_stages(path: str, model: nn.Module, optimizers: list[Optimizer], *,
+                               weights_only: bool | None, strict: bool) -> dict[str, Any]:
+    """A DCP directory into a pipeline stage's model and optimizers, each stage its own
+    parameters and optimizer state; returns the checkpoint's other state for Lightning.
+
+    Mirrors the sharded branch of Lightning's loader, which finds "the distributed model" by its
+    DTensor parameters and so refuses a pure pipeline stage (plain tensors)."""
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
+
+    model_state = {"state_dict": get_model_state_dict(model)}
+    distributed_checkpoint_load(model_state, Path(path))
+    model.load_state_dict(model_state["state_dict"], strict=strict)
+    for index, optimizer in enumerate(optimizers):
+        # NOTE: DCP saves the non-tensor param_groups once, from rank 0, which lists only its
+        # stage's parameters: each group's hyperparameters (the learning rate the scheduler
+        # had set) are read from it, its parameters are this stage's own.
+        key, current = f"optimizer_{index}", get_optimizer_state_dict(model, optimizer)
+        hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in current["param_groups"]]
+        loaded = {key: {"state": current["state"], "param_groups": hyperparameters}}
+        distributed_checkpoint_load(loaded, Path(path))
+        groups = [{**saved, "params": group["params"]}
+                  for saved, group in zip(loaded[key]["param_groups"], current["param_groups"], strict=True)]
+        set_optimizer_state_dict(model, optimizer, options=StateDictOptions(cpu_offload=True),
+                                 optim_state_dict={"state": loaded[key]["state"], "param_groups": groups})
+    return torch.load(os.path.join(path, CHECKPOINT_METADATA_FILENAME), weights_only=weights_only)

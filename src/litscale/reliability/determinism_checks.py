@@ -2,7 +2,7 @@
 
 Each check raises ``ValueError`` with one line naming the key and value it cannot hold and what
 is allowed; the app's validation (``check_determinism``) turns it into a ``ConfigError``. Which
-strategies allow the mode, each says itself (the strategy contract, ``litscale.contract``:
+strategies allow the mode, each says itself (the strategy contract, ``litscale.parallel.contract``:
 ``Option.LAYOUT_INVARIANT``).
 """
 

@@ -2,7 +2,7 @@
 weights-only (tensors, plain data and the few classes named for one read), DCP's ``.metadata``
 through a restricted unpickler, DeepSpeed's files with its own few classes allowed. Every check
 before launch and every move between layouts reads through here
-(``litscale.checkpoints``, ``litscale.checkpoint_moves``, ``litscale.deepspeed_moves``).
+(``litscale.checkpoint.resume``, ``litscale.checkpoint.moves``, ``litscale.checkpoint.deepspeed``).
 """
 
 from __future__ import annotations

@@ -34,12 +34,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.optim import Optimizer
 
 from litscale.arguments import checked_arguments
-from litscale.callbacks.throughput import data_parallel_size
 from litscale.constraints import Fraction, NonNegativeInt, PositiveInt
-from litscale.layout import RunLayout
 from litscale.loggers import is_logging_step
-from litscale.mup import WidthScaling
-from litscale.schedulers import check_warmup_keys, constant, warmup_multiplier
+from litscale.optim.mup import WidthScaling
+from litscale.optim.schedulers import check_warmup_keys, constant, warmup_multiplier
+from litscale.parallel.contract import data_parallel_size
+from litscale.parallel.layout import RunLayout
 
 Rule = Literal["none", "linear", "sqrt"]
 RULES: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -121,9 +121,9 @@ class LRScaling(Callback):
         warmup_steps: Linear warmup in optimizer steps; replaces the scheduler's warmup.
         warmup_fraction: Warmup as a fraction of the run's optimizer steps (instead of steps).
         micro_batch_size: Per-device batch; by default the datamodule's ``batch_size``.
-        layout: The run's layout (``litscale.layout``): its micro batch, data-parallel size and
+        layout: The run's layout (``litscale.parallel.layout``): its micro batch, data-parallel size and
             accumulation make the global batch. Without it they are read from the trainer.
-        base_width: µP (``litscale.mup``, ``lr_scaling=mup``): the width the LR was tuned at.
+        base_width: µP (``litscale.optim.mup``, ``lr_scaling=mup``): the width the LR was tuned at.
             The network is µP-parametrised against itself at that width (init, logits, attention
             scores) and the optimizer's groups get their width's LR multipliers, on top of the
             batch rule. None: no width scaling.
@@ -167,11 +167,9 @@ class LRScaling(Callback):
         if stage != "fit":
             return
         if self.layout is not None:  # replica groups (fault_tolerance=replicas) are data parallel too
-            micro, dp, accumulation = (self.layout.micro_batch,
-                                       self.layout.data_parallel_size * self.layout.replica_groups,
-                                       self.layout.accumulation)
+            micro, dp, accumulation = self.layout.micro_batch, self.layout.batch_ranks, self.layout.accumulation
         else:
-            micro, dp = self._micro_batch(trainer), data_parallel_size(trainer)
+            micro, dp = self._micro_batch(trainer), data_parallel_size(trainer.strategy)
             accumulation = trainer.accumulate_grad_batches
         self.global_batch = global_batch(micro, dp, accumulation)
         factory = getattr(pl_module, "optimizer_factory", None)
@@ -223,7 +221,7 @@ class LRScaling(Callback):
 
     @rank_zero_only
     def _print_width(self, width: WidthScaling, factory: Callable[..., Optimizer]) -> None:
-        from litscale.muon import wants_parameter_roles
+        from litscale.optim.muon import wants_parameter_roles
 
         print(width.describe(optimizer_keywords(factory), muon=wants_parameter_roles(factory)), flush=True)
 

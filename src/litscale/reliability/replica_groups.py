@@ -43,30 +43,55 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from litscale.determinism import running_statistics
+from litscale.constraints import AtLeastTwo, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.extras import TORCHFT, Requirement
+from litscale.reliability.determinism import running_statistics
 
 # Written beside the groups' dirs once a group has finished the run.
 FINISHED_MARKER = "finished"
-# Set by the replica launcher for each group's ranks.
-GROUP_ENV = "LITSCALE_REPLICA_GROUP"
-GROUPS_ENV = "LITSCALE_REPLICA_GROUPS"
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-# host:port of the store where the groups' first start meets (``_all_groups_started``).
-START_STORE_ENV = "LITSCALE_REPLICA_START_STORE"
 
 
-def replica_group() -> tuple[int, int] | None:
-    """``(group, groups)`` of this rank under ``fault_tolerance=replicas``, else None."""
-    if GROUP_ENV not in os.environ:
-        return None
-    return int(os.environ[GROUP_ENV]), int(os.environ[GROUPS_ENV])
+@dataclass(kw_only=True, slots=True)
+class ReplicaGroups:
+    """``fault_tolerance=replicas``, the group's ``_target_``: how many replica groups train
+    together and how long they wait for each other, typed once and read as one object by the
+    launcher (``litscale.app.replica_launch``) and by each rank's ``ReplicaFaultTolerance``."""
+
+    requires: ClassVar[tuple[Requirement, ...]] = (TORCHFT,)  # the lighthouse, manager and cross-group all-reduce
+
+    groups: AtLeastTwo = 3
+    """Replica groups of ``trainer.devices`` ranks each; the global batch is micro x devices x groups x accumulation."""
+    min_replicas: PositiveInt = 1
+    """Fewest groups a step commits with."""
+    max_restarts: NonNegativeInt = 3
+    """Times each group is started again after one of its ranks dies."""
+    lighthouse: str | None = None
+    """``host:port`` of a running torchft lighthouse; None: the job's process hosts one."""
+    timeout_s: PositiveFloat = 10.0
+    """A cross-group all-reduce, commit vote or state transfer (a peer lost mid-step fails it)."""
+    straggler_timeout_s: PositiveFloat = 30.0
+    """A step's wait for a group that is alive (heartbeating) but late; a dead one is left out after 2 s."""
+    quorum_timeout_s: PositiveFloat = 60.0
+    """How long a (re)starting group waits for the others to agree on a quorum."""
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Which replica group a rank is of, and where the job's groups meet: handed to each
+    group's ranks by the launcher (in the run spec), never read from the environment."""
+
+    group: int
+    groups: int
+    lighthouse: str  # host:port of the torchft lighthouse
+    start_store: str  # host:port of the store where the groups' first start meets (``_wait_for_every_group``)
 
 
 def steps_log_path(group_dir: str) -> str:
@@ -85,18 +110,20 @@ class ReplicaFaultTolerance(Callback):
 
     Args:
         run_dir: The group's own dir, ``<run dir>/replicas/<group>`` (its step record goes there).
-        min_replicas: Fewest groups a step commits with.
-        timeout_s: Limit of a cross-group all-reduce, a commit vote and a state transfer.
-        quorum_timeout_s: Limit of a quorum (a restarting group waits this long for peers).
+        replicas: The job's ``fault_tolerance=replicas`` settings.
+        group: This rank's group and where the groups meet (the launcher's ``ReplicaGroup``);
+            None outside a replica launch (its set-up then refuses to fit).
     """
 
-    def __init__(self, *, run_dir: str, min_replicas: int = 1, timeout_s: float = 10.0,
-                 quorum_timeout_s: float = 60.0) -> None:
-        self.group, self.groups = replica_group() or (0, 1)  # known on the ranks the launcher started
+    def __init__(self, *, run_dir: str, replicas: ReplicaGroups | None = None,
+                 group: ReplicaGroup | None = None) -> None:
+        replicas = replicas or ReplicaGroups()
+        self.identity = group
+        self.group, self.groups = (group.group, group.groups) if group is not None else (0, 1)
         self.run_dir = run_dir
-        self.min_replicas = min_replicas
-        self.timeout = timedelta(seconds=timeout_s)
-        self.quorum_timeout = timedelta(seconds=quorum_timeout_s)
+        self.min_replicas = replicas.min_replicas
+        self.timeout = timedelta(seconds=replicas.timeout_s)
+        self.quorum_timeout = timedelta(seconds=replicas.quorum_timeout_s)
         self.manager: Any = None
         self.participants = self.groups
         self.committed = True
@@ -109,8 +136,8 @@ class ReplicaFaultTolerance(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if replica_group() is None:
-            raise RuntimeError(f"ReplicaFaultTolerance runs on ranks the replica launcher started ({GROUP_ENV} unset)")
+        if self.identity is None:
+            raise RuntimeError("ReplicaFaultTolerance runs on ranks the replica launcher started (no group handed in)")
         if not pl_module.automatic_optimization:
             raise ValueError("fault_tolerance=replicas gates the optimizer step of automatic optimization; "
                              f"{type(pl_module).__name__} optimizes manually")
@@ -133,7 +160,7 @@ class ReplicaFaultTolerance(Callback):
             world_size=trainer.world_size,
             store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
             store_port=int(os.environ["MASTER_PORT"]),
-            lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
+            lighthouse_addr=self.identity.lighthouse,
             replica_id=f"group_{self.group}",
         )
         if trainer.global_rank == 0:
@@ -249,7 +276,7 @@ class ReplicaFaultTolerance(Callback):
         first steps would run with fewer groups, then heal the latecomers."""
         from torch.distributed import TCPStore
 
-        host, port = os.environ[START_STORE_ENV].rsplit(":", 1)
+        host, port = self.identity.start_store.rsplit(":", 1)
         store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=self.quorum_timeout)
         store.add("started", 1)
         deadline = time.monotonic() + self.quorum_timeout.total_seconds()

@@ -6,7 +6,7 @@ DeepSpeed checkpoint directory (its ``latest`` tag file and per-rank partitions)
 
 ``ckpt_path=auto``/``last`` resume from the newest *complete* checkpoint in the ``checkpoints/``
 dirs of the runs named ``name``; ``here`` from the run's own ``checkpoints/`` only. litscale's strategies publish every save atomically
-(``litscale.atomic_checkpoint``), so a save cut short is never visible; the completeness checks
+(``litscale.checkpoint.atomic``), so a save cut short is never visible; the completeness checks
 here are for checkpoints written otherwise (a strategy of the user's own, an older run, a copy):
 a truncated file, or a directory half rewritten in place, is skipped for the one before it.
 Every ``*.ckpt`` in a ``checkpoints/`` dir counts except ``nonfinite-*.ckpt`` (the NaN guard's,
@@ -24,8 +24,8 @@ import os
 import re
 import zipfile
 
-from litscale.atomic_checkpoint import ASIDE_SUFFIX, followed
-from litscale.checkpoint_reading import (
+from litscale.checkpoint.atomic import ASIDE_SUFFIX, followed
+from litscale.checkpoint.reading import (
     DCP_METADATA,
     DEEPSPEED_LATEST,
     LIGHTNING_META,
@@ -120,7 +120,7 @@ def resumable_checkpoints(search_dir: str) -> list[str]:
     from (complete or not; ``nonfinite-*.ckpt`` excluded)."""
     pattern = os.path.join(glob.escape(search_dir), "**", "checkpoints", "*.ckpt")
     # A directory set aside while a save was swapped in where the system has no atomic
-    # exchange (``litscale.atomic_checkpoint``): the old checkpoint, if the swap was cut short.
+    # exchange (``litscale.checkpoint.atomic``): the old checkpoint, if the swap was cut short.
     aside = os.path.join(glob.escape(search_dir), "**", "checkpoints", f".*.ckpt{ASIDE_SUFFIX}")
     found = glob.glob(pattern, recursive=True) + glob.glob(aside, recursive=True)
     # A pointer (``checkpoint.publish=pointer``) stands for the save it names, which several may name.

@@ -12,11 +12,18 @@ a frozen dataclass that checks its own arithmetic.
 
 Tensor-, context- and pipeline-parallel ranks share one data shard, so they do not multiply
 the batch. Expert parallel is a view, not a dimension of its own: its ranks are borrowed from
-the data x context ranks (as in torchtitan), so ``expert`` divides ``data x context``.
+the data x context ranks (as in torchtitan), so ``expert`` divides ``data x context``. Replica
+groups (``fault_tolerance=replicas``) are an outer replicate axis around the whole mesh: they
+multiply the batch, not the mesh.
+
+Every product of sizes is taken here, once, and named (``MeshSizes.fsdp``, ``loss``,
+``model_split``, ``RunLayout.batch_ranks``, ...): the strategies, the planner, the callbacks
+and the data modules read the names (a test holds that nobody else multiplies sizes).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -25,23 +32,23 @@ from litscale.errors import ConfigError
 
 
 class MeshAxis(StrEnum):
-    """The names of the device mesh's dimensions, outermost first, in one place: strategies
-    build their meshes with them, parity tests and the planner read them. ``DATA`` is the name
-    Lightning's ModelParallelStrategy reads for its sampler arguments; FSDP's own mesh names
-    its data dimension ``REPLICATE`` x ``SHARD`` (HSDP). ``EXPERT`` is a view over the data x
-    context ranks, ``EXPERT_DATA`` the rest of them."""
+    """The names of the device mesh's dimensions, in one spelling: the world mesh's, outermost
+    first (``PIPELINE`` x ``REPLICATE`` x ``SHARD`` x ``CONTEXT`` x ``TENSOR``), then the meshes
+    derived from them (``litscale.parallel.mesh.ParallelMesh`` builds each and says who asks):
+    ``FSDP``, the shard x context ranks a parameter is sharded over; ``EXPERT``, a view over the
+    data x context ranks, and ``EXPERT_DATA``, the rest of them."""
 
     PIPELINE = "pipeline_parallel"
-    DATA = "data_parallel"
     REPLICATE = "replicate"
     SHARD = "shard"
     CONTEXT = "context_parallel"
     TENSOR = "tensor_parallel"
+    FSDP = "fsdp"
     EXPERT = "expert_parallel"
     EXPERT_DATA = "expert_data_parallel"  # the data x context ranks that hold the same experts
 
 
-PIPELINE, DATA, CONTEXT, TENSOR = MeshAxis.PIPELINE, MeshAxis.DATA, MeshAxis.CONTEXT, MeshAxis.TENSOR
+PIPELINE, CONTEXT, TENSOR = MeshAxis.PIPELINE, MeshAxis.CONTEXT, MeshAxis.TENSOR
 
 
 @dataclass(frozen=True)
@@ -104,13 +111,52 @@ class MeshSizes:
         """Ranks that hold the same experts (the borrowed ranks over the expert-parallel size)."""
         return self.expert_borrowed // self.expert
 
-    def shape_and_names(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
-        """The ``pipeline x data x tensor`` mesh of the tensor-parallel and pipeline strategies
-        (the pipeline dimension is kept at size 1, so 2-D and 3-D meshes have the same names),
-        with a ``context`` dimension before ``tensor`` where the sequence is split."""
-        if self.context > 1:
-            return (self.pipeline, self.data, self.context, self.tensor), (PIPELINE, DATA, CONTEXT, TENSOR)
-        return (self.pipeline, self.data, self.tensor), (PIPELINE, DATA, TENSOR)
+    @property
+    def model_split(self) -> int:
+        """Ranks one copy of the model is split over: each holds ``1 / (tensor x pipeline)`` of
+        its weights (evenly, in the planner's formulas) before any data sharding."""
+        return self.tensor * self.pipeline
+
+    @property
+    def stage_ranks(self) -> int:
+        """Ranks of one pipeline stage (world / pipeline): those a gradient norm sums over."""
+        return self.data * self.context * self.tensor
+
+    @property
+    def sample_split(self) -> int:
+        """Ranks one sample's forward and backward is split over: tensor parallel splits its
+        matmuls, context parallel its sequence."""
+        return self.tensor * self.context
+
+    @property
+    def expert_split(self) -> int:
+        """Ranks the routed experts are split over: the expert ranks of each pipeline stage."""
+        return self.pipeline * self.expert
+
+    def data_rank(self, global_rank: int) -> int:
+        """The data-parallel rank of ``global_rank``: ranks are laid out row-major over
+        (pipeline, data, context, tensor), so the context and tensor ranks of one sample share it."""
+        return (global_rank // self.sample_split) % self.data
+
+    def stride(self, group: MeshAxis | str) -> int:
+        """How many ranks apart the members of ``group`` stand in the row-major world (which
+        link a collective over it crosses): ``pipeline``, the data x context ranks (``FSDP``,
+        ``loss``), the tensor ones, the expert ranks (the innermost of data x context) and the
+        expert-data ones."""
+        strides = {MeshAxis.PIPELINE: self.stage_ranks, MeshAxis.FSDP: self.tensor, "loss": self.tensor,
+                   MeshAxis.TENSOR: 1, MeshAxis.CONTEXT: self.tensor, MeshAxis.EXPERT: self.tensor,
+                   MeshAxis.EXPERT_DATA: self.tensor * self.expert}
+        return strides[group]
+
+    @classmethod
+    def with_data_rest(cls, world_size: int, **sizes: int) -> MeshSizes | None:
+        """The mesh whose data shards take every rank that ``sizes`` (any fields but
+        ``data_shard``) leave of ``world_size``; None where they do not divide it (the planner's
+        candidate layouts)."""
+        taken = math.prod(sizes.get(name, 1) for name in ("pipeline", "data_replicate", "context", "tensor"))
+        if world_size % taken:
+            return None
+        return cls(**sizes, data_shard=world_size // taken)
 
     def describe(self) -> str:
         data = f"data {self.data}"
@@ -145,15 +191,26 @@ class RunLayout:
 
     @property
     def world_size(self) -> int:
-        return self.num_nodes * self.processes_per_node
+        return world_size_of(num_nodes=self.num_nodes, processes_per_node=self.processes_per_node)
+
+    @property
+    def replica_processes(self) -> int:
+        """Processes of every replica group on this node (the groups run on one node)."""
+        return self.processes_per_node * self.replica_groups
 
     @property
     def data_parallel_size(self) -> int:
         return self.mesh.data
 
     @property
+    def batch_ranks(self) -> int:
+        """Ranks that draw distinct samples: the data-parallel ranks of every replica group
+        (the groups are an outer replicate axis: ``replicas_around``)."""
+        return self.mesh.data * self.replica_groups
+
+    @property
     def global_batch(self) -> int:
-        return self.micro_batch * self.data_parallel_size * self.accumulation * self.replica_groups
+        return self.micro_batch * self.batch_ranks * self.accumulation
 
     def describe(self) -> str:
         """One line for the start of a run."""
@@ -189,3 +246,52 @@ def mesh_of(strategy: Any, world_size: int) -> MeshSizes:
     if resolve_mesh is None:
         return MeshSizes(data_replicate=world_size)
     return resolve_mesh(world_size)
+
+
+def world_size_of(*, num_nodes: int, processes_per_node: int) -> int:
+    """The world: nodes x processes per node (what a run layout is of, before its mesh is known)."""
+    return num_nodes * processes_per_node
+
+
+def resolve_mesh_sizes(
+    world_size: int, *, pipeline: int | None = 1, data: int | None = None, tensor: int | None = 1,
+    context: int = 1,
+) -> MeshSizes:
+    """Fill in the one size left ``None`` (at most one) and check the product is ``world_size``
+    (the tensor-parallel and pipeline strategies' ``strategy.*_parallel_size`` keys)."""
+    given = {"pipeline_parallel_size": pipeline, "data_parallel_size": data,
+             **({"context_parallel_size": context} if context > 1 else {}), "tensor_parallel_size": tensor}
+    missing = [key for key, size in given.items() if size is None]
+    if len(missing) > 1:
+        raise ValueError(f"strategy.{missing[0]} and strategy.{missing[1]} are both null; "
+                         "set all but one mesh size")
+    known = math.prod(size for size in given.values() if size is not None)
+    shown = " x ".join(f"strategy.{key}={size}" for key, size in given.items() if size is not None)
+    if missing:
+        if world_size % known:
+            raise ValueError(f"{shown} = {known} does not divide the world size ({world_size}); "
+                             f"allowed: sizes whose product divides {world_size}")
+        given[missing[0]] = world_size // known
+    elif known != world_size:
+        raise ValueError(f"{shown} = {known} but the world size is {world_size} "
+                         "(trainer.devices x trainer.num_nodes); the product must equal it")
+    return MeshSizes(pipeline=given["pipeline_parallel_size"], data_shard=given["data_parallel_size"],
+                     tensor=given["tensor_parallel_size"], context=context)
+
+
+def data_shards_left(world_size: int, **sizes: int) -> int:
+    """The data shards ``world_size`` ranks hold once each of ``sizes`` (``strategy.<key>`` ->
+    its value: FSDP's replicas and context ranks) has taken its share: each size, and their
+    product, must divide the world (else ``ValueError`` naming the key)."""
+    named = {**sizes, " x ".join(sizes): math.prod(sizes.values())} if len(sizes) > 1 else sizes
+    for key, size in named.items():
+        if world_size % size:
+            raise ValueError(f"strategy.{key}={size} must divide the world size ({world_size}); "
+                             f"allowed: a divisor of {world_size}")
+    return world_size // math.prod(sizes.values())
+
+
+def replicas_around(num_replicas: int, rank: int, *, group: int, groups: int) -> tuple[int, int]:
+    """``(num_replicas, rank)`` of a data-parallel rank among every replica group's: the groups
+    are an outer replicate axis, so group ``g``'s ranks follow group ``g - 1``'s."""
+    return num_replicas * groups, group * num_replicas + rank

@@ -1,5 +1,5 @@
 """A DeepSpeed ZeRO checkpoint (stages 1-3) read whole, as the checkpoint a litscale file strategy saves
-(``litscale.checkpoint_moves`` then carries it onto any layout): the fp32 master weights, the
+(``litscale.checkpoint.moves`` then carries it onto any layout): the fp32 master weights, the
 optimizer's moments and step by parameter, and Lightning's own state (loops, schedulers,
 callbacks, the data position), which DeepSpeed keeps as its "client state".
 
@@ -27,8 +27,12 @@ from typing import Any
 
 import torch
 
-from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES
-from litscale.checkpoint_reading import deepspeed_files, read_deepspeed_file
+from litscale.checkpoint.moves import OPTIMIZER_PARAM_NAMES
+from litscale.checkpoint.reading import (
+    deepspeed_files,
+    is_deepspeed_checkpoint,
+    read_deepspeed_file,
+)
 
 # The per-parameter state of the optimizers whose moments move (torch's Adam and AdamW).
 MOVABLE_STATE = {"step", "exp_avg", "exp_avg_sq"}
@@ -161,6 +165,20 @@ DEEPSPEED_OWN = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_
                  "ds_config", "ds_version"}
 
 
+def moved_into_zero(path: str, strategy: Any) -> dict[str, Any] | None:
+    """A checkpoint that DeepSpeed's own loader cannot read, read whole and written into the
+    built ZeRO engine of ``strategy`` (``load_into_zero``): another strategy's file or sharded
+    directory, a DeepSpeed checkpoint of another world size, or of ZeRO-3 against 1/2. None
+    where DeepSpeed's own loader reads it (``reads_as_saved``)."""
+    from litscale.checkpoint.moves import read_as_file
+
+    if not is_deepspeed_checkpoint(path):
+        return load_into_zero(read_as_file(path), strategy.lightning_module, strategy.deepspeed_engine)
+    if reads_as_saved(path, strategy.stage, strategy.world_size):
+        return None
+    return load_into_zero(deepspeed_as_file_checkpoint(path), strategy.lightning_module, strategy.deepspeed_engine)
+
+
 def load_into_zero(checkpoint: dict[str, Any], module: torch.nn.Module, engine: Any) -> dict[str, Any]:
     """Load a file strategy's checkpoint (as read: ``checkpoint_moves.read_as_file``) into a
     built ZeRO engine through DeepSpeed's own fragment setters: each rank writes its part of
@@ -169,7 +187,7 @@ def load_into_zero(checkpoint: dict[str, Any], module: torch.nn.Module, engine: 
     does); returns the rest for Lightning to restore."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from litscale.checkpoint_moves import named_optimizer_state
+    from litscale.checkpoint.moves import named_optimizer_state
 
     weights, (state,) = checkpoint.pop("state_dict"), named_optimizer_state(checkpoint)
     steps = {float(saved["step"]) for saved in state.values()}

@@ -27,13 +27,13 @@ import pytorch_optimizer  # ~1 s to import; this module loads only when lars/lam
 import torch
 
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat
-from litscale.parameter_steps import ParameterwiseOptimizer, check_betas, whole_tensor
+from litscale.optim.parameter_steps import ParameterwiseOptimizer, check_betas, whole_tensor
 
 
 class TrustRatio:
     """What LARS and LAMB share: each weight tensor's step is scaled by that tensor's norms."""
 
-    adapts_each_tensor = True  # the trust ratio takes each tensor's norms (litscale.muon.adapts_each_tensor)
+    adapts_each_tensor = True  # the trust ratio takes each tensor's norms (litscale.optim.muon.adapts_each_tensor)
     # Take each norm of the whole tensor, gathered from its DTensor shards: the same number as one
     # process's, bit for bit, at the cost of an all-gather of every sharded matrix and of its update
     # per step. Set by determinism=layout_invariant (LayoutInvariance.take_optimizer).

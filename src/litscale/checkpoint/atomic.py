@@ -14,7 +14,7 @@ written its part, rank 0 swaps it in:
   replace a non-empty directory, and no library does this: written here. Where the call is
   missing (not Linux), the old directory is first renamed aside (``.<name>.old``): a crash
   between the two renames leaves the old checkpoint there and no ``<name>``, and the resume
-  search (``litscale.checkpoints``) looks at it.
+  search (``litscale.checkpoint.resume``) looks at it.
 
 On an object-store mount (gcsfuse, s3fs, goofys, rclone, mountpoint-s3, blobfuse: SkyPilot's
 MOUNT-mode buckets) a directory's rename is a copy of its files one by one and then a delete,

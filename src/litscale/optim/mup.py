@@ -53,12 +53,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from litscale.declarations import declared
-from litscale.muon import MATRIX, output_layers, parameter_roles
+from litscale.optim.muon import MATRIX, output_layers, parameter_roles
+from litscale.parallel.declarations import declared
 
 # The optimizers the rule has multipliers for (Adam's per-element steps, Muon's orthogonal ones).
 ADAM_FAMILY = ("torch.optim.AdamW", "torch.optim.Adam")
-MUON = "litscale.muon.Muon"
+MUON = "litscale.optim.muon.Muon"
 SUPPORTED_OPTIMIZERS = (*ADAM_FAMILY, MUON)
 
 
@@ -88,7 +88,7 @@ class ParameterWidth:
 
 
 def muon_scale(shape: tuple[int, ...], adjust_lr: str) -> float:
-    """Muon's factor on its orthogonal step for a matrix of ``shape`` (``litscale.muon``)."""
+    """Muon's factor on its orthogonal step for a matrix of ``shape`` (``litscale.optim.muon``)."""
     rows, cols = shape[-2:]
     return 0.2 * math.sqrt(max(rows, cols)) if adjust_lr == "match_rms_adamw" else math.sqrt(max(1.0, rows / cols))
 

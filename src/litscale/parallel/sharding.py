@@ -1,5 +1,5 @@
-"""What a strategy does to one rank's share of the model, stated once (``Sharding``) and read
-by everyone who needs it: the memory callback (its estimate beside what a rank measures), the
+"""What a strategy does to one rank's share of the model, stated once (``Sharding``: the
+contract's ``sharding``, ``litscale.parallel.contract``) and read by everyone who needs it: the memory callback (its estimate beside what a rank measures), the
 planner (memory per rank and the collectives of a step) and the dry run.
 
 A strategy first splits the network over the axes that divide the model itself (tensor and
@@ -18,9 +18,8 @@ strategy keeps an fp32 master copy (DeepSpeed, or 16-bit parameters under a mixe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 
 
 @dataclass(frozen=True)
@@ -60,17 +59,6 @@ class Sharding:
         return 2 if self.zero_stage == 3 and self.whole_parameters_in_step else self.zero_stage
 
 
-@runtime_checkable
-class LaidOut(Protocol):
-    """What every litscale strategy answers, before any process starts: how it lays
-    ``world_size`` ranks out on the mesh, and how it holds a rank's share of the model."""
-
-    @property
-    def sharding(self) -> Sharding: ...
-
-    def resolve_mesh(self, world_size: int) -> MeshSizes: ...
-
-
 REPLICATED = Sharding(zero_stage=0)
 
 
@@ -78,12 +66,6 @@ def fsdp2_sharding(*, reshard_after_forward: bool) -> Sharding:
     """FSDP2 over the data-shard ranks (the FSDP strategy, and the data dimension of the
     tensor-parallel and pipeline strategies)."""
     return Sharding(zero_stage=3, whole_parameters_in_step=not reshard_after_forward)
-
-
-def sharding_of(strategy: object) -> Sharding:
-    """``strategy.sharding``; replicated for a strategy that does not say (a user's own, or
-    Lightning's)."""
-    return getattr(strategy, "sharding", REPLICATED)
 
 
 def estimate_bytes(*, num_params: float, world_size: int, zero_stage: int, param_bytes: int,

@@ -14,26 +14,25 @@ strategy names. A strategy answers in two ways:
   (``untraced``), what it waits on by phase (``phase_collectives``).
 
 A user's own Lightning strategy need not subclass ``StrategyContract``: every question has the
-answer a plain data-parallel strategy would give (``contract_value``).
+answer a plain data-parallel strategy would give (``contract_value``). How a strategy saves and
+loads is not a question but a mixin every litscale strategy lists beside this one
+(``litscale.checkpoint.strategy_checkpointing``).
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from litscale.atomic_checkpoint import publish
 from litscale.extras import Requirement
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
+from litscale.parallel.sharding import REPLICATED, Sharding
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from litscale.async_checkpoint import Fingerprint
 
 
 # Why the FSDP2 and DTensor strategies refuse fp16: Lightning's ModelParallelStrategy, which they
@@ -89,7 +88,7 @@ ALTERNATIVES = {
     Option.TOKEN_BATCHES: "data=tokens without data.document_mask",
 }
 # Why a strategy that is not a StrategyContract cannot save in the background: the background
-# save is the contract's own ``save_checkpoint``.
+# save is the ``save_checkpoint`` of every litscale strategy (``litscale.checkpoint.strategy_checkpointing``).
 NO_CONTRACT_SAVE = "it is not a litscale StrategyContract, whose save_checkpoint writes in the background"
 
 
@@ -147,20 +146,16 @@ class StrategyContract:
     # communication follow from its sharding and mesh (not local SGD's or federated rounds).
     plannable: ClassVar[bool] = True
     # Its checkpoints (a torch.save file or a torch.distributed.checkpoint directory) resume under
-    # any other such strategy (``litscale.checkpoint_moves``); False: its own format only.
+    # any other such strategy (``litscale.checkpoint.moves``); False: its own format only.
     shares_checkpoint_formats: ClassVar[bool] = True
     # Each rank holds only some of the layers (pipeline stages): a whole-model export gathers them.
     splits_layers_over_ranks: ClassVar[bool] = False
+    # How it holds a rank's share of the model (``litscale.parallel.sharding``): what the memory
+    # callback, the planner and the dry run read. By default every rank holds it whole.
+    sharding: ClassVar[Sharding] = REPLICATED
     # Its gradients live in buffers of its own, not in each parameter's ``.grad`` (DeepSpeed
     # ZeRO's partitions): it logs ``train/grad_norm`` itself, as its engine takes the norm.
     keeps_gradients_apart: ClassVar[bool] = False
-    # Set by the run from ``checkpoint.async_save`` (or by a user's own script): saves written
-    # in the background (``litscale.async_checkpoint``) from the strategy's first save on.
-    async_save: bool = False
-    checkpoint_writer: Any = None
-    # Set by the run from ``checkpoint.publish``: how a sharded save is made visible, by a rename
-    # or by a pointer file (object-store mounts), ``auto`` by the mount (``litscale.atomic_checkpoint``).
-    checkpoint_publish: str = "auto"
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,
@@ -184,108 +179,6 @@ class StrategyContract:
         app's validation, the planner's pruning); the default checks the mesh."""
         self.resolve_mesh(world_size)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """The strategy's own save, written beside the old checkpoint and made visible once every
-        rank has written its part: a checkpoint is complete or invisible
-        (``litscale.atomic_checkpoint``, by a rename or a pointer: ``checkpoint_publish``); with
-        ``async_save``, written in the background."""
-        from litscale.atomic_checkpoint import publishes_by_pointer, remove, saving_path
-        from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES, param_names_by_group
-
-        by_pointer = self.is_global_zero and publishes_by_pointer(str(filepath), self.checkpoint_publish)
-        # the one path rank 0 chose, and where its save is written
-        path, staging, by_pointer = self.broadcast(
-            (str(filepath), saving_path(str(filepath), by_pointer=by_pointer), by_pointer))
-        names = param_names_by_group(self.lightning_module, self.optimizers) if self.optimizers else None
-        if names is not None:  # what lets the checkpoint move to a layout of the other kind
-            checkpoint[OPTIMIZER_PARAM_NAMES] = names
-        if self.async_save and self.checkpoint_writer is None:
-            from litscale.async_checkpoint import CheckpointWriter
-
-            self.checkpoint_writer = CheckpointWriter()
-        if self.checkpoint_writer is not None:
-            from litscale.async_checkpoint import fingerprint
-
-            now = fingerprint(checkpoint)  # before a sharded save takes the state out of it
-            if self._save_again_in_background(checkpoint, now, staging, path, by_pointer, storage_options):
-                return
-            self.checkpoint_writer.wait()  # the save before this one, published
-        if self.is_global_zero:
-            remove(staging)  # what a save cut short left
-        self.barrier("litscale checkpoint staged")
-        if self.checkpoint_writer is not None:
-            self._save_in_background(checkpoint, now, staging, path, by_pointer, storage_options)
-            return
-        super().save_checkpoint(checkpoint, staging, storage_options)
-        self.barrier("litscale checkpoint written")
-        if self.is_global_zero:
-            publish(staging, path, by_pointer=by_pointer)
-        self.barrier("litscale checkpoint published")
-
-    def _save_again_in_background(self, checkpoint: dict[str, Any], now: Fingerprint | None, staging: str,
-                                  path: str, by_pointer: bool, storage_options: Any) -> bool:
-        """A second save of the last save's state (``ModelCheckpoint``'s ``last.ckpt`` after its
-        top-k file, at one validation), published from the last save's bytes: nothing copied,
-        nothing waited for (``litscale.async_checkpoint``). False, and nothing done, otherwise."""
-        from litscale import async_checkpoint
-
-        writer = self.checkpoint_writer
-        last = writer.holding(now)
-        if not self.reduce_boolean_decision(last is not None, all=True):  # every rank, or none
-            return False
-        if self.is_global_zero:
-            writer.submit(async_checkpoint.save_again(
-                last, now, checkpoint, staging=staging, path=path, by_pointer=by_pointer,
-                write_file=lambda copied, where: self.checkpoint_io.save_checkpoint(
-                    copied, where, storage_options=storage_options)))
-        writer.last = async_checkpoint.LastSave(fingerprint=now, path=path, copied_state=last.copied_state)
-        return True
-
-    def _save_in_background(self, checkpoint: dict[str, Any], now: Fingerprint | None, staging: str, path: str,
-                            by_pointer: bool, storage_options: Any) -> None:
-        from litscale import async_checkpoint
-
-        writer = self.checkpoint_writer
-        copied_state = None
-        if self.saves_shards:
-            complete = async_checkpoint.start_directory_save(checkpoint, staging, writer=writer,
-                                                             is_global_zero=self.is_global_zero)
-
-            def finish() -> None:
-                complete()
-                if self.is_global_zero:
-                    publish(staging, path, by_pointer=by_pointer)
-        elif self.is_global_zero:
-            copied = writer.snapshot(checkpoint)
-            copied_state = {key: copied[key] for key in async_checkpoint.STATE_KEYS if key in copied}
-
-            def finish() -> None:
-                self.checkpoint_io.save_checkpoint(copied, staging, storage_options=storage_options)
-                publish(staging, path, by_pointer=by_pointer)
-        else:
-            finish = None  # rank 0 writes the file
-        if finish is not None:
-            writer.submit(finish)
-        writer.last = None if now is None else async_checkpoint.LastSave(fingerprint=now, path=path,
-                                                                         copied_state=copied_state)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning's removal of an old checkpoint (a pointer with the save only it named);
-        behind the saves in flight, so the old one goes only once the new one is published."""
-        from litscale.atomic_checkpoint import pointer_target, remove_published
-
-        def removal() -> None:
-            if self.is_global_zero and pointer_target(str(filepath)) is not None:
-                remove_published(str(filepath))
-            else:
-                super(StrategyContract, self).remove_checkpoint(filepath)
-
-        if self.checkpoint_writer is None:
-            removal()
-        else:
-            self.checkpoint_writer.forget(str(filepath))
-            self.checkpoint_writer.submit(removal)
-
     def _configure_launcher(self) -> None:
         """Lightning's launcher, except for one process: there its script launcher starts no
         rank but a thread that watches none, which outlives ``fit`` by five seconds (in a
@@ -293,45 +186,6 @@ class StrategyContract:
         super()._configure_launcher()
         if getattr(self, "num_processes", 1) * getattr(self, "num_nodes", 1) == 1:
             self._launcher = None
-
-    def teardown(self) -> None:
-        writer, self.checkpoint_writer = self.checkpoint_writer, None
-        if writer is not None:
-            writer.close()  # the last save is written and published before the run ends
-        super().teardown()
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """The strategy's own load, or a checkpoint of the other kind moved onto this layout
-        (``litscale.checkpoint_moves``): a file into a sharded model, a sharded directory into
-        a replicated one, a DeepSpeed directory into either."""
-        from litscale import checkpoint_moves
-        from litscale.checkpoint_reading import DCP_METADATA, is_deepspeed_checkpoint
-        from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
-
-        path = str(self.broadcast(str(checkpoint_path)))
-        whole = None
-        if self.shares_checkpoint_formats and is_deepspeed_checkpoint(path):
-            # DeepSpeed's own directory under another strategy, read as a file (DeepSpeed loads its own)
-            whole = deepspeed_as_file_checkpoint(path)
-            if not self.saves_shards:
-                return whole
-        if self.saves_shards and (whole is not None or os.path.isfile(path)):
-            return checkpoint_moves.load_file_into_sharded(path if whole is None else whole, self.model, self.optimizers,
-                                                           strict=self.lightning_module.strict_loading)
-        if not self.saves_shards and os.path.isfile(os.path.join(path, DCP_METADATA)):
-            return checkpoint_moves.directory_as_file_checkpoint(path)
-        return super().load_checkpoint(checkpoint_path, weights_only)
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        from litscale.checkpoint_moves import optimizer_states_by_position
-
-        super().load_optimizer_state_dict(
-            optimizer_states_by_position(checkpoint, self.lightning_module, self.optimizers))
-
-    @property
-    def saves_shards(self) -> bool:
-        """Saves a ``torch.distributed.checkpoint`` directory (else one file, or DeepSpeed's own)."""
-        return bool(getattr(self, "_save_distributed_checkpoint", False))
 
     def why_not(self, option: Option) -> str | None:
         """Why this strategy, as configured, refuses ``option``; ``None`` if it takes it."""
@@ -359,7 +213,7 @@ def why_not(strategy: Any, option: Option) -> str | None:
 def network_options(net: nn.Module, *, typed: str = "model=moe") -> dict[Option, str]:
     """The contract's options a network asks for by what it declares, each as typed (``typed``:
     how the run names the network): a mixture of experts declares its ``expert_modules``."""
-    from litscale.declarations import declared
+    from litscale.parallel.declarations import declared
 
     return {Option.MIXTURE_OF_EXPERTS: typed} if declared(net, "expert_modules") else {}
 
@@ -417,10 +271,17 @@ def missing_requirement(strategy: Any, strategy_name: str) -> str | None:
 def validate_setup(strategy: Any, *, world_size: int, net: nn.Module, seq_len: int | None = None,
                    micro_batch: int | None = None) -> None:
     """The strategy's own pre-flight check; a user's strategy without one is checked for its mesh
-    only (``litscale.layout.mesh_of``)."""
+    only (``litscale.parallel.layout.mesh_of``)."""
     if isinstance(strategy, StrategyContract):
         strategy.validate_setup(world_size=world_size, net=net, seq_len=seq_len, micro_batch=micro_batch)
         return
     check = getattr(strategy, "validate_setup", None)
     if check is not None:
         check(world_size=world_size, net=net)
+
+
+def data_parallel_size(strategy: Any) -> int:
+    """How many ranks of a running strategy consume distinct samples: its sampler's replicas
+    (1 for a single process, or a strategy that shards no data)."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1))

@@ -37,7 +37,7 @@ the network and its gradient on every rank, a forward per chunk, and an all-gath
 gradients (world x the all-reduce's volume): for debugging, reproducibility audits and
 comparing layouts, not for speed (``experiments/determinism``). Tensor and pipeline parallel
 change the reductions inside a matmul and are refused, as are context parallel, fp16 loss
-scaling and mixtures of experts (``litscale.determinism_checks``).
+scaling and mixtures of experts (``litscale.reliability.determinism_checks``).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from torch import Tensor, nn
 
 from litscale.constraints import PositiveInt
 from litscale.data.token_batch import rows_of
-from litscale.determinism_checks import is_power_of_two
-from litscale.parameter_steps import whole_tensor
+from litscale.optim.parameter_steps import whole_tensor
+from litscale.reliability.determinism_checks import is_power_of_two
 
 
 def chunk_seed(seed: int, step: int, chunk: int) -> int:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch.optim import Optimizer
 
-from litscale.tensor_bytes import torch_optimizer
+from litscale.measure.tensor_bytes import torch_optimizer
 
 TOTAL = "Total"
 

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
-from litscale.declarations import declared, find_expert_modules
-from litscale.parameter_steps import ParameterwiseOptimizer, check_betas, whole_tensor
+from litscale.optim.parameter_steps import ParameterwiseOptimizer, check_betas, whole_tensor
+from litscale.parallel.declarations import declared, find_expert_modules
 
 # A param group's role, in the groups ``parameter_roles`` builds: Muon steps "matrix" groups.
 MATRIX, OTHER = "matrix", "other"

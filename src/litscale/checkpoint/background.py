@@ -1,7 +1,7 @@
 """Checkpoints written while training goes on (``checkpoint.async_save=true``).
 
 The training thread pays only for a copy of the state; the write, and the atomic publish of
-``litscale.atomic_checkpoint``, happen on one background thread per rank:
+``litscale.checkpoint.atomic``, happen on one background thread per rank:
 
 - a ``torch.distributed.checkpoint`` directory (FSDP, tensor and pipeline parallel) is saved
   with DCP's ``async_save``: the writer's stager (``KeptCopies``) copies the shards (to pinned
@@ -31,7 +31,7 @@ save's, unchanged (the same step and loop position, every state tensor the same 
 same version: an optimizer step or a load bumps it), copies nothing and waits for nothing: the
 writer publishes the bytes of the last save under the new name too (hard links, a copy where
 the file system has none, or for a pointer-published directory a second pointer,
-``litscale.atomic_checkpoint``). Where the rest of the checkpoint differs (the callbacks' state
+``litscale.checkpoint.atomic``). Where the rest of the checkpoint differs (the callbacks' state
 at the first validation: ``last_model_path``), it is written anew around the same copy: a
 file from the kept buffers, a directory's ``meta.pt`` beside links to the same shards.
 """
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from litscale.atomic_checkpoint import followed, link_or_copy, publish, remove
+from litscale.checkpoint.atomic import followed, link_or_copy, publish, remove
 
 # The model's and the optimizers' state: what a save copies, and a second save of it need not.
 STATE_KEYS = ("state_dict", "optimizer_states")
@@ -209,7 +209,7 @@ def start_directory_save(checkpoint: dict[str, Any], directory: str, *, writer: 
                          is_global_zero: bool) -> Callable[[], None]:
     """Start saving ``checkpoint`` as Lightning's model-parallel strategies lay a directory
     out: the module's and each optimizer's sharded state through DCP, then the rest in
-    ``meta.pt`` by rank 0 (the order ``litscale.checkpoints`` reads a complete directory by).
+    ``meta.pt`` by rank 0 (the order ``litscale.checkpoint.resume`` reads a complete directory by).
     Returns once the shards are staged, with the work that completes the directory (on rank
     0: once every rank's shards and the metadata are on disk)."""
     import torch.distributed.checkpoint as dcp

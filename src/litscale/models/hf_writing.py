@@ -3,7 +3,7 @@
 ``save_hf_directory(net, state_dict, directory)`` writes ``config.json`` and
 ``model.safetensors`` (transformers' ``save_pretrained``), which
 ``AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)`` opens. The state
-dict is the full one of ``net``, as ``litscale.export.consolidated_state_dict`` gathers it
+dict is the full one of ``net``, as ``litscale.checkpoint.export.consolidated_state_dict`` gathers it
 from any strategy. A ``model=hf`` network is a transformers model already (its keys are
 transformers'); litscale's ``Llama`` has the modules of transformers' ``LlamaForCausalLM``
 (``Qwen3ForCausalLM`` with QK-norm) less their ``model.`` prefix and the same RoPE layout
@@ -14,7 +14,7 @@ stacked (``mlp.experts.gate_proj`` ``[n_experts, hidden, dim]`` is its ``mlp.exp
 gate_proj.weight`` for every ``e``): ``moe_from_hf`` and the export stack and unstack them.
 
 transformers is an optional extra (``pip install 'litscale[hf]'``); importing this module
-imports it (``litscale.export`` does so only when asked for a Hugging Face directory).
+imports it (``litscale.checkpoint.export`` does so only when asked for a Hugging Face directory).
 """
 
 from __future__ import annotations
