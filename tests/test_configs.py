@@ -88,6 +88,10 @@ def model_for(task: str) -> str:
     return next(o for o in candidates if model_task(o) == task)
 
 
+# Data options whose default corpus tokenizes in about a second (data=sft: litscale's example chats).
+SMALL_DEFAULT_DATA = ("sft",)
+
+
 def pairing(group: str, option: str, tmp_path) -> list[str]:
     """Overrides that make ``group=option`` a config that can run on this machine."""
     if group == "model":
@@ -96,7 +100,7 @@ def pairing(group: str, option: str, tmp_path) -> list[str]:
         extra = []
         # A few lines of text, also where the option has a default corpus: data=tokens would
         # tokenize the whole standard library here (seconds); that default is test_tokens.py's.
-        if _reads_paths(option):
+        if _reads_paths(option) and option not in SMALL_DEFAULT_DATA:
             corpus = tmp_path / "corpus"
             corpus.mkdir()
             (corpus / "a.txt").write_text("hello litscale\n" * 100)

@@ -454,7 +454,7 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(CALIBRATION))
     timed_in_child: list[dict] = []
 
-    def child(net_config, *, keys, seq_len, vocab_size, compression=None):
+    def child(net_config, *, keys, seq_len, vocab_size, compression=None, packed_documents=False):
         timed_in_child.append(keys)
         return {key: Profile({m: 0.5 * m for m in micros}, 0.25) for key, micros in keys.items()}
 

@@ -36,7 +36,7 @@ def cached_run(tmp_path, monkeypatch):
     (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(CALIBRATION))
     timed: list[dict] = []
 
-    def child(net_config, *, keys, seq_len, vocab_size, compression=None):
+    def child(net_config, *, keys, seq_len, vocab_size, compression=None, packed_documents=False):
         timed.append(keys)
         return {key: Profile({m: PROFILE_S * m for m in micros}, 0.25) for key, micros in keys.items()}
 

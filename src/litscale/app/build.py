@@ -215,6 +215,9 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
         # NOTE: first, so that every other callback sees a step the groups dropped as no step
         # (Lightning counts it; the replicas' callback sets the count back at the batch's end).
         callbacks.insert(0, _replica_groups(cfg, datamodule, layout, replica_group))
+    from litscale.callbacks.loss_curve import LossCurve
+
+    callbacks.append(LossCurve())  # loss_curve.png beside summary.json
     if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
         from litscale.loggers import WandbRunId
 

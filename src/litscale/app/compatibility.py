@@ -25,6 +25,7 @@ HEADINGS = {
     Option.MIXTURE_OF_EXPERTS: "model=moe", Option.EXPERT_PARALLEL: "EP", Option.CONTEXT_PARALLEL: "CP",
     Option.TENSOR_PARALLEL: "TP", Option.PIPELINE_PARALLEL: "PP", Option.ASYNC_SAVE: "async save",
     Option.MATRIX_OPTIMIZER: "muon", Option.LAYERWISE_OPTIMIZER: "lars, lamb", Option.WIDTH_SCALING: "µP", Option.REPLICA_GROUPS: "replica groups",
+    Option.TOKEN_BATCHES: "SFT, packed",
 }
 
 
@@ -92,7 +93,9 @@ def render() -> str:
               "`determinism.chunks` to split the global batch evenly; a strategy whose package is missing is",
               "refused with the `pip install` line; expert parallel beside context parallel",
               "(`strategy.expert_parallel_size` and `strategy.context_parallel_size` both above 1) is refused:",
-              "its groups would be borrowed from data x context, which no parity test checks yet. The mode's own rules: [reliability.md](reliability.md#bit-identical-layouts-determinismlayout_invariant).", ""]
+              "its groups would be borrowed from data x context, which no parity test checks yet. The mode's own rules: [reliability.md](reliability.md#bit-identical-layouts-determinismlayout_invariant).",
+              "Packed rows (`data.pack=true`, `data.document_mask=true`) need a network that keeps attention",
+              "inside each document: `model=llama`, `moe` or `hf` ([fine-tuning.md](fine-tuning.md)).", ""]
     return "\n".join(lines)
 
 

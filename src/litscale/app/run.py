@@ -175,7 +175,8 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
             raise
         after_fit(built.trainer, "export")  # the hang watchdog watches this work too
         export = export_model(built.trainer, built.module, built.config.paths.output_dir,
-                              hugging_face=bool(spec.config.get("export_hf", False)))
+                              hugging_face=bool(spec.config.get("export_hf", False)),
+                              save_tokenizer=getattr(built.datamodule, "save_tokenizer", None))
         after_fit(built.trainer, "summary")
         summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling,
                             prediction=spec.prediction)

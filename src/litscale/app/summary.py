@@ -119,6 +119,8 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
         _plot_label_histograms(summary)
+        summary.update(_loss_curve(trainer, summary["output_dir"]))
+        _log_data_facts(trainer, summary.get("data") or {})
         with open(path + ".tmp", "w") as handle:
             json.dump(summary, handle, indent=2)
         os.replace(path + ".tmp", path)  # never a half-written summary
@@ -183,7 +185,33 @@ def _data_facts(datamodule) -> dict | None:
     tokenizer = getattr(datamodule, "tokenizer", None)
     if isinstance(getattr(tokenizer, "name", None), str):
         facts["tokenizer"] = tokenizer.name
+    run_facts = getattr(datamodule, "run_facts", None)  # what a run trained on (data=sft: tokens, packing, sources)
+    if run_facts is not None:
+        facts.update(run_facts())
     return facts or None
+
+
+# Figures of data=sft that the loggers (W&B) get too, as data/<name>.
+LOGGED_DATA_FACTS = ("tokens_trained", "tokens_seen", "packing_efficiency")
+
+
+def _log_data_facts(trainer: Trainer, facts: dict) -> None:
+    """The tokens trained on beside those seen, the packing efficiency and each source's share,
+    logged at the last step (rank 0 only)."""
+    metrics = {f"data/{name}": float(facts[name]) for name in LOGGED_DATA_FACTS if name in facts}
+    metrics.update({f"data/source_share/{name}": share for name, share in (facts.get("source_shares") or {}).items()})
+    if metrics:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _loss_curve(trainer: Trainer, output_dir: str) -> dict:
+    """``loss_curve.png`` beside summary.json, from what the run logged (``LossCurve``)."""
+    from litscale.callbacks.loss_curve import LossCurve, plot_loss_curve
+
+    curve = next((c for c in trainer.callbacks if isinstance(c, LossCurve)), None)
+    plot = None if curve is None else plot_loss_curve(curve.points, os.path.join(output_dir, "loss_curve.png"))
+    return {"loss_curve_plot": plot} if plot else {}
 
 
 def _plot_label_histograms(summary: dict) -> None:
@@ -228,6 +256,12 @@ def _print_end(summary: dict) -> None:
     if "health/slowest_rank" in summary:
         _say(f"slowest rank: {summary['health/slowest_rank']} at {summary['health/straggler_ratio']:.2f}x "
              "the median of its peers' forward times (median over the run)")
+    data = summary.get("data") or {}
+    if "tokens_trained" in data:
+        shares = ", ".join(f"{name} {share:.1%}" for name, share in (data.get("source_shares") or {}).items())
+        _say(f"data: trained on {data['tokens_trained']:,} of {data['tokens_seen']:,} tokens seen | packing "
+             f"efficiency {data['packing_efficiency']:.1%} | {data.get('examples_truncated', 0)} examples truncated, "
+             f"{data.get('examples_dropped_overlong', 0)} dropped as too long" + (f" | sources: {shares}" if shares else ""))
     _print_prediction(summary)
     if "scaling/efficiency" in summary:
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "

@@ -11,6 +11,7 @@ LightningModule's ``net`` with the strategy's own gathering API and writes them 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -75,10 +76,11 @@ def _rank_state_dict(trainer: Trainer, module: LightningModule, *, every_rank: b
 
 
 def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
-                 hugging_face: bool = False) -> str:
+                 hugging_face: bool = False, save_tokenizer: Callable[[str], object] | None = None) -> str:
     """Write ``<output_dir>/model.pt`` (rank 0) and return its path (on every rank); with
     ``hugging_face``, from the same gathered weights, also ``<output_dir>/hf/``, a
-    transformers directory (``litscale.models.hf_writing``: model=llama and model=hf)."""
+    transformers directory (``litscale.models.hf_writing``: model=llama and model=hf), and in it the
+    run's tokenizer (``save_tokenizer(directory)``: the data module's, with its chat template)."""
     state_dict = consolidated_state_dict(trainer, module)
     path = os.path.abspath(os.path.join(output_dir, EXPORT_FILENAME))
     if trainer.is_global_zero:
@@ -91,6 +93,8 @@ def export_model(trainer: Trainer, module: LightningModule, output_dir: str, *,
             )
 
             save_hf_directory(getattr(module, "net", module), state_dict, os.path.join(output_dir, HF_DIRNAME))
+            if save_tokenizer is not None:
+                save_tokenizer(os.path.join(output_dir, HF_DIRNAME))
     after_fit(trainer, "export", "barrier")  # where a rank waits for rank 0's save
     trainer.strategy.barrier("export")
     return path

@@ -56,6 +56,9 @@ class Option(StrEnum):
     LAYERWISE_OPTIMIZER = "optimizer=lars or lamb"
     WIDTH_SCALING = "lr_scaling=mup"
     REPLICA_GROUPS = "fault_tolerance=replicas"
+    # A batch with a loss mask and packed documents (litscale.data.token_batch): every strategy
+    # carries its positions and counts its tokens; a strategy that could not would refuse it.
+    TOKEN_BATCHES = "data=sft or data.document_mask=true"
 
 
 # An option a strategy takes through a keyword of its constructor: the keyword.
@@ -82,6 +85,7 @@ ALTERNATIVES = {
     Option.LAYERWISE_OPTIMIZER: "optimizer=adamw, sgd or muon, or any strategy but deepspeed_zero",
     Option.WIDTH_SCALING: "lr_scaling=none, linear or sqrt",
     Option.REPLICA_GROUPS: "fault_tolerance=none, or strategy=single, ddp or fsdp inside each group",
+    Option.TOKEN_BATCHES: "data=tokens without data.document_mask",
 }
 # Why a strategy that is not a StrategyContract cannot save in the background: the background
 # save is the ``save_checkpoint`` of every litscale strategy (``litscale.checkpoint.strategy_checkpointing``).

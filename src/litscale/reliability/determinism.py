@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from litscale.constraints import PositiveInt
+from litscale.data.token_batch import rows_of
 from litscale.optim.parameter_steps import whole_tensor
 from litscale.reliability.determinism_checks import is_power_of_two
 
@@ -187,7 +188,7 @@ class LayoutInvariance:
         parameters = [p for p in replica.parameters() if p.requires_grad]
         losses = []
         for index in range(batch[0].shape[0] // size):
-            chunk = tuple(t[index * size : (index + 1) * size] for t in batch)
+            chunk = rows_of(batch, slice(index * size, (index + 1) * size))
             self._restart_statistics()
             with torch.random.fork_rng(devices=[]), _autocast(trainer):
                 torch.manual_seed(chunk_seed(self.seed, trainer.global_step, first + index))

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
+from litscale.data.token_batch import IGNORE_INDEX, TokenBatch, model_inputs
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option
 from litscale.parallel.gradient_norm import clip_by_norm_across_mesh
 from litscale.parallel.layout import PIPELINE, MeshSizes, resolve_mesh_sizes
@@ -238,16 +239,19 @@ class PipelineParallelStrategy(MeshStrategy):
             keep_stages=keep)
         return stages, ranks
 
-    def _schedule(self, batch_size: int, training: bool):
+    def _schedule(self, batch_size: int, training: bool, with_positions: bool = False):
         """The torch schedule for this micro-batch shape (stages infer shapes once, so a
-        different batch size, e.g. a short last validation batch, gets its own)."""
-        key = (batch_size, training)
+        different batch size, e.g. a short last validation batch, gets its own); with the
+        positions of packed rows, each stage takes them and hands them on (``CarryingPositions``)."""
+        key = (batch_size, training, with_positions)
         if key not in self._schedules:
             import torch.distributed.pipelining as pipelining
 
             group = self.parallel_mesh.get(PIPELINE).get_group()
+            views = {stage: CarryingPositions(view, last=stage == self._num_stages - 1) if with_positions else view
+                     for stage, view in self._stage_modules.items()}
             stages = [pipelining.PipelineStage(view, stage, self._num_stages, self.root_device, group=group)
-                      for stage, view in sorted(self._stage_modules.items())]
+                      for stage, view in sorted(views.items())]
             cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
             stage_arg = stages[0] if SCHEDULES[self.schedule_name][1] == "single" else stages
             self._schedules[key] = cls(stage_arg, n_microbatches=self.microbatches, loss_fn=self._loss_fn())
@@ -261,19 +265,23 @@ class PipelineParallelStrategy(MeshStrategy):
         return loss_fn
 
     def _run_pipeline(self, batch: Any, *, training: bool) -> torch.Tensor:
-        """Mean loss over the micro-batches of ``batch``, the same on every pipeline rank."""
-        inputs, targets = batch
+        """Mean loss over the micro-batches of ``batch``, the same on every pipeline rank. A
+        ``TokenBatch``'s positions travel with each micro batch through the stages, and each
+        micro batch's loss counts its tokens as ``litscale.data.token_batch`` says (in
+        validation, as a share of the batch's own counted tokens: the mean is then over them)."""
+        inputs, targets = batch[0], batch[1]
         if len(inputs) % self.microbatches:
             raise ValueError(f"strategy.microbatches={self.microbatches} does not divide the micro "
                              f"batch of {len(inputs)} samples per data-parallel rank (data.batch_size)")
+        inputs, loss_kwargs = pipeline_inputs(self._network(), batch, training=training)
         has_first, has_last = 0 in self._stage_modules, self._num_stages - 1 in self._stage_modules
-        args, losses = (inputs,) if has_first else (), []
+        args, losses = inputs if has_first else (), []
         if training or SCHEDULES[self.schedule_name][1] != "v":
-            schedule = self._schedule(len(inputs), training)
+            schedule = self._schedule(len(batch[0]), training, with_positions=len(inputs) > 1)
             run = schedule.step if training else schedule.eval
-            run(*args, target=targets if has_last else None, losses=losses)
+            run(*args, target=targets if has_last else None, losses=losses, loss_kwargs=loss_kwargs)
         else:
-            losses = self._forward_in_order(inputs, targets)
+            losses = self._forward_in_order(inputs, targets, loss_kwargs)
         # float32 on every rank: the last stage's loss comes out of the loss function in its own
         # dtype, and under bf16_true the others' zeros would be bfloat16 (Lightning's default
         # dtype inside the step): gloo aborted the job on the sizes' mismatch (4 vs 2 bytes).
@@ -283,8 +291,13 @@ class PipelineParallelStrategy(MeshStrategy):
         dist.broadcast(loss, src=dist.get_global_rank(group, self._stage_rank[-1]), group=group)
         return loss
 
+    def _network(self) -> nn.Module:
+        module = self.lightning_module
+        return getattr(module, "net", module)
+
     @torch.no_grad()
-    def _forward_in_order(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    def _forward_in_order(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                          loss_kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Forward-only pass through the stages one after the other, whole batch at once.
 
         Written by hand for the V-shaped schedules only: torch's ``schedule.eval`` fails for them
@@ -293,16 +306,16 @@ class PipelineParallelStrategy(MeshStrategy):
         group = self.parallel_mesh.get(PIPELINE).get_group()
         peer = functools.partial(dist.get_global_rank, group)
         here = self.parallel_mesh.get(PIPELINE).get_local_rank()
-        x = inputs
+        x, *positions = inputs  # every rank loads the batch: the positions need no sending
         for stage, rank in enumerate(self._stage_rank):
             previous = self._stage_rank[stage - 1] if stage else rank
             if rank == here:
                 if previous != here:
                     x = _receive(peer(previous), group, self.root_device)
-                x = self._stage_modules[stage](x)
+                x = self._stage_modules[stage](x, *positions)
             elif previous == here:
                 _send(x, peer(rank), group)
-        return [self._loss_fn()(x, targets)] if self._num_stages - 1 in self._stage_modules else []
+        return [self._loss_fn()(x, targets, **loss_kwargs)] if self._num_stages - 1 in self._stage_modules else []
 
     @contextmanager
     def _module_loss(self, loss: torch.Tensor):
@@ -359,6 +372,34 @@ class PipelineParallelStrategy(MeshStrategy):
             param.grad = grad if param.grad is None else param.grad + grad
         self._stashed = []
         return closure_loss
+
+
+def pipeline_inputs(net: nn.Module, batch: Any, *, training: bool) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """(the first stage's arguments, the loss function's keywords) for ``batch``: the tokens,
+    and for a ``TokenBatch`` the positions of a net that attends within documents and the
+    counted fraction each micro batch's loss divides by (in validation, the batch's own share
+    of counted targets: the mean of the micro batches' losses is then over its counted tokens)."""
+    if not isinstance(batch, TokenBatch):
+        return (batch[0],), {}
+    fraction = batch.counted_fraction
+    if not training:
+        counted = (batch.targets != IGNORE_INDEX).sum().clamp(min=1)
+        fraction = (counted.to(torch.float64) / batch.targets.numel()).reshape(1)
+    return model_inputs(net, batch), {"counted_fraction": fraction}
+
+
+class CarryingPositions(nn.Module):
+    """A stage of a net that attends within documents: runs on (tokens or hidden states,
+    positions), and hands the positions on beside its output to the next stage (the last
+    stage's output alone goes to the loss). Positions are a tensor the schedule sends like any."""
+
+    def __init__(self, stage: nn.Module, *, last: bool) -> None:
+        super().__init__()
+        self.stage, self.last = stage, last
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        out = self.stage(x, positions)
+        return out if self.last else (out, positions)
 
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long)

@@ -148,6 +148,13 @@ def check_resume_position(cfg: DictConfig, layout: RunLayout) -> None:
         return
     data_class = locate_target(cfg.data._target_, "data")
     saved = saved_data_state(layout.ckpt_path, getattr(data_class, "__qualname__", ""))
+    # A data module whose saved state says more (a mixture's sources and weights) says what a
+    # resume cannot continue.
+    mismatch = getattr(data_class, "saved_state_mismatch", None)
+    if saved is not None and mismatch is not None:
+        message = mismatch(saved, OmegaConf.to_container(cfg.data, resolve=True))
+        if message:
+            raise ConfigError(message)
     if saved is None or not all(isinstance(saved.get(key), int) for key in POSITION_KEYS):
         return  # no position saved (another data module), or a format not read before launch
     ranks = layout.batch_ranks

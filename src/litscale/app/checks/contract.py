@@ -58,6 +58,11 @@ def chosen_options(cfg: DictConfig, choices: dict[str, str]) -> dict[Option, str
         chosen[Option.WIDTH_SCALING] = width_rule(choices)
     if replicas_chosen(cfg):
         chosen[Option.REPLICA_GROUPS] = f"fault_tolerance={choices.get('fault_tolerance', 'replicas')}"
+    data = cfg.get("data") or {}
+    if data.get("document_mask"):
+        chosen[Option.TOKEN_BATCHES] = "data.document_mask=true"
+    elif "_target_" in data and getattr(locate_target(data._target_, "data"), "yields_token_batches", False):
+        chosen[Option.TOKEN_BATCHES] = f"data={choices.get('data', data._target_)}"
     return chosen
 
 

@@ -271,6 +271,7 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
         validate_setup(strategy, world_size=world_size, net=net, seq_len=cfg.data.get("seq_len"),
                        micro_batch=micro_batch)
         check_network_accepted(cfg, choices or {}, strategy, net)
+        check_packed_documents(cfg.data, net, choices.get("model") if choices else None)
     except (ValueError, TypeError) as error:
         if isinstance(error, ConfigError):
             raise
@@ -281,6 +282,18 @@ def run_layout(cfg: DictConfig, processes: int, strategy: Any, *,
     return RunLayout(num_nodes=num_nodes, processes_per_node=processes, mesh=mesh,
                      micro_batch=micro_batch, accumulation=accumulation, ckpt_path=ckpt_path,
                      strong_scaling=bool(global_batch), replica_groups=replica_groups(cfg))
+
+
+def check_packed_documents(data: DictConfig, net: Any, model: str | None) -> None:
+    """Packed rows (``data.pack``, ``data.document_mask``) need a network that keeps attention
+    inside each document (``attends_within_documents``): any other would let them see each other."""
+    from litscale.data.token_batch import packs_documents
+
+    key = packs_documents(data)
+    if key and not getattr(net, "attends_within_documents", False):
+        raise ValueError(f"{key}=true packs documents into a row, which model={model or type(net).__name__} would "
+                         "let attend to each other (it takes no position ids); allowed: model=llama, moe or hf, "
+                         f"or {key}=false")
 
 
 def resume_search_dir(cfg: DictConfig) -> str:

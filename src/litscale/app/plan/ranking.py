@@ -275,7 +275,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     if todo:
         load = machine.load_average()  # before the child adds to it
         timed = profiles_in_child(identity["net"], keys=todo, seq_len=facts.seq_len, vocab_size=identity["vocab_size"],
-                                  compression=identity["compression"])
+                                  compression=identity["compression"], packed_documents=identity["packed_documents"])
         timed = {key: dataclasses.replace(profile, load_average=round(load, 2)) for key, profile in timed.items()}
         profiles = profile_cache.merged(profiles, timed)
         busy = machine.busy(load)

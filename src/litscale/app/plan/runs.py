@@ -9,6 +9,7 @@ import dataclasses
 from omegaconf import DictConfig, OmegaConf
 
 from litscale.app.prediction import RunPrediction
+from litscale.data.token_batch import packs_documents
 from litscale.errors import ConfigError
 from litscale.parallel.layout import RunLayout
 from litscale.planner.cluster import Cluster
@@ -131,7 +132,8 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     from litscale.planner import facts_cache
 
     shape = {"seq_len": int(cfg.data.seq_len), "vocab_size": int(cfg.data.vocab_size),
-             "compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
+             "compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype,
+             "packed_documents": packs_documents(cfg.data) is not None}
     key = facts_cache.identity(OmegaConf.to_container(cfg.model.net, resolve=True), **shape)
     net = meta_net(cfg)
     facts = facts_cache.load(key, net)
@@ -173,5 +175,6 @@ def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
 
     compression = cfg.get("compression") or {}
     return {"net": OmegaConf.to_container(cfg.model.net, resolve=True), "seq_len": int(cfg.data.seq_len),
-            "vocab_size": int(cfg.data.vocab_size), "cluster": cluster.source, **code_identity(),
+            "vocab_size": int(cfg.data.vocab_size), "packed_documents": packs_documents(cfg.data) is not None,
+            "cluster": cluster.source, **code_identity(),
             "compression": OmegaConf.to_container(compression, resolve=True) if "_target_" in compression else None}
