@@ -145,7 +145,7 @@ def _share_the_machine(group: int, groups: int, processes: int) -> None:
     """Group ``group``'s own block of GPUs (each group's ranks count their GPUs from 0), and of
     CPU threads: the cores shared by every rank of every group (``app.build`` reads it)."""
     from litscale.app.scaling_study import THREADS_ENV
-    from litscale.planner.machine import cores
+    from litscale.flops import cores
 
     os.environ.setdefault(THREADS_ENV, str(max(1, cores() // (groups * processes))))
     import torch
