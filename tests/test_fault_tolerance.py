@@ -72,8 +72,8 @@ def test_a_replica_setting_that_cannot_train_right_is_refused_in_one_line(tmp_pa
 @pytest.mark.slow  # a Hydra composition: 1-3 s
 def test_the_groups_ranks_together_must_fit_the_machine(tmp_path):
     from litscale.app.checks.fault_tolerance import check_every_group_fits
+    from litscale.measure.flops import cores
     from litscale.parallel.layout import MeshSizes, RunLayout
-    from litscale.planner.machine import cores
 
     cfg, _ = compose_job(["fault_tolerance=replicas", "strategy=ddp", f"trainer.devices={cores()}", *RUN], tmp_path)
     layout = RunLayout(processes_per_node=cores(), mesh=MeshSizes(data_replicate=cores()), replica_groups=3)

@@ -11,6 +11,7 @@ import json
 import pytest
 from helpers.configs import compose_job
 
+from litscale.measure import flops
 from litscale.planner import calibrate, machine, profile_cache
 from litscale.planner.model_facts import Profile
 
@@ -31,8 +32,8 @@ def cached_run(tmp_path, monkeypatch):
     from litscale.app.plan.runs import predict_run, record_contradiction
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
-    monkeypatch.delenv(machine.MAX_LOAD_ENV, raising=False)
-    monkeypatch.setattr(machine, "load_average", lambda: 0.5)
+    monkeypatch.delenv(flops.MAX_LOAD_ENV, raising=False)
+    monkeypatch.setattr(flops, "load_average", lambda: 0.5)
     (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(CALIBRATION))
     timed: list[dict] = []
 
@@ -83,8 +84,8 @@ def test_a_profile_is_read_back_only_by_the_code_torch_and_machine_that_timed_it
 @pytest.mark.slow
 def test_profiles_timed_on_a_busy_machine_serve_that_plan_and_are_not_cached(cached_run, monkeypatch, capsys):
     plan_show, predicted, timed = cached_run
-    monkeypatch.setattr(machine, "cores", lambda: 2)
-    monkeypatch.setattr(machine, "load_average", lambda: 3.5)
+    monkeypatch.setattr(flops, "cores", lambda: 2)
+    monkeypatch.setattr(flops, "load_average", lambda: 3.5)
     monkeypatch.setattr(profile_cache, "code_digest", lambda: "another checkout")  # nothing cached for it
     facts = plan_show()
     assert timed[1:] == [{"plain": {16}}]
@@ -96,7 +97,7 @@ def test_profiles_timed_on_a_busy_machine_serve_that_plan_and_are_not_cached(cac
     assert predicted()["plan/compute_source"] == "flops"  # not kept
     plan_show()
     assert len(timed) == 3  # timed again: nothing was kept
-    monkeypatch.setenv(machine.MAX_LOAD_ENV, "4")
+    monkeypatch.setenv(flops.MAX_LOAD_ENV, "4")
     plan_show()
     assert predicted()["plan/compute_source"] == "timed" and len(timed) == 4  # kept under the stated limit
 
@@ -149,8 +150,8 @@ def fast_calibration(tmp_path, monkeypatch):
     from litscale.planner.cluster import Link
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
-    monkeypatch.delenv(machine.MAX_LOAD_ENV, raising=False)
-    monkeypatch.setattr(machine, "cores", lambda: 2)
+    monkeypatch.delenv(flops.MAX_LOAD_ENV, raising=False)
+    monkeypatch.setattr(flops, "cores", lambda: 2)
     monkeypatch.setattr(calibrate, "probe_matmul_flops", lambda dtype, seconds: 1e10)
     gather = Link(bandwidth_bytes_s=5e8, latency_s=2e-5)
     link = Link(bandwidth_bytes_s=1e9, latency_s=1e-5, collectives={"all-gather": gather})
@@ -160,20 +161,20 @@ def fast_calibration(tmp_path, monkeypatch):
 
 
 def test_a_calibration_timed_on_a_busy_machine_is_used_once_and_not_written(fast_calibration, monkeypatch, capsys):
-    monkeypatch.setattr(machine, "load_average", lambda: 2.6)
+    monkeypatch.setattr(flops, "load_average", lambda: 2.6)
     cluster = calibrate.local_cpu()
     assert cluster.peak_flops["float32"] == 1e10 and not fast_calibration.exists()
     assert capsys.readouterr().err == (
         f"litscale: this machine's calibration not written to {fast_calibration}: timed at a load average 2.60 "
         "above this machine's 2 cores; used for this command only\n")
-    monkeypatch.setattr(machine, "load_average", lambda: 1.9)
+    monkeypatch.setattr(flops, "load_average", lambda: 1.9)
     calibrate.local_cpu()
     figures = json.loads(fast_calibration.read_text())
     assert figures["load_average"] == 1.9 and figures["machine"] == machine.fingerprint()
 
 
 def test_each_collectives_measured_figures_are_written_and_read_back(fast_calibration, monkeypatch):
-    monkeypatch.setattr(machine, "load_average", lambda: 0.1)
+    monkeypatch.setattr(flops, "load_average", lambda: 0.1)
     calibrate.calibrate()
     figures = json.loads(fast_calibration.read_text())
     assert figures["collectives"] == {"all-gather": {"latency_s": 2e-5, "bandwidth_bytes_s": 5e8,
@@ -184,7 +185,7 @@ def test_each_collectives_measured_figures_are_written_and_read_back(fast_calibr
 
 
 def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibration, monkeypatch):
-    monkeypatch.setattr(machine, "load_average", lambda: 0.1)
+    monkeypatch.setattr(flops, "load_average", lambda: 0.1)
     figures = calibrate.calibrate()
     assert calibrate.calibrated_figures() == json.loads(json.dumps(figures))  # as written
     moved = {**figures, "machine": {**figures["machine"], "cpu": "another processor"}}

@@ -251,12 +251,12 @@ def quiet_load(name: str) -> float:
     """The last minute's load average once it is at most the core count. The study's own last
     2-rank run lifts it to about 2 for a minute after it ends, so a run waits for it to fall
     (up to ``SETTLE_S``) before calling the machine busy and stopping the study."""
-    from litscale.planner import machine
+    from litscale.measure import flops
 
     deadline = time.monotonic() + SETTLE_S
     while True:
-        load = machine.load_average()
-        busy = machine.busy(load)
+        load = flops.load_average()
+        busy = flops.busy(load)
         if not busy:
             return load
         if time.monotonic() > deadline:  # a step timed beside other work measures that work too

@@ -35,7 +35,7 @@ def is_logging_step(trainer: Trainer | None, step: int | None = None) -> bool:
     return step % trainer.log_every_n_steps == 0 or last_of_epoch or 0 < trainer.max_steps <= step
 
 
-def log_to_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:
+def log_to_loggers(trainer: Trainer, metrics: dict[str, float | str]) -> None:
     """Write ``metrics`` of the batch that just ended straight to the loggers (rank 0 only, as
     Lightning's loggers do), in the row of that optimizer step.
 
@@ -44,10 +44,12 @@ def log_to_loggers(trainer: Trainer, metrics: dict[str, float]) -> None:
     Lightning's result collection, about 0.35 ms of Python per key: the throughput figures
     alone took 3-5% of a tiny model's training loop (experiments/bench). Lightning logs a
     batch's values under its count of stepped batches, one behind ``global_step`` once the
-    step is taken.
+    step is taken. Only numbers go to the loggers (TensorBoard's refuses a string); what a
+    figure's words say (``perf/mfu_provisional``) reaches ``summary.json`` and the run's lines.
     """
+    numbers = {name: value for name, value in metrics.items() if not isinstance(value, str)}
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step - 1)
+        logger.log_metrics(numbers, step=trainer.global_step - 1)
 
 
 def wandb_api_key_configured() -> bool:

@@ -89,7 +89,7 @@ def _share_cpu_threads() -> None:
     """Give each local rank its share of the cores: N ranks x all cores oversubscribes. In a
     device sweep every job gets the largest job's share (``scaling_study.THREADS_ENV``)."""
     from litscale.app.scaling_study import THREADS_ENV
-    from litscale.planner.machine import cores
+    from litscale.measure.flops import cores
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = int(os.environ.get(THREADS_ENV) or max(1, cores() // local_ranks))

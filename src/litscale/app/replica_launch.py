@@ -142,7 +142,7 @@ def _share_the_machine(group: int, layout: Any) -> None:
     """Group ``group``'s own block of GPUs (each group's ranks count their GPUs from 0), and of
     CPU threads: the cores shared by every rank of every group (``app.build`` reads it)."""
     from litscale.app.scaling_study import THREADS_ENV
-    from litscale.planner.machine import cores
+    from litscale.measure.flops import cores
 
     processes = layout.processes_per_node
     os.environ.setdefault(THREADS_ENV, str(max(1, cores() // layout.replica_processes)))

@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from litscale.app.scaling_study import THROUGHPUT, scaling_metrics, variant_of
 
 COLUMNS = ("variant", "devices", "samples/s", "tokens/s", "speedup", "efficiency", "MFU", "val/loss",
-           "planner error")
+           "planner error", "not to be believed")
 
 
 def load_summaries(root: str) -> list[dict]:
@@ -52,9 +52,17 @@ def scaling_rows(summaries: list[dict]) -> list[dict[str, Any]]:
             "samples/s": summary.get(THROUGHPUT), "tokens/s": summary.get("perf/tokens_per_sec"),
             "speedup": metrics.get("scaling/speedup"), "efficiency": metrics.get("scaling/efficiency"),
             "MFU": summary.get("perf/mfu"), "val/loss": summary.get("val/loss"),
-            "planner error": planner_error(summary), "run_dir": summary["run_dir"],
+            "planner error": planner_error(summary),
+            "not to be believed": "; ".join(metrics.get("scaling/flags", []) + mfu_flags(summary)) or None,
+            "run_dir": summary["run_dir"],
         })
     return sorted(rows, key=lambda row: (row["variant"], row["devices"]))
+
+
+def mfu_flags(summary: dict) -> list[str]:
+    """Why a run's MFU is provisional (its CPU peak was not probed on a quiet machine, or the
+    run beat it)."""
+    return [f"MFU provisional: {summary['perf/mfu_provisional']}"] if summary.get("perf/mfu_provisional") else []
 
 
 def planner_error(summary: dict) -> float | None:
@@ -72,7 +80,7 @@ def variant_labels(variants: list[str]) -> dict[str, str]:
 
 def _cell(value: Any, column: str) -> str:
     if value is None:
-        return "n/a"
+        return "-" if column == "not to be believed" else "n/a"
     if column in ("efficiency", "MFU"):
         return f"{value:.1%}"
     if column == "speedup":

@@ -93,20 +93,47 @@ def find_baseline(context: ScalingContext) -> dict | None:
     return max(found, key=lambda s: s.get("wall_time_s", 0), default=None) if found else None
 
 
-def scaling_metrics(summary: dict, baseline: dict | None) -> dict[str, float]:
-    """``scaling/*`` for a finished run's summary; empty without a usable baseline."""
+def scaling_metrics(summary: dict, baseline: dict | None) -> dict[str, float | list[str]]:
+    """``scaling/*`` for a finished run's summary; empty without a usable baseline. ``scaling/flags``
+    lists why the figure is not to be believed, where it is not (``scaling_flags``)."""
     devices = summary.get("world_size", 1)
     if devices == 1 and baseline is None:
         baseline = summary  # a 1-device job is its own baseline
     if baseline is None or THROUGHPUT not in summary or not baseline.get(THROUGHPUT):
         return {}
     base = baseline[THROUGHPUT] / baseline.get("world_size", 1)  # per device, if N_base > 1
-    return {
+    metrics = {
         "scaling/speedup": speedup(summary[THROUGHPUT], base),
         "scaling/efficiency": efficiency(summary[THROUGHPUT], devices, base),
         "scaling/baseline_samples_per_sec": base,
         "scaling/devices": float(devices),
     }
+    flags = scaling_flags(summary, baseline, metrics["scaling/efficiency"])
+    return {**metrics, "scaling/flags": flags} if flags else metrics
+
+
+def scaling_flags(summary: dict, baseline: dict, efficiency: float) -> list[str]:
+    """Why an efficiency is not a measurement of scaling: above 100% (N devices cannot do more
+    than N times one's work: the baseline was slowed, or the run sped up, by something else), or
+    the baseline or the run timed while the machine had more runnable processes than cores."""
+    flags = [f"efficiency {efficiency:.1%} is above 100%"] if efficiency > 1 else []
+    for who, timed in (("the baseline", baseline), ("this run", summary)):
+        load = load_beyond_cores(timed)
+        if load:
+            flags.append(f"{who} was timed at a {load}")
+    return flags
+
+
+def load_beyond_cores(summary: dict) -> str | None:
+    """The load a run was timed under, where it was above its machine's cores (None: it was not,
+    or the run did not record it): the larger of the last minute's load average as its timed steps
+    began and as they ended (``machine/*``, the throughput callback's)."""
+    loads = [summary.get(key) for key in ("machine/load_average_start", "machine/load_average_end")]
+    cores = summary.get("machine/cores")
+    if cores is None or not any(load is not None for load in loads):
+        return None
+    load = max(load for load in loads if load is not None)
+    return f"load average {load:.2f} above its machine's {cores} cores" if load > cores else None
 
 
 def job_context(cfg) -> ScalingContext:

@@ -134,8 +134,9 @@ def _log_scaling(trainer: Trainer, summary: dict, context: ScalingContext) -> di
     baseline = find_baseline(context)
     metrics = scaling_metrics(summary, baseline)
     if metrics and (baseline is not None or context.sweep_dir):
+        figures = {name: value for name, value in metrics.items() if name != "scaling/flags"}
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(figures, step=trainer.global_step)
         return metrics
     return {}
 
@@ -247,7 +248,7 @@ def _print_end(summary: dict) -> None:
         comm = "" if "perf/comm_share" not in summary else (
             f" | gradient all-reduce {summary['perf/comm_share']:.0%} of a step, "
             f"{summary.get('perf/comm_exposed_share', float('nan')):.0%} not overlapped")
-        _say(f"MFU {summary['perf/mfu']:.1%} ({summary['perf/tflops']:.3g} TFLOP/s){comm}")
+        _say(f"MFU {summary['perf/mfu']:.1%} ({summary['perf/tflops']:.3g} TFLOP/s){comm}{mfu_caveats(summary)}")
     if "comm/compression_ratio" in summary:
         _say(f"compression {summary['comm/compression_ratio']:.1f}x fewer bytes than dense over the "
              f"run | {summary['comm/bytes_per_step'] / 2**20:.3g} MiB sent per step by rank 0 "
@@ -264,11 +265,26 @@ def _print_end(summary: dict) -> None:
              f"{data.get('examples_dropped_overlong', 0)} dropped as too long" + (f" | sources: {shares}" if shares else ""))
     _print_prediction(summary)
     if "scaling/efficiency" in summary:
+        flags = summary.get("scaling/flags")
         _say(f"scaling: {summary['scaling/speedup']:.2f}x speedup on {summary['world_size']} "
-             f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})")
+             f"devices = {summary['scaling/efficiency']:.1%} efficiency ({summary['scaling/mode']})"
+             + (f"; not a measurement to trust: {'; '.join(flags)}" if flags else ""))
     exports = "".join(f", {os.path.basename(summary[k].rstrip(os.sep))}{'/' if k == 'export_hf' else ''}"
                       for k in ("export", "export_hf") if k in summary)
     _say(f"outputs: {summary['output_dir']} (summary.json, checkpoints/{exports}, logs)")
+
+
+def mfu_caveats(summary: dict) -> str:
+    """What the MFU line must say beside its figure: that the peak it divides by is provisional,
+    or that the run's 16-bit matmuls are emulated on this CPU (its 16-bit peak far below fp32's)."""
+    caveats = []
+    ratio = summary.get("perf/peak_vs_fp32")
+    if ratio is not None and ratio < 1:
+        caveats.append(f"of this CPU's 16-bit peak, {1 / ratio:.3g}x below its fp32 one (no 16-bit units: "
+                       "emulated, so fp32 runs faster here)")
+    if summary.get("perf/mfu_provisional"):
+        caveats.append(f"provisional: {summary['perf/mfu_provisional']}")
+    return "".join(f" | {caveat}" for caveat in caveats)
 
 
 def _print_prediction(summary: dict) -> None:

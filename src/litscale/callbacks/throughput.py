@@ -4,6 +4,12 @@ Lightning's ``ThroughputMonitor`` is not used here: it reports a rolling window 
 step and multiplies by the world size, where litscale wants the whole run's steady-state
 average and counts data-parallel ranks only (tensor- and pipeline-parallel ranks share a
 batch). What remains is two timestamps and a division; FLOPs come from ``litscale.measure.flops``.
+
+A CPU's peak is a probe's (``litscale.measure.flops.cpu_peak``): where it was not probed on a quiet machine,
+or this run went faster than it, MFU is provisional and ``perf/mfu_provisional`` says why; where the
+run computes in 16 bits on a CPU whose 16-bit matmuls are slower than its fp32 ones (no bf16 units),
+``perf/peak_vs_fp32`` says how much. The load average at the start and end of the timed steps
+(``machine/*``) lets a scaling report tell a baseline timed beside other work.
 """
 
 from __future__ import annotations
@@ -17,7 +23,14 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from litscale.constraints import NonNegativeInt
 from litscale.loggers import is_logging_step, log_to_loggers
-from litscale.measure.flops import corrected_cpu_peak, flops_per_sample, peak_flops_per_device
+from litscale.measure import flops
+from litscale.measure.flops import (
+    CpuPeak,
+    corrected_cpu_peak,
+    cpu_peak,
+    flops_per_sample,
+    peak_flops_per_device,
+)
 from litscale.parallel.contract import data_parallel_size
 
 _COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
@@ -75,10 +88,19 @@ class ThroughputCallback(Callback):
         self._reported_step: int | None = None
         self._paused_s = 0.0  # validation time inside the measured interval, not training
         self._samples_per_step = 0
-        self._peak_flops = None
+        self._peak: CpuPeak | None = None
+        self._peak_vs_fp32: float | None = None
+        self._load_start = flops.load_average()
         if self.mfu:
             self._dtype = _COMPUTE_DTYPES.get(str(trainer.precision), torch.float32)
-            self._peak_flops = peak_flops_per_device(pl_module.device, self._dtype)
+            if pl_module.device.type == "cpu":
+                threads = torch.get_num_threads()
+                self._peak = cpu_peak(self._dtype, threads)
+                if self._dtype != torch.float32:  # a CPU without 16-bit units emulates them: say how slow
+                    self._peak_vs_fp32 = self._peak.flops / cpu_peak(torch.float32, threads).flops
+            else:
+                peak = peak_flops_per_device(pl_module.device, self._dtype)
+                self._peak = None if peak is None else CpuPeak(peak)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -130,10 +152,17 @@ class ThroughputCallback(Callback):
             result["perf/tokens_per_sec"] = samples_per_sec * self._tokens_per_sample
             result["perf/tokens_per_sec_per_device"] = result["perf/tokens_per_sec"] / world_size
         result.update(ddp_communication_share(trainer, elapsed / steps))
-        if self._flops_per_sample and self._peak_flops:
+        result.update({"machine/load_average_start": round(self._load_start, 2),
+                       "machine/load_average_end": round(flops.load_average(), 2), "machine/cores": flops.cores()})
+        if self._flops_per_sample and self._peak:
             achieved = samples_per_sec * self._flops_per_sample
-            if achieved > self._peak_flops * world_size and trainer.strategy.root_device.type == "cpu":
-                self._peak_flops = corrected_cpu_peak(self._dtype, torch.get_num_threads(), achieved / world_size)
+            if achieved > self._peak.flops * world_size and trainer.strategy.root_device.type == "cpu":
+                self._peak = corrected_cpu_peak(self._dtype, torch.get_num_threads(), achieved / world_size)
             result["perf/tflops"] = achieved / 1e12
-            result["perf/mfu"] = achieved / (self._peak_flops * world_size)
+            result["perf/mfu"] = achieved / (self._peak.flops * world_size)
+            result["perf/peak_flops_per_device"] = self._peak.flops
+            if self._peak.provisional:
+                result["perf/mfu_provisional"] = self._peak.provisional
+            if self._peak_vs_fp32 is not None:
+                result["perf/peak_vs_fp32"] = self._peak_vs_fp32
         return result

@@ -4,7 +4,11 @@ A step's FLOPs come from the model's own formula when it has one (``flops_per_to
 6N + attention count that MFU figures in the field use), otherwise they are counted once with
 ``torch.utils.flop_counter`` on a meta-device copy (shapes only, no memory, no compute).
 A device's peak comes from Lightning's table of accelerators; a CPU has no table, so its peak
-is measured once by a matmul probe and cached per CPU model, thread count and dtype.
+is measured by a matmul probe (in the layout ``nn.Linear`` multiplies in, in the run's dtype: a
+CPU without bf16 units has a bf16 peak of its own, far below its fp32 one) and cached per CPU
+model, thread count and dtype, but only where the machine was quiet when probed (``busy``): a
+probe beside other work measures that work too, so it serves the run that took it, which says
+its MFU is provisional (``CpuPeak``).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import os
 import platform
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 # Dense bf16/fp16 peaks missing from Lightning's table (it knows "H200 SXM1", not plain "H200").
 _EXTRA_CUDA_PEAKS = {"h200": 989e12, "h100": 989e12, "gh200": 989e12}
@@ -70,11 +76,36 @@ def _cache_path() -> Path:
     return Path(root) / "litscale" / "cpu_peak_flops.json"
 
 
-def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
-    """Best FLOP/s of a square matmul on ``threads`` threads, measured once and cached."""
+@dataclass(frozen=True)
+class CpuPeak:
+    """A CPU's peak FLOP/s for one dtype and thread count, and why it is provisional (None: probed
+    on a quiet machine and cached, so every run on this machine divides by the same figure)."""
+
+    flops: float
+    provisional: str | None = None
+
+
+def cpu_peak(dtype: torch.dtype, threads: int) -> CpuPeak:
+    """The cached peak, else a probe now, cached only where the machine is quiet."""
     key = _peak_key(dtype, threads)
     cached = _read_peaks().get(key)
-    return float(cached) if cached is not None else _store_peak(key, probe_matmul_flops(dtype))
+    if cached is not None:
+        return CpuPeak(float(cached))
+    return _probed(key, dtype, max(probe_matmul_flops(dtype), 0.0))
+
+
+def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
+    """Best FLOP/s of a matmul on ``threads`` threads (``cpu_peak``'s figure)."""
+    return cpu_peak(dtype, threads).flops
+
+
+def _probed(key: str, dtype: torch.dtype, peak: float) -> CpuPeak:
+    """``peak``, just probed: cached where the machine was quiet then, else provisional."""
+    refused = busy(load_average())
+    if refused:
+        return CpuPeak(peak, f"the CPU's {str(dtype).removeprefix('torch.')} peak was probed at a {refused}, "
+                             "so it was not cached")
+    return CpuPeak(_store_peak(key, peak))
 
 
 def _peak_key(dtype: torch.dtype, threads: int) -> str:
@@ -98,26 +129,65 @@ def _store_peak(key: str, peak: float) -> float:
     return peak
 
 
-def corrected_cpu_peak(dtype: torch.dtype, threads: int, achieved: float) -> float:
-    """The CPU peak again, for a run that went faster than the cached one: that one was probed
-    while the machine was busy. The larger of a new probe and what the run achieved replaces it
-    (a peak is never below what was reached), so MFU never reads above 100%."""
-    peak = max(probe_matmul_flops(dtype), achieved, measured_cpu_peak(dtype, threads))
-    return _store_peak(_peak_key(dtype, threads), peak)
+def corrected_cpu_peak(dtype: torch.dtype, threads: int, achieved: float) -> CpuPeak:
+    """The CPU peak again, for a run that went faster than the cached one (that one was probed
+    while the machine was busy, or in another layout): the larger of a new probe and the cached
+    figure, cached where the machine is quiet. Never the run's own figure: a peak set to what a
+    run reached made every later run of that kind read about 100% (bf16 on a CPU without bf16
+    units read 95-97% so), so a run still faster than the peak is provisional, and says so."""
+    key = _peak_key(dtype, threads)
+    peak = _probed(key, dtype, max(probe_matmul_flops(dtype), _read_peaks().get(key, 0.0)))
+    if achieved > peak.flops and peak.provisional is None:
+        return CpuPeak(peak.flops, f"this run reached {achieved / 1e9:.3g} GFLOP/s per rank, above the CPU's "
+                                   f"probed {str(dtype).removeprefix('torch.')} peak of {peak.flops / 1e9:.3g}")
+    return peak
 
 
 def probe_matmul_flops(dtype: torch.dtype, size: int = 512, seconds: float = 0.5) -> float:
     """The best of several timed batches of ``size``-square matmuls: a peak, so the max (a
-    busy machine still lowers it; delete the cache file to measure again)."""
+    busy machine still lowers it: ``busy`` says when; delete the cache file to measure again)."""
     # Its own generator: the probe runs inside fit, and drawing from the global one would shift
     # the run's dropout masks on the first run of a machine only, so resumes stop matching.
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, dtype=dtype, generator=generator) for _ in range(2))
-    a @ b  # first call allocates and picks kernels
+    # NOTE: in nn.Linear's layout (the weight transposed): on a CPU without bf16 units, ``a @ b``
+    # in bf16 ran 3-4x slower than the same matmul as a Linear layer runs it.
+    F.linear(a, b)  # first call allocates and picks kernels
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         start = time.perf_counter()
         for _ in range(4):
-            a @ b
+            F.linear(a, b)
         best = max(best, 4 * 2 * size**3 / (time.perf_counter() - start))
     return best
+
+
+# --- how busy the machine is: what a timing on it depends on (the CPU peak here, the planner's
+# calibration and profiles in ``litscale.planner``) -------------------------------------------
+
+# A machine whose load is high by design (a shared login node) can accept timings up to this
+# load average instead of its core count.
+MAX_LOAD_ENV = "LITSCALE_MAX_LOAD"
+
+
+def cores() -> int:
+    """The cores this process may run on (its affinity, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def load_average() -> float:
+    """The last minute's load average (runnable processes, all users), 0 where unknown."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def busy(load: float) -> str | None:
+    """Why a timing taken at ``load`` cannot be kept (None: it can): more runnable processes
+    than cores, so the timed work shared its cores with someone else's."""
+    limit = float(os.environ.get(MAX_LOAD_ENV) or cores())
+    if load <= limit:
+        return None
+    where = f"{MAX_LOAD_ENV}={limit:g}" if os.environ.get(MAX_LOAD_ENV) else f"this machine's {cores()} cores"
+    return f"load average {load:.2f} above {where}"

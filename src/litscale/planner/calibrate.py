@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from litscale.constraints import Fraction, NonNegativeFloat
+from litscale.measure import flops
 from litscale.measure.flops import probe_matmul_flops
 from litscale.planner import machine
 from litscale.planner.cluster import Cluster, Link
@@ -196,9 +197,9 @@ def measure_contention(ranks: int, link: Link) -> float:
 
 def calibrate() -> dict:
     """Measure this machine's figures and return them; write them unless the machine was busy
-    (``machine.busy``: the figures then serve this command only, and say why in ``refused``)."""
-    load = machine.load_average()  # before our own processes add to it
-    cores = machine.cores()
+    (``flops.busy``: the figures then serve this command only, and say why in ``refused``)."""
+    load = flops.load_average()  # before our own processes add to it
+    cores = flops.cores()
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank's share
     try:
@@ -215,7 +216,7 @@ def calibrate() -> dict:
                                for kind, fitted in link.collectives.items()},
                "measured": time.strftime("%Y-%m-%d %H:%M"), "load_average": round(load, 2),
                "machine": machine.fingerprint(), "torch": torch.__version__}
-    refused = machine.busy(load)
+    refused = flops.busy(load)
     if refused:
         return {**figures, "refused": f"not written to {calibration_path()}: timed at a {refused}"}
     path = calibration_path()

@@ -29,7 +29,7 @@ def machine_device_count(accelerator: str) -> int:
         import torch
 
         return torch.cuda.device_count()
-    from litscale.planner.machine import cores
+    from litscale.measure.flops import cores
 
     return cores()
 

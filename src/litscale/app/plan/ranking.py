@@ -256,9 +256,10 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are.
     What an earlier plan timed for this model and cluster file is read back, not timed again;
     what is new is timed in a child process and cached, unless the machine was busy then
-    (``machine.busy``: used for this plan only, and said)."""
+    (``flops.busy``: used for this plan only, and said)."""
     from litscale.app.plan.profile import profiles_in_child
-    from litscale.planner import machine, profile_cache
+    from litscale.measure import flops
+    from litscale.planner import profile_cache
     from litscale.planner.cost import profile_key
 
     peak = cluster.peak_flops["float32"]
@@ -273,12 +274,12 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     profiles = profile_cache.load(identity)
     todo = profile_cache.missing(profiles, keys)
     if todo:
-        load = machine.load_average()  # before the child adds to it
+        load = flops.load_average()  # before the child adds to it
         timed = profiles_in_child(identity["net"], keys=todo, seq_len=facts.seq_len, vocab_size=identity["vocab_size"],
                                   compression=identity["compression"], packed_documents=identity["packed_documents"])
         timed = {key: dataclasses.replace(profile, load_average=round(load, 2)) for key, profile in timed.items()}
         profiles = profile_cache.merged(profiles, timed)
-        busy = machine.busy(load)
+        busy = flops.busy(load)
         if busy:
             _say(f"profiles {', '.join(sorted(todo))} timed at a {busy}: used for this plan, not cached")
         else:
