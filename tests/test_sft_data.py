@@ -237,6 +237,7 @@ def test_a_bad_source_of_a_mixture_is_refused_in_one_line_before_any_rank_starts
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # validates and prepares a two-source run's data (over a second alone)
 def test_a_resume_of_a_mixture_with_other_weights_is_refused_before_any_rank_starts(tmp_path):
     """The checkpoint's data state names the sources and weights it drew from: a resume that
     would draw other rows at the same position is one line, not a run on other data."""
