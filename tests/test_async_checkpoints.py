@@ -1,5 +1,5 @@
 """Checkpoints written in the background (``checkpoint.async_save=true``,
-``litscale.async_checkpoint``): the run trains as it does with synchronous saves, every save
+``litscale.checkpoint.background``): the run trains as it does with synchronous saves, every save
 it keeps is complete and holds the state of its own step (training went on while it was
 written), and a resume from one continues as the uninterrupted run.
 
@@ -14,7 +14,7 @@ import os
 import pytest
 from helpers.moving_runs import RUN, SINGLE, STEPS, assert_same_run, train, train_one_process
 
-from litscale.checkpoints import is_complete_checkpoint
+from litscale.checkpoint.resume import is_complete_checkpoint
 
 pytestmark = pytest.mark.slow  # every test here runs train.py
 

@@ -1,4 +1,4 @@
-"""The copy a background save writes (``litscale.async_checkpoint.KeptCopies``): what the
+"""The copy a background save writes (``litscale.checkpoint.background.KeptCopies``): what the
 checkpoint held when the save began, whatever training does to it next, in the memory of the
 last copy."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from litscale.async_checkpoint import KeptCopies
+from litscale.checkpoint.background import KeptCopies
 
 
 def checkpoint(step: int) -> dict:
@@ -62,7 +62,7 @@ def test_each_save_copies_into_the_memory_of_the_last_and_a_new_shape_gets_its_o
 def test_a_sharded_saves_shards_and_the_rest_of_its_checkpoint_are_copied_apart():
     """Both copies of one save are written after it returns: the rest's copy must not land in
     the staged shards' buffers (the same shape, the first tensor of each)."""
-    from litscale.async_checkpoint import CheckpointWriter
+    from litscale.checkpoint.background import CheckpointWriter
 
     writer = CheckpointWriter()
     try:

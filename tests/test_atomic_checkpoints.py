@@ -1,4 +1,4 @@
-"""A checkpoint is complete or invisible (``litscale.atomic_checkpoint``): a process killed at
+"""A checkpoint is complete or invisible (``litscale.checkpoint.atomic``): a process killed at
 any moment of a save leaves the newest complete checkpoint for ``ckpt_path=auto`` to resume.
 
 ``scripts/save_twice.py`` saves version 1 of ``last.ckpt`` through a litscale strategy, then
@@ -20,8 +20,8 @@ import pytest
 import torch
 from helpers.cli import REPO, cli_env
 
-from litscale.atomic_checkpoint import staging_path
-from litscale.checkpoints import is_complete_checkpoint, newest_last_checkpoint
+from litscale.checkpoint.atomic import staging_path
+from litscale.checkpoint.resume import is_complete_checkpoint, newest_last_checkpoint
 
 pytestmark = pytest.mark.slow  # each kill is a fresh interpreter
 
@@ -104,3 +104,45 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_complete_checkpoint(tmp_path, ki
     print(f"{kind}, {points} kills: {outcomes}")
     assert outcomes["version 1"] + outcomes["version 2"] == points
     assert outcomes["version 1"] >= 1, f"no kill landed before the save was published: {outcomes}"
+
+
+def test_a_save_is_published_only_after_its_last_file(tmp_path, monkeypatch):
+    """A sharded save (FSDP's DCP directory, on a one-rank gloo group in this process) writes
+    every file, ``meta.pt`` last, while the published ``last.ckpt`` is still the complete old
+    save; then the new one is published whole. Where the kills above land is a matter of timing
+    (a save made visible just before its small last file survived them): here the order is
+    checked at the moment the last file is written."""
+    import torch.distributed as dist
+    from helpers.distributed import destroy_process_groups
+
+    from litscale.strategies.fsdp import FSDPStrategy
+
+    def checkpoint(version: int) -> dict:
+        return {"state_dict": {f"net.w{i}": torch.full((4, 4), float(version)) for i in range(3)},
+                "optimizer_states": [], "version": version}
+
+    def published_version() -> int | None:
+        if not is_complete_checkpoint(path):
+            return None
+        return torch.load(os.path.join(path, "meta.pt"), weights_only=True)["version"]
+
+    path = str(tmp_path / "checkpoints" / "last.ckpt")
+    os.makedirs(os.path.dirname(path))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        strategy = FSDPStrategy()
+        strategy.save_checkpoint(checkpoint(1), path)
+        written, save = [], torch.save
+
+        def save_and_look(obj, file, *args, **kwargs):
+            if isinstance(file, str | os.PathLike):  # a file of the save, not a buffer of DCP's
+                written.append((os.path.basename(file), published_version()))
+            return save(obj, file, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save_and_look)
+        strategy.save_checkpoint(checkpoint(2), path)
+        monkeypatch.undo()
+    finally:
+        destroy_process_groups()
+    assert written == [("meta.pt", 1)]  # the last file written while version 1 was the one published
+    assert published_version() == 2 and not os.path.exists(staging_path(path))

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from litscale import flops
 from litscale.app import report, summary
 from litscale.app.scaling_study import scaling_metrics
 from litscale.callbacks.throughput import ThroughputCallback
+from litscale.measure import flops
 
 FP32_PEAK, BF16_PEAK = 1e10, 4e8  # a CPU whose bf16 matmuls are 25x slower than its fp32 ones
 

@@ -15,7 +15,7 @@ from helpers.inprocess import train_on_pool
 from helpers.parity import TINY, ParitySetup, StepRecorder, assert_weights_match, tiny_module
 from helpers.strategies import fsdp
 
-from litscale.checkpoints import newest_last_checkpoint, resolve_ckpt_path
+from litscale.checkpoint.resume import newest_last_checkpoint, resolve_ckpt_path
 from litscale.errors import ConfigError
 
 STEPS, SAVE_AT, MICRO = 5, 2, 4
@@ -27,8 +27,8 @@ def _fit(rank: int, world_size: int, ckpt_dir: str, resume_from: str | None):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    from litscale.checkpoint.export import consolidated_state_dict
     from litscale.data.synthetic import SyntheticDataModule
-    from litscale.export import consolidated_state_dict
 
     losses = StepRecorder()  # the global batch's loss, by the number of steps done
     data = SyntheticDataModule(batch_size=8 // world_size, num_samples=64, val_samples=8,
@@ -154,7 +154,7 @@ def test_here_resumes_only_from_the_runs_own_dir_never_another_job_of_its_name(t
     start is fresh even where another job of the sweep has saved."""
     from helpers.configs import compose_job
 
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     monkeypatch.setenv("LITSCALE_OUTPUTS", str(tmp_path))
     sweep = tmp_path / "default" / "multiruns" / "2026-11-28_10-00-00"

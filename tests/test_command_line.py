@@ -26,9 +26,9 @@ from helpers.configs import CONF_DIR, compose_full, compose_job, group_options
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.app.preflight import SKIPPED_JOBS_ENV, cells_to_skip, check_command_line
 from litscale.app.run_log import log_printed_lines
-from litscale.app.validation import ConfigError, validate
 
 CORES = len(os.sched_getaffinity(0))
 TWO_CORES = pytest.mark.skipif(CORES < 2, reason="needs 2 CPU cores")
@@ -135,6 +135,35 @@ def test_only_a_combination_that_cannot_run_is_skipped():
     assert cells_to_skip(GRID, {2: "too many", 3: "too many"}) == []  # nothing runs at 2 devices
     assert cells_to_skip(GRID, {0: "bad", 2: "bad"}) == []  # strategy=single runs at no count
     assert cells_to_skip([["seed=1"], ["seed=2"]], {1: "bad"}) == []  # no device count swept
+
+
+def test_a_launcher_that_runs_jobs_elsewhere_answers_for_each_job_itself(tmp_path, monkeypatch):
+    """The sweep's check finds the launcher's class from ``hydra.launcher._target_`` and asks it
+    (``runs_jobs_elsewhere``, ``check_job``): a launcher of any package, none named by the app."""
+    from litscale.app.preflight import check_cluster_resources, runs_jobs_elsewhere
+
+    (tmp_path / "team_launchers.py").write_text(
+        "class Elsewhere:\n"
+        "    runs_jobs_elsewhere = True\n"
+        "    asked = []\n\n"
+        "    @classmethod\n"
+        "    def check_job(cls, params, *, devices, strategy_target):\n"
+        "        cls.asked.append((params['nodes'], devices, strategy_target))\n"
+        "        return True\n\n\n"
+        "class Here:\n"
+        "    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ddp = "litscale.strategies.ddp.DDPStrategy"
+
+    def job(launcher: str):
+        return OmegaConf.create({"hydra": {"launcher": {"_target_": f"team_launchers.{launcher}", "nodes": 2}},
+                                 "trainer": {"devices": 4}, "strategy": {"_target_": ddp}})
+
+    assert runs_jobs_elsewhere(job("Elsewhere")) and check_cluster_resources(job("Elsewhere")) is True
+    from team_launchers import Elsewhere
+
+    assert Elsewhere.asked == [(2, 4, ddp)]
+    assert not runs_jobs_elsewhere(job("Here")) and check_cluster_resources(job("Here")) is False
 
 
 @pytest.mark.slow  # over a second alone: out of the quick loop

@@ -10,12 +10,12 @@ import pytest
 from helpers.configs import compose_job
 from helpers.inprocess import refusal_on_pool
 
+from litscale.app.checks.contract import check_strategy_accepts
+from litscale.app.checks.validation import validate
 from litscale.app.compatibility import HEADINGS, render, strategy_nodes
 from litscale.app.compatibility import strategy_rows as _strategy_rows
-from litscale.app.contract_checks import check_strategy_accepts
-from litscale.app.validation import validate
-from litscale.contract import Option, why_not
 from litscale.errors import ConfigError
+from litscale.parallel.contract import Option, why_not
 
 strategy_rows = functools.cache(_strategy_rows)  # built once for every test here
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers import distributed
 from helpers.configs import compose_job
 
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.compression import CommHook, bf16, fp16, powersgd, qsgd, signsgd, terngrad, topk
 from litscale.compression.allgather import _from_bytes, _to_bytes, encode_with_error_feedback
 from litscale.compression.codecs import QSGD, ScaledSign, TernGrad, TopK, pack_bits, unpack_bits

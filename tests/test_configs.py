@@ -34,9 +34,9 @@ from litscale.app.build import (
     build_run,
     build_strategy,
 )
-from litscale.app.devices import CPU_PRECISIONS
-from litscale.app.safety import locate_target
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.devices import CPU_PRECISIONS
+from litscale.app.checks.safety import locate_target
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.arguments import signature_annotations
 from litscale.compression import CommHook
 from litscale.modules import TaskModule
@@ -88,6 +88,10 @@ def model_for(task: str) -> str:
     return next(o for o in candidates if model_task(o) == task)
 
 
+# Data options whose default corpus tokenizes in about a second (data=sft: litscale's example chats).
+SMALL_DEFAULT_DATA = ("sft",)
+
+
 def pairing(group: str, option: str, tmp_path) -> list[str]:
     """Overrides that make ``group=option`` a config that can run on this machine."""
     if group == "model":
@@ -96,7 +100,7 @@ def pairing(group: str, option: str, tmp_path) -> list[str]:
         extra = []
         # A few lines of text, also where the option has a default corpus: data=tokens would
         # tokenize the whole standard library here (seconds); that default is test_tokens.py's.
-        if _reads_paths(option):
+        if _reads_paths(option) and option not in SMALL_DEFAULT_DATA:
             corpus = tmp_path / "corpus"
             corpus.mkdir()
             (corpus / "a.txt").write_text("hello litscale\n" * 100)
@@ -254,7 +258,7 @@ def check_plan(cfg, choices, tmp_path):
 
 
 def check_determinism(cfg, choices, tmp_path):
-    from litscale.determinism import LayoutInvariance
+    from litscale.reliability.determinism import LayoutInvariance
 
     determinism = build_module(cfg).determinism
     if "_target_" in cfg.determinism:
@@ -265,8 +269,9 @@ def check_determinism(cfg, choices, tmp_path):
 
 def check_fault_tolerance(cfg, choices, tmp_path):
     layout = validate(cfg, choices=choices)
-    assert cfg.fault_tolerance.mode == choices["fault_tolerance"]
-    assert layout.replica_groups == (cfg.fault_tolerance.groups if choices["fault_tolerance"] == "replicas" else 1)
+    replicas = build(cfg.fault_tolerance) if "_target_" in cfg.fault_tolerance else None
+    assert (replicas is not None) == (choices["fault_tolerance"] == "replicas")
+    assert layout.replica_groups == (replicas.groups if replicas is not None else 1)
 
 
 GROUP_CHECKS = {

@@ -111,7 +111,7 @@ def test_a_crafted_checkpoint_under_any_form_of_ckpt_path_runs_nothing_and_is_re
         tmp_path, outputs_root, form):
     from helpers.configs import compose_job
 
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     marker, run_dir = tmp_path / "MARKER", tmp_path / "run"
     typed, resolved = _place(form, outputs_root, run_dir, marker)
@@ -130,7 +130,8 @@ def test_a_crafted_checkpoint_under_any_form_of_ckpt_path_runs_nothing_and_is_re
 def test_the_readers_that_move_a_checkpoint_run_nothing_it_holds(tmp_path, reader):
     """The ranks' own reads of a checkpoint of another kind (``checkpoint_moves``,
     ``deepspeed_moves``) are weights-only too: a crafted file is an unpickling error."""
-    from litscale import checkpoint_moves, deepspeed_moves
+    from litscale.checkpoint import deepspeed as deepspeed_moves
+    from litscale.checkpoint import moves as checkpoint_moves
 
     marker = tmp_path / "MARKER"
     path = {"read_as_file": lambda: crafted_file(tmp_path / "given.ckpt", marker),
@@ -148,7 +149,7 @@ def test_the_readers_that_move_a_checkpoint_run_nothing_it_holds(tmp_path, reade
 def test_dcp_metadata_is_read_without_running_code(tmp_path):
     """DCP's ``.metadata`` is a plain pickle that torch's weights-only unpickler cannot read
     (protocol 5): litscale's restricted one reads DCP's own, and refuses the payload."""
-    from litscale.checkpoint_reading import is_readable_checkpoint, read_dcp_metadata
+    from litscale.checkpoint.reading import is_readable_checkpoint, read_dcp_metadata
 
     path = sharded_checkpoint(tmp_path / "dcp", step=4)
     assert list(read_dcp_metadata(str(path)).state_dict_metadata) == ["state_dict.weight"]
@@ -158,8 +159,8 @@ def test_dcp_metadata_is_read_without_running_code(tmp_path):
 
 
 def test_a_deepspeed_checkpoint_without_deepspeed_installed_is_one_line_naming_the_install(tmp_path, monkeypatch):
-    from litscale import checkpoint_reading
-    from litscale.checkpoints import resolve_ckpt_path
+    from litscale.checkpoint import reading as checkpoint_reading
+    from litscale.checkpoint.resume import resolve_ckpt_path
 
     def missing():
         raise ModuleNotFoundError("No module named 'deepspeed'")

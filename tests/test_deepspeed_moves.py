@@ -1,5 +1,5 @@
 """A DeepSpeed ZeRO checkpoint (stages 1-3) read whole as a file strategy's checkpoint
-(``litscale.deepspeed_moves``), on checkpoint files laid out as DeepSpeed lays them out:
+(``litscale.checkpoint.deepspeed``), on checkpoint files laid out as DeepSpeed lays them out:
 each rank's flat partition of every parameter group, and where each parameter lies in it. End
 to end (ZeRO-1, 2 and 3 runs resumed under other strategies, and the weights against
 DeepSpeed's own ``zero_to_fp32``): ``test_moving_runs.py``."""
@@ -11,8 +11,8 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from litscale.checkpoint_moves import OPTIMIZER_PARAM_NAMES
-from litscale.deepspeed_moves import deepspeed_as_file_checkpoint, why_not_movable
+from litscale.checkpoint.deepspeed import deepspeed_as_file_checkpoint, why_not_movable
+from litscale.checkpoint.moves import OPTIMIZER_PARAM_NAMES
 
 
 def Fragment(start: int, numel: int):  # noqa: N802 - DeepSpeed's own, as its files pickle it
@@ -138,7 +138,7 @@ def test_an_optimizer_without_adams_moments_cannot_move_either(tmp_path, stage3)
 def test_a_checkpoint_that_cannot_move_is_refused_in_one_line_before_any_rank_starts(tmp_path):
     from omegaconf import OmegaConf
 
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
     from litscale.errors import ConfigError
     from litscale.strategies.fsdp import FSDPStrategy
 
@@ -174,7 +174,7 @@ def test_another_strategys_checkpoint_goes_into_zero_with_adam_only(tmp_path, st
     from helpers.configs import compose_job
 
     from litscale.app.build import build_strategy
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
     from litscale.errors import ConfigError
 
     path = str(tmp_path / "last.ckpt")
@@ -200,8 +200,8 @@ def test_a_deepspeed_checkpoint_moves_into_another_zero_layout_with_adam_and_not
     from helpers.configs import compose_job
 
     from litscale.app.build import build_strategy
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
-    from litscale.deepspeed_moves import reads_as_saved
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
+    from litscale.checkpoint.deepspeed import reads_as_saved
     from litscale.errors import ConfigError
 
     def check(path: str) -> None:
@@ -276,8 +276,8 @@ def test_real_zero_checkpoints_read_without_running_code_naming_only_the_allowed
     for its files (``deepspeed_classes``), and every file reads with them, weights-only."""
     import glob
 
-    from litscale.checkpoint_reading import deepspeed_classes, is_readable_checkpoint
-    from litscale.deepspeed_moves import saved_layout, saved_state_kinds
+    from litscale.checkpoint.deepspeed import saved_layout, saved_state_kinds
+    from litscale.checkpoint.reading import deepspeed_classes, is_readable_checkpoint
 
     allowed = {f"{kind.__module__}.{kind.__qualname__}" for kind in deepspeed_classes()}
     named = set()
@@ -313,7 +313,7 @@ def test_an_sgd_runs_checkpoint_into_zero_is_refused_in_one_line_before_any_rank
     from helpers.inprocess import refusal_on_pool, train_on_pool
     from helpers.moving_runs import RUN
 
-    from litscale.checkpoints import newest_last_checkpoint
+    from litscale.checkpoint.resume import newest_last_checkpoint
 
     saved = train_on_pool(*RUN, "strategy=single", "optimizer=sgd", "data.batch_size=4", "trainer.max_steps=1",
                           outputs=tmp_path / "saved")
@@ -336,7 +336,7 @@ def test_a_sharded_directory_of_sgd_into_zero_is_refused_by_what_its_optimizer_k
     from omegaconf import OmegaConf
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from litscale.app.checkpoint_checks import check_checkpoint_moves
+    from litscale.app.checks.checkpoint import check_checkpoint_moves
     from litscale.errors import ConfigError
     from litscale.strategies import DeepSpeedZeroStrategy
 

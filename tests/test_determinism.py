@@ -16,9 +16,9 @@ from helpers.configs import compose_job
 from helpers.distributed import run_distributed
 from helpers.strategies import ddp, fsdp
 
-from litscale import determinism
-from litscale.app.validation import ConfigError, validate
-from litscale.determinism import LayoutInvariance, _Subtree, tree_sum
+from litscale.app.checks.validation import ConfigError, validate
+from litscale.reliability import determinism
+from litscale.reliability.determinism import LayoutInvariance, _Subtree, tree_sum
 
 STEPS = 20
 GLOBAL_BATCH = 16
@@ -192,7 +192,7 @@ def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, tas
     (global losses, full state on rank 0)."""
     import lightning as L
 
-    from litscale.export import consolidated_state_dict
+    from litscale.checkpoint.export import consolidated_state_dict
 
     module_class, net, data = _task(task, rank, world_size)
     determinism = LayoutInvariance(chunks=CHUNKS, seed=7)
@@ -227,10 +227,10 @@ def _fit(rank: int, world_size: int, strategy_factory, accumulation: int, *, tas
 
 
 def _layerwise(name: str):
-    from litscale import optimizers
+    from litscale.optim import layerwise
 
     # A LR large enough that the trust ratio's rounding shows in 4 steps.
-    return functools.partial(getattr(optimizers, name), lr=1.0 if name == "LARS" else 1e-2)
+    return functools.partial(getattr(layerwise, name), lr=1.0 if name == "LARS" else 1e-2)
 
 
 # The optimizers a run of the mode steps with, built inside a rank (LARS and LAMB import

@@ -13,7 +13,11 @@ FLAGS, separated by spaces:
 - ``error``: each command must fail before anything starts, with exit code 2 and one line of
   output, the ``# error: ...`` comment written under it;
 - ``after-run``: a Python block that reads a run's outputs; it runs after a short default run,
-  with ``outputs/default/runs/<run>`` standing for that run's directory.
+  with ``outputs/default/runs/<run>`` standing for that run's directory;
+- ``together``: the page's blocks so marked (``bash`` and ``python``) are one example whose
+  steps use what the ones before wrote: they run in page order, as written (not made short),
+  one test, in a working directory of their own that holds the repository's ``train.py``,
+  ``conf/`` and ``docs/`` (links), its runs under its ``outputs/``.
 
 A ``bash`` block holds one command per line (a trailing ``\\`` continues it, ``#`` starts a
 comment, ``NAME=value`` words before the program set its environment); each command is its
@@ -48,7 +52,7 @@ MAX_README_LINES = 250
 SHORT_RUN = {"trainer.max_steps": "2", "trainer.limit_val_batches": "2"}
 RUN_PLACEHOLDER = "outputs/default/runs/<run>"
 MARKER = re.compile(r"^<!--\s*runnable(?::\s*(?P<flags>[^>]*?))?\s*-->$")
-FLAGS = {"full", "soak", "error", "after-run"}
+FLAGS = {"full", "soak", "error", "after-run", "together"}
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Runnable:
     expected_error: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     argv: list[str] = field(default_factory=list)
+    steps: list[Runnable] = field(default_factory=list)  # a ``together`` example's, in order
 
     @property
     def id(self) -> str:
@@ -113,28 +118,43 @@ def bash_commands(body: str, first_line: int) -> list[tuple[int, str, str | None
 
 
 def collect_runnables() -> list[Runnable]:
-    """Every runnable command and script of the README and the docs, each command once."""
+    """Every runnable command and script of the README and the docs, each command once; a
+    page's ``together`` blocks as one ``example`` whose ``steps`` they are."""
     found, seen = [], set()
     for path in markdown_pages():
         page = str(path.relative_to(REPO))
+        example = None
         for first_line, language, body, flags in fenced_blocks(path):
             if flags is None:
                 continue
             flag_set = set(flags.split())
-            if language == "python":
-                found.append(Runnable(page, first_line, language, flag_set, body))
+            if "together" in flag_set:
+                if example is None:
+                    example = Runnable(page, first_line, "example", flag_set - {"together"}, "")
+                    found.append(example)
+                example.steps.extend(block_runnables(page, first_line, language, body, flag_set))
                 continue
-            for line, command, expected in bash_commands(body, first_line):
-                words = shlex.split(command, comments=True)
-                env = {}
-                while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
-                    name, value = words.pop(0).split("=", 1)
-                    env[name] = value
-                key = " ".join(words)
-                if key in seen:
+            for runnable in block_runnables(page, first_line, language, body, flag_set):
+                key = " ".join(runnable.argv)
+                if language == "bash" and key in seen:
                     continue
                 seen.add(key)
-                found.append(Runnable(page, line, language, flag_set, command, expected, env, words))
+                found.append(runnable)
+    return found
+
+
+def block_runnables(page: str, first_line: int, language: str, body: str, flags: set[str]) -> list[Runnable]:
+    """A ``python`` block as one runnable, a ``bash`` block's commands one each."""
+    if language == "python":
+        return [Runnable(page, first_line, language, flags, body)]
+    found = []
+    for line, command, expected in bash_commands(body, first_line):
+        words = shlex.split(command, comments=True)
+        env = {}
+        while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+            name, value = words.pop(0).split("=", 1)
+            env[name] = value
+        found.append(Runnable(page, line, language, flags, command, expected, env, words))
     return found
 
 
@@ -324,7 +344,9 @@ def test_runnable_blocks_are_well_formed():
     assert RUNNABLES, "no runnable block found"
     for runnable in RUNNABLES:
         assert runnable.flags <= FLAGS, f"{runnable.id}: unknown flags {runnable.flags - FLAGS}"
-        assert runnable.language in ("bash", "python"), f"{runnable.id}: a {runnable.language} block"
+        assert runnable.language in ("bash", "python", "example"), f"{runnable.id}: a {runnable.language} block"
+        if runnable.language == "example":
+            assert runnable.steps and all(step.language in ("bash", "python") for step in runnable.steps), runnable.id
         if "error" in runnable.flags:
             assert runnable.expected_error, f"{runnable.id}: an error command needs '# error: ...' under it"
         if "after-run" in runnable.flags:
@@ -378,3 +400,26 @@ def test_runnable_script(runnable, runs, outputs_root, tmp_path):
         code = code.replace(RUN_PLACEHOLDER, summaries(outputs)[-1]["output_dir"])
     process = run_script(code, tmp_path, outputs_root)
     assert process.returncode == 0, explain(process)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("runnable", [_param(r) for r in RUNNABLES if r.language == "example"])
+def test_runnable_example(runnable, tmp_path):
+    """A ``together`` example's steps in page order, in a working directory of their own: a user
+    at the repository's root, whose ``outputs/`` is this directory's."""
+    work = tmp_path / "work"
+    work.mkdir()
+    for name in ("train.py", "conf", "docs"):
+        (work / name).symlink_to(REPO / name)
+    cache = {"LITSCALE_CACHE": str(tmp_path / "cache")}
+    for step in runnable.steps:
+        if step.language == "python":
+            (work / "snippet.py").write_text(step.text)
+            argv = [sys.executable, "snippet.py"]
+        else:
+            program = step.argv[0]
+            argv = [sys.executable if program == "python" else program, *step.argv[1:]]
+        process, _, _ = run_in_own_group(argv, outputs=work / "outputs", env={**cache, **step.env}, timeout=900,
+                                         cwd=work)
+        assert process.returncode == 0, f"{step.id}: {step.text}\n{explain(process)}"

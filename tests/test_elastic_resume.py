@@ -22,7 +22,7 @@ from helpers.configs import compose_job
 from helpers.inprocess import train_on_pool
 from hydra.utils import instantiate
 
-from litscale.app.validation import validate
+from litscale.app.checks.validation import validate
 from litscale.errors import ConfigError
 
 SAMPLES, SEED = 64, 1234  # the synthetic training set and the default seed

@@ -40,14 +40,14 @@ class OneLayer(torch.nn.Module):
 def layer_on_two_ranks(rank: int, world_size: int, config: MoEConfig) -> dict:
     """Rank ``r`` runs tokens ``r`` through the expert-parallel layer; returns what it holds and
     what it computed, and the same from the whole layer in this process."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    from litscale.parallel.layout import MeshAxis, MeshSizes
+    from litscale.parallel.mesh import ParallelMesh
     from litscale.strategies.expert_parallel import apply_expert_parallel
 
     whole, split = OneLayer(config), OneLayer(config)
     x = torch.randn(2, 8, config.n_embd, generator=torch.Generator().manual_seed(rank))
-    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
-    apply_expert_parallel(split, mesh, expert_parallel_size=world_size, borrowed_dims=("shard",))
+    mesh = ParallelMesh.build(MeshSizes(data_shard=world_size, expert=world_size), "cpu")
+    apply_expert_parallel(split, mesh.get(MeshAxis.EXPERT), mesh.get(MeshAxis.EXPERT_DATA), divide_factor=world_size)
     results = {}
     for name, net in (("whole", whole), ("split", split)):
         inputs = x.clone().requires_grad_()
@@ -98,7 +98,7 @@ EP = ["strategy=fsdp", "trainer.accelerator=cpu", "trainer.devices=2"]
     ids=["ranks", "experts", "dense", "tensor-parallel-ranks", "with-context-parallel"],
 )
 def test_a_bad_expert_parallel_size_is_one_line(overrides, message, tmp_path, outputs_root):
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     cfg, choices = compose_job(overrides, tmp_path / "run")
     with pytest.raises(ConfigError) as error:

@@ -1,6 +1,6 @@
 """A config that needs an optional package (an extra of ``pyproject.toml``) that is not
 installed is refused in one line naming what asked for it and the ``pip install`` line, before
-any run dir or rank exists (``litscale.extras``, ``litscale.app.extras_checks``).
+any run dir or rank exists (``litscale.extras``, ``litscale.app.checks.extras``).
 
 The checks run in this process (``check_command_line``, the pre-flight ``train.py`` runs before
 Hydra makes a run dir), with the package hidden from ``importlib.util.find_spec``; the tests
@@ -38,7 +38,7 @@ CASES = {
     "transformers-export": (["model=llama", "export_hf=true"], ("transformers",),
                             f"export_hf=true needs the transformers package, {INSTALL} 'litscale[hf]'"),
     "torchft": (["fault_tolerance=replicas", "fault_tolerance.groups=2", "launcher.oversubscribe=true"],
-                ("torchft",), f"fault_tolerance.mode=replicas needs the torchft package, {INSTALL} 'litscale[ft]'"),
+                ("torchft",), f"fault_tolerance=replicas needs the torchft package, {INSTALL} 'litscale[ft]'"),
     "ray": (["-m", "hydra/launcher=ray"], ("ray",),
             f"hydra/launcher=ray needs the ray package, {INSTALL} 'litscale[ray]'"),
     "jsonschema-k8s": (["-m", "hydra/launcher=k8s"], ("jsonschema",),
@@ -100,8 +100,8 @@ def test_a_jobs_packages_are_checked_where_its_ranks_start(hidden, tmp_path, out
     machine, or is only planned, which imports nothing, does not ask for it."""
     from helpers.configs import compose_job
 
-    from litscale.app.extras_checks import check_job_extras
-    from litscale.app.validation import validate
+    from litscale.app.checks.extras import check_job_extras
+    from litscale.app.checks.validation import validate
     from litscale.errors import ConfigError
 
     hidden(("torchao",))

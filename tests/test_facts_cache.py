@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 from helpers.configs import compose_job
 
+from litscale.app.checks.validation import meta_net
 from litscale.app.plan.runs import facts_of
-from litscale.app.validation import meta_net
 from litscale.planner import facts_cache, model_facts, profile_cache
 
 pytestmark = pytest.mark.slow  # composes jobs and traces models (a second each)

@@ -22,10 +22,10 @@ import torch
 from helpers.cli import explain, final_weights, run_in_own_group
 from helpers.configs import compose_job
 
+from litscale.app.checks.validation import validate
 from litscale.app.replica_launch import _spec_of_group, costs, describe, group_dir, job_throughput
-from litscale.app.validation import validate
 from litscale.errors import ConfigError
-from litscale.fault_tolerance import steps_log_path
+from litscale.reliability.replica_groups import ReplicaGroup, steps_log_path
 
 RUN = ["trainer.accelerator=cpu", "data.batch_size=8", "data.seq_len=32", "data.max_bytes=400000",
        "trainer.limit_val_batches=6", "trainer.enable_progress_bar=false"]
@@ -71,9 +71,9 @@ def test_a_replica_setting_that_cannot_train_right_is_refused_in_one_line(tmp_pa
 @pytest.mark.slow  # a Hydra composition and a validation: 1-3 s
 @pytest.mark.slow  # a Hydra composition: 1-3 s
 def test_the_groups_ranks_together_must_fit_the_machine(tmp_path):
-    from litscale.app.fault_tolerance_checks import check_every_group_fits
-    from litscale.flops import cores
-    from litscale.layout import MeshSizes, RunLayout
+    from litscale.app.checks.fault_tolerance import check_every_group_fits
+    from litscale.measure.flops import cores
+    from litscale.parallel.layout import MeshSizes, RunLayout
 
     cfg, _ = compose_job(["fault_tolerance=replicas", "strategy=ddp", f"trainer.devices={cores()}", *RUN], tmp_path)
     layout = RunLayout(processes_per_node=cores(), mesh=MeshSizes(data_replicate=cores()), replica_groups=3)
@@ -117,16 +117,68 @@ def test_the_groups_together_read_what_one_job_of_all_their_ranks_reads():
     assert by_groups == one_job and len({i for part in one_job for i in part}) == 96
 
 
+def test_the_groups_average_their_gradients_over_the_quorum():
+    """Two replica groups in this process, each with its own torchft ``Manager`` (threads, one
+    lighthouse, real gloo groups): after the callback's cross-group step, each group holds the
+    mean of the two groups' gradients, as one data-parallel job of both would (a sum was the
+    defect ``make mutants`` plants: the end-to-end checks are ``soak`` and use AdamW with
+    clipping, which a gradient's scale cannot reach)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    gradients = {0: [torch.tensor([1.0, -2.0]), torch.tensor([[0.5]])],
+                 1: [torch.tensor([3.0, 4.0]), torch.tensor([[-1.5]])]}
+
+    def group(index: int) -> list[torch.Tensor]:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), load_state_dict=lambda state: None,
+                          state_dict=lambda: {}, min_replica_size=2, use_async_quorum=False,
+                          timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=30),
+                          connect_timeout=timedelta(seconds=30), rank=0, world_size=1, store_addr="127.0.0.1",
+                          store_port=store.port, lighthouse_addr=lighthouse.address(), replica_id=f"group_{index}")
+        try:
+            module = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros_like(g)) for g in gradients[index])
+            for param, grad in zip(module, gradients[index], strict=True):
+                param.grad = grad.clone()
+            callback = ReplicaFaultTolerance(run_dir="unused")
+            callback.manager = manager
+            manager.start_quorum()
+            callback.on_before_optimizer_step(None, module, None)
+            return [param.grad for param in module]
+        finally:
+            manager.shutdown(wait=False)
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            averaged = list(pool.map(group, (0, 1)))
+    finally:
+        lighthouse.shutdown()
+    expected = [(a + b) / 2 for a, b in zip(gradients[0], gradients[1], strict=True)]
+    for grads in averaged:
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_each_group_writes_under_its_own_dir(tmp_path):
     from litscale.app.run import RunSpec
-    from litscale.layout import RunLayout
+    from litscale.parallel.layout import RunLayout
 
     run_dir = str(tmp_path / "run")
     spec = RunSpec(config={"paths": {"output_dir": run_dir, "root_dir": str(tmp_path)},
                            "callbacks": {"model_checkpoint": {"dirpath": f"{run_dir}/checkpoints"}},
                            "logger": {"csv": {"save_dir": run_dir, "name": "csv"}}, "name": "run"},
                    layout=RunLayout())
-    moved = _spec_of_group(spec, run_dir, 2).config
+    identity = ReplicaGroup(group=2, groups=3, lighthouse="127.0.0.1:1", start_store="127.0.0.1:2")
+    group_spec = _spec_of_group(spec, run_dir, identity)
+    assert group_spec.replica_group == identity  # the group's identity is handed in, not put in the environment
+    moved = group_spec.config
     assert moved["paths"] == {"output_dir": f"{run_dir}/replicas/2", "root_dir": str(tmp_path)}
     assert moved["callbacks"]["model_checkpoint"]["dirpath"] == f"{run_dir}/replicas/2/checkpoints"
     assert moved["logger"]["csv"] == {"save_dir": f"{run_dir}/replicas/2", "name": "csv"}
@@ -302,7 +354,7 @@ def test_a_group_rejoining_past_an_epoch_with_a_partial_window_reads_the_step_it
     from torch.utils.data import DataLoader, TensorDataset
 
     from litscale.data.base import ResumableSampler
-    from litscale.fault_tolerance import _skip_samples
+    from litscale.reliability.replica_groups import _skip_samples
 
     dataset, batch, accumulation = TensorDataset(torch.arange(44)), 4, 3
 
@@ -360,7 +412,7 @@ def step_in_groups(modules: list, batches: list) -> None:
     every group at once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from litscale.fault_tolerance import ReplicaFaultTolerance
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
     quorum = FakeQuorum(len(modules))
     for module, batch in zip(modules, batches, strict=True):
@@ -422,9 +474,9 @@ def test_two_groups_keep_the_first_groups_batch_norm_statistics_as_ddp_keeps_ran
     import copy
     from functools import partial
 
-    from litscale.determinism import running_statistics
     from litscale.models.resnet import ResNet
     from litscale.modules import ClassificationModule
+    from litscale.reliability.determinism import running_statistics
 
     torch.manual_seed(0)
     module = ClassificationModule(net=ResNet(input_shape=[1, 8, 8], num_classes=10, widths=[4, 8],
@@ -451,8 +503,8 @@ def test_a_dropped_step_takes_its_router_counts_with_it():
     next step's."""
     from types import SimpleNamespace
 
-    from litscale.fault_tolerance import ReplicaFaultTolerance
     from litscale.models.moe import build_moe
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
     torch.manual_seed(0)
     net = build_moe().train()

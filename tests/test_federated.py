@@ -14,7 +14,7 @@ from helpers.cli import explain, run_train, summaries
 from helpers.configs import compose_job
 from helpers.distributed import run_distributed
 
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.data.partition import (
     ClientSampler,
     label_histograms,

@@ -23,12 +23,12 @@ from litscale.models.hf import HFCausalLM, HFModelConfig, build_hf
 from litscale.models.llama import ROPE_SCALINGS, Llama, LlamaConfig
 from litscale.models.moe import MoEConfig, MoEDecoder
 
-# transformers, and litscale.hf_export which imports it, at their first use (helpers.deferred).
+# transformers, and litscale.models.hf_writing which imports it, at their first use (helpers.deferred).
 AutoModelForCausalLM = Deferred("transformers", "AutoModelForCausalLM")
 llama_from_hf = Deferred("litscale.models.llama", "llama_from_hf")
 moe_from_hf = Deferred("litscale.models.moe", "moe_from_hf")
 moe_layout_of = Deferred("litscale.models.moe_config", "moe_layout_of")
-save_hf_directory = Deferred("litscale.hf_export", "save_hf_directory")
+save_hf_directory = Deferred("litscale.models.hf_writing", "save_hf_directory")
 
 SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=64)
@@ -379,7 +379,7 @@ def test_on_the_meta_device_a_checkpoint_gives_shapes_without_reading_weights(tm
 @pytest.mark.slow
 def test_model_hf_config_composes_validates_and_follows_the_datas_vocabulary(tmp_path, outputs_root):
     from litscale.app.build import build_module
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     cfg, choices = compose_job(["model=hf", "data.seq_len=32",
                                 "model.net.config={model_type: llama, hidden_size: 32, intermediate_size: 64, "
@@ -400,7 +400,7 @@ def test_a_tensor_parallel_size_the_key_value_heads_do_not_split_by_is_one_line(
                                                                                   outputs_root):
     """Found by the combination test: the default Qwen3's 2 key/value heads at TP 4 were accepted,
     and its attention failed in the first forward ("shape '[8, 32, -1, 32]' is invalid")."""
-    from litscale.app.validation import ConfigError, validate
+    from litscale.app.checks.validation import ConfigError, validate
 
     cfg, choices = compose_job(["model=hf", "data=synthetic", "data.seq_len=32", "strategy=tensor_parallel",
                                 "trainer.accelerator=cpu", f"trainer.devices={devices}",
@@ -417,7 +417,7 @@ def test_a_tensor_parallel_size_the_key_value_heads_do_not_split_by_is_one_line(
                                       ["strategy=fsdp", "trainer.devices=2"]])
 def test_a_missing_checkpoint_is_one_line_before_any_rank_starts_whatever_the_strategy(
         strategy, tmp_path, outputs_root):
-    from litscale.app.validation import ConfigError, validate
+    from litscale.app.checks.validation import ConfigError, validate
 
     cfg, choices = compose_job(["model=hf", "model.net.path=/no/such/checkpoint", "trainer.accelerator=cpu",
                                 *strategy], tmp_path / "run")
@@ -452,7 +452,7 @@ def test_without_the_hf_extra_model_hf_is_refused_in_litscales_one_line(path, me
     (["export_hf=true"], "export_hf=true needs model=llama, model=moe or model=hf (got model=gpt)"),
 ])
 def test_export_hf_is_refused_in_one_line_where_it_cannot_work(overrides, message, tmp_path, outputs_root):
-    from litscale.app.validation import ConfigError, validate
+    from litscale.app.checks.validation import ConfigError, validate
 
     cfg, choices = compose_job(overrides, tmp_path / "run")
     with pytest.raises(ConfigError) as error:
@@ -461,8 +461,8 @@ def test_export_hf_is_refused_in_one_line_where_it_cannot_work(overrides, messag
 
 
 def test_export_hf_is_accepted_for_a_mixture_of_experts(tmp_path, outputs_root):
-    """litscale.hf_export writes a MoE's Hugging Face form (tested above): a run may ask for it."""
-    from litscale.app.validation import validate
+    """litscale.models.hf_writing writes a MoE's Hugging Face form (tested above): a run may ask for it."""
+    from litscale.app.checks.validation import validate
 
     cfg, choices = compose_job(["export_hf=true", "model=moe", "data=synthetic", "data.seq_len=32"], tmp_path / "run")
     validate(cfg, choices=choices)
@@ -509,7 +509,7 @@ class ExportAtFitEnd(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         from torch.distributed.tensor import DTensor
 
-        from litscale.export import export_model
+        from litscale.checkpoint.export import export_model
 
         # What is exported is gathered from shards: the translated plan did split the model.
         assert isinstance(pl_module.net.model.layers[0].self_attn.q_proj.weight, DTensor)

@@ -1,5 +1,7 @@
 """The package's layering: the library imports without Hydra, no import cycle anywhere in
-``src/``, and every module imports on its own (in a process that has imported no other)."""
+``src/``, every module imports on its own (in a process that has imported no other), and the
+order of floors: an import goes only down (``FLOORS``), and nothing of litscale imports or
+names the plugins."""
 
 from __future__ import annotations
 
@@ -119,6 +121,95 @@ def test_the_library_does_not_import_the_app():
             if any(m.startswith(APP) for m in _graph()[name])} == {}
 
 
+# The floors of the house, lowest first: a module imports its own package (or, at the root, the
+# root's small modules) and lower floors only. Packages that share a floor import none of each
+# other. ``litscale`` (the root) is its small modules; ``litscale.modules`` and
+# ``litscale.doctor`` stand alone on their floors.
+FLOORS = (
+    ("litscale",),
+    ("litscale.measure", "litscale.health"),
+    ("litscale.parallel", "litscale.models", "litscale.compression"),
+    ("litscale.data", "litscale.optim"),
+    ("litscale.reliability", "litscale.checkpoint"),
+    ("litscale.strategies", "litscale.callbacks", "litscale.modules"),
+    ("litscale.planner",),
+    ("litscale.app", "litscale.doctor"),
+    ("hydra_plugins",),
+)
+ROOT = "litscale"
+
+
+def _room(module: str) -> str:
+    """The package (or root module) a module belongs to: its floor's unit."""
+    parts = module.split(".")
+    if parts[0] == "hydra_plugins":
+        return "hydra_plugins"
+    if len(parts) == 1:
+        return ROOT
+    second = ".".join(parts[:2])
+    return second if second in FLOOR_OF else ROOT
+
+
+FLOOR_OF = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that goes to another room on the same floor or a higher one, as
+    ``module -> imported``."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        here = _room(module)
+        for target in sorted(imported):
+            there = _room(target)
+            if there != here and FLOOR_OF[there] >= FLOOR_OF[here]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_floor_finder_sees_an_import_that_runs_up_or_across():
+    graph = {"litscale.errors": set(), "litscale.parallel.layout": {"litscale.errors"},
+             "litscale.models.gpt": {"litscale.parallel.layout"},
+             "litscale.checkpoint.moves": {"litscale.strategies.fsdp"}, "litscale.strategies.fsdp": set()}
+    assert _upward_imports(graph) == ["litscale.checkpoint.moves -> litscale.strategies.fsdp",
+                                      "litscale.models.gpt -> litscale.parallel.layout"]
+
+
+def test_every_package_is_on_a_floor():
+    """A new package of litscale gets its floor here before anything imports it."""
+    packages = {f"litscale.{path.parent.name}" for path in (SRC / "litscale").glob("*/__init__.py")}
+    assert packages - set(FLOOR_OF) == set()
+
+
+def test_every_import_goes_down_a_floor():
+    """The order of floors (foundation -> measure, health -> parallel, models, compression ->
+    data, optim -> reliability, checkpoint -> strategies, callbacks, modules -> planner -> app
+    -> plugins): an import that runs up or across a floor names itself here."""
+    assert _upward_imports(_graph()) == []
+
+
+def test_nothing_of_litscale_imports_the_plugins():
+    assert {name: sorted(m for m in found if m.startswith("hydra_plugins")) for name, found in _graph().items()
+            if name.startswith("litscale") and any(m.startswith("hydra_plugins") for m in found)} == {}
+
+
+def _code_strings(tree: ast.Module) -> list[ast.Constant]:
+    """The string constants of a module's code: docstrings left out (they may say who reads what)."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
+
+
+def test_nothing_of_litscale_names_a_plugin():
+    """The app asks the launcher a config names (``hydra.launcher._target_``) rather than keeping
+    a table of litscale's launchers: no string in litscale's code names a module of its plugins."""
+    named = {name: [node.value for node in _code_strings(ast.parse(path.read_text(encoding="utf-8")))
+                    if "litscale_plugins" in node.value]
+             for name, path in MODULES.items() if name.startswith("litscale")}
+    assert {name: found for name, found in named.items() if found} == {}
+
+
 # Libraries every import of which loads the same modules, so a process may import them before
 # it forks the one that imports a module of ours: 4-7 s of imports paid once, not per module.
 PRELOADABLE = ("torch", "lightning")
@@ -215,7 +306,7 @@ def test_a_module_that_needs_another_imported_first_fails_alone(tmp_path):
 
 
 def test_modules_that_import_torch_or_lightning_are_forked_after_them():
-    assert _preload("litscale.strategies.mesh") == ("torch", "lightning")
+    assert _preload("litscale.strategies.mesh_strategy") == ("torch", "lightning")
     assert "torch" in _libraries_on_import("litscale.models.gpt")
     assert _preload("litscale.arguments") == ()
 
@@ -244,7 +335,7 @@ def test_the_library_imports_without_hydra():
     """Importing the library (strategies, compression, callbacks, models, data, layout) must
     not load Hydra or OmegaConf: a plain Lightning script never pays for them."""
     code = ("import sys, litscale.strategies, litscale.compression, litscale.callbacks, "
-            "litscale.models, litscale.data, litscale.layout, litscale.lr_scaling, litscale.modules; "
+            "litscale.models, litscale.data, litscale.parallel.layout, litscale.optim.lr_scaling, litscale.modules; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('hydra', 'omegaconf')))")
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert process.returncode == 0, process.stderr

@@ -10,9 +10,10 @@ import pytest
 import torch
 from helpers.configs import compose_job
 
-from litscale.app.validation import ConfigError, validate
-from litscale.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
-from litscale.lr_scaling import LRScaling
+from litscale.app.checks.validation import ConfigError, validate
+from litscale.optim.lr_scaling import LRScaling
+from litscale.parallel.layout import MeshSizes, RunLayout, mesh_of, micro_batch_for
+from litscale.parallel.mesh import world_layout
 
 
 def test_global_batch_counts_data_parallel_ranks_only():
@@ -81,11 +82,11 @@ def test_a_device_sweep_gives_every_job_the_largest_jobs_thread_share():
 def test_context_ranks_split_the_world_and_expert_ranks_are_a_view_over_data_x_context():
     mesh = MeshSizes(data_shard=2, context=2, tensor=2, expert=4)
     assert mesh.world_size == 8 and mesh.data == 2  # context ranks share a sample: no more data ranks
-    assert mesh.shape_and_names() == ((1, 2, 2, 2), ("pipeline_parallel", "data_parallel", "context_parallel",
-                                                     "tensor_parallel"))
+    assert world_layout(mesh) == ((1, 2, 2, 2), ("pipeline_parallel", "shard", "context_parallel",
+                                                 "tensor_parallel"))
     assert mesh.describe() == "pipeline 1 x data 2 x context 2 x tensor 2 (expert 4 over data x context)"
-    assert MeshSizes(data_shard=2, tensor=2).shape_and_names()[1] == ("pipeline_parallel", "data_parallel",
-                                                                      "tensor_parallel")  # as before
+    assert world_layout(MeshSizes(data_shard=2, tensor=2))[1] == ("pipeline_parallel", "shard",
+                                                                  "tensor_parallel")  # as before
     with pytest.raises(ValueError) as error:
         MeshSizes(data_shard=4, expert=3)
     assert str(error.value) == ("strategy.expert_parallel_size=3 does not divide the data x context ranks "

@@ -308,7 +308,7 @@ def test_tied_embeddings_share_storage():
 @pytest.mark.parametrize("config", [TINY, QK_NORM_TIED, dataclasses.replace(TINY, n_kv_heads=1, n_layer=3)],
                          ids=["gqa", "qk_norm_tied", "multi_query"])
 def test_flops_per_token_equals_torchs_flop_counter(config):
-    """Forward and backward of a batch on the meta device, as ``litscale.flops`` counts a
+    """Forward and backward of a batch on the meta device, as ``litscale.measure.flops`` counts a
     network without a formula."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -387,7 +387,7 @@ def test_kv_heads_that_do_not_split_over_tensor_parallel_are_one_line():
 @pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
 def test_config_with_kv_heads_that_do_not_split_is_rejected_by_validation(tmp_path, outputs_root):
-    from litscale.app.validation import ConfigError, validate
+    from litscale.app.checks.validation import ConfigError, validate
 
     cfg, choices = compose_job(["model=llama", "strategy=tensor_parallel", "trainer.accelerator=cpu",
                                 "trainer.devices=2", "model.net.n_kv_heads=1"], tmp_path / "run")

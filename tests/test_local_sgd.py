@@ -12,7 +12,7 @@ from helpers.configs import compose_job
 from helpers.distributed import run_distributed
 from helpers.inprocess import train_on_pool
 
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.compression import CommHook
 from litscale.strategies.local_sgd_state import LocalSGDState, local_sgd_hook
 

@@ -18,13 +18,13 @@ from helpers.distributed import run_distributed
 from helpers.inprocess import train_on_pool
 from lightning.pytorch import Callback, Trainer
 
-from litscale.lr_scaling import LRScaling, global_batch, scaled_lr
-from litscale.schedulers import constant, warmup_cosine, warmup_linear, warmup_multiplier
+from litscale.optim.lr_scaling import LRScaling, global_batch, scaled_lr
+from litscale.optim.schedulers import constant, warmup_cosine, warmup_linear, warmup_multiplier
 
-# litscale.optimizers at its first use: pytorch_optimizer imports transformers' DeepSpeed
+# litscale.optim.layerwise at its first use: pytorch_optimizer imports transformers' DeepSpeed
 # integration where transformers is installed (about 1 s; helpers.deferred).
-LAMB = Deferred("litscale.optimizers", "LAMB")
-LARS = Deferred("litscale.optimizers", "LARS")
+LAMB = Deferred("litscale.optim.layerwise", "LAMB")
+LARS = Deferred("litscale.optim.layerwise", "LARS")
 
 BASE_LR, BASE_BATCH, MICRO_BATCH = 0.1, 16, 8
 FORMULAS = {
@@ -298,7 +298,7 @@ ERRORS = {
     "lars-trust-0": (["optimizer=lars", "optimizer.trust_coefficient=0"],
                      "optimizer.trust_coefficient=0 is not valid: expected a number > 0"),
     "lamb-typo": (["optimizer=lamb", "+optimizer.momentum=0.9"],
-                  "optimizer.momentum is not an argument of litscale.optimizers.LAMB; allowed: "
+                  "optimizer.momentum is not an argument of litscale.optim.layerwise.LAMB; allowed: "
                   "betas, eps, lr, params, weight_decay"),
 }
 

@@ -120,9 +120,10 @@ def test_the_planner_and_the_memory_callback_read_one_statement_of_each_strategy
     """What a strategy states of itself (``sharding``) is what the planner costs: the planner's
     states at rest for each strategy equal the estimate the memory callback makes for the
     same strategy object on the same mesh."""
-    from litscale.layout import MeshSizes
+    from litscale.parallel.contract import StrategyContract
+    from litscale.parallel.layout import MeshSizes
+    from litscale.parallel.sharding import state_bytes_per_rank
     from litscale.planner.plan import Plan
-    from litscale.sharding import LaidOut, state_bytes_per_rank
     from litscale.strategies import (
         DDPStrategy,
         FSDPStrategy,
@@ -134,7 +135,7 @@ def test_the_planner_and_the_memory_callback_read_one_statement_of_each_strategy
     built = {"ddp": DDPStrategy(), "fsdp": FSDPStrategy(), "tensor_parallel": TensorParallelStrategy(),
              "pipeline": PipelineParallelStrategy()}
     for name, strategy in built.items():
-        assert isinstance(strategy, LaidOut) and Plan(name, MeshSizes(), 1, 1).sharding == strategy.sharding, name
+        assert isinstance(strategy, StrategyContract) and Plan(name, MeshSizes(), 1, 1).sharding == strategy.sharding, name
     assert Plan("deepspeed_zero", MeshSizes(), 1, 1, options={"stage": 2}).sharding == zero_sharding(2)
     assert (built["tensor_parallel"].sharding.zero_stage, built["pipeline"].sharding.peak_stage) == (3, 2)
     mesh = MeshSizes(pipeline=2, data_shard=2, tensor=2)

@@ -19,8 +19,8 @@ from helpers.configs import compose_job
 from helpers.inprocess import train_on_pool
 
 from litscale.app.build import build
+from litscale.app.checks.validation import validate
 from litscale.app.plan.ranking import configured_plan, facts_of
-from litscale.app.validation import validate
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import memory_per_rank
 

@@ -16,7 +16,7 @@ from litscale.data import DigitsDataModule, SyntheticDataModule
 from litscale.models import MLP, PRESETS, GPTConfig, ResNet, build_gpt
 from litscale.models.gpt import PresetName
 from litscale.modules import CausalLMModule, ClassificationModule, weight_decay_groups
-from litscale.schedulers import constant, warmup_cosine
+from litscale.optim.schedulers import constant, warmup_cosine
 
 # --- GPT ------------------------------------------------------------------------------------
 

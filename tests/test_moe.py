@@ -365,7 +365,7 @@ def test_callback_figures_and_inert_for_dense_nets():
 @pytest.mark.parametrize("callbacks", ["default", "none"])
 def test_model_moe_composes_and_builds_with_its_callback(callbacks, tmp_path, outputs_root):
     from litscale.app.build import _build_named, build_module
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     cfg, choices = compose_job(["model=moe", f"callbacks={callbacks}"], tmp_path / "run")
     validate(cfg, choices=choices)

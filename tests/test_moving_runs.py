@@ -161,7 +161,7 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_uninterrupted_run(
 def test_a_deepspeed_checkpoint_is_read_with_the_weights_deepspeeds_own_reader_recovers(saved_halfway, source):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
+    from litscale.checkpoint.deepspeed import deepspeed_as_file_checkpoint
 
     path = saved_halfway(source)["checkpoint"]
     theirs, ours = get_fp32_state_dict_from_zero_checkpoint(path), deepspeed_as_file_checkpoint(path)["state_dict"]

@@ -1,4 +1,4 @@
-"""Muon (``litscale.muon``) against ``torch.optim.Muon`` and ``torch.optim.AdamW``, the roles it
+"""Muon (``litscale.optim.muon``) against ``torch.optim.Muon`` and ``torch.optim.AdamW``, the roles it
 reads from each model family's declarations, and a run of it measured. Its parity with one
 process under DDP, FSDP, tensor and expert parallel, local SGD and a pipeline is in
 ``test_parity.py`` (the ``*_muon`` cells); DeepSpeed's refusal in ``test_compatibility.py``."""
@@ -18,7 +18,7 @@ from litscale.models.gpt import build_gpt
 from litscale.models.llama import Llama, LlamaConfig
 from litscale.models.mlp import MLP
 from litscale.models.moe import MoEConfig, MoEDecoder
-from litscale.muon import MATRIX, Muon, newton_schulz, parameter_roles
+from litscale.optim.muon import MATRIX, Muon, newton_schulz, parameter_roles
 
 
 def steps(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: list[torch.Tensor]) -> None:

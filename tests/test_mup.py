@@ -1,4 +1,4 @@
-"""µP (``lr_scaling=mup``, litscale/mup.py): the multipliers against Tensor Programs V's table
+"""µP (``lr_scaling=mup``, litscale/optim/mup.py): the multipliers against Tensor Programs V's table
 and the spectral condition, the base width as the standard model, the coordinate check's flat
 activations against the standard parametrisation's growing ones, and the one-line refusals.
 Parity at 2 and 4 ranks is in test_parity.py (``*_mup`` cells)."""
@@ -16,14 +16,14 @@ from helpers.cli import explain
 from helpers.configs import compose_job
 from helpers.inprocess import train_on_pool
 
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.app.mup_check import CoordinateCheck, main
-from litscale.app.validation import ConfigError, validate
-from litscale.lr_scaling import ScaledOptimizerFactory
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.models.moe import MoEConfig, MoEDecoder
 from litscale.modules import weight_decay_groups
-from litscale.muon import Muon, parameter_roles
-from litscale.mup import WidthScaling
+from litscale.optim.lr_scaling import ScaledOptimizerFactory
+from litscale.optim.muon import Muon, parameter_roles
+from litscale.optim.mup import WidthScaling
 
 
 def gpt(width: int, seed: int = 0) -> GPT:

@@ -31,7 +31,7 @@ from hydra_plugins.litscale_plugins.optuna_study import (  # noqa: E402
     objective_values,
     validation_overrides,
 )
-from litscale.app.validation import validate  # noqa: E402
+from litscale.app.checks.validation import validate  # noqa: E402
 from litscale.errors import ConfigError  # noqa: E402
 
 

@@ -96,7 +96,7 @@ FOUR_HEADS = setups(wider(TINY_WITH_BIASES, n_head=4))  # TP up to 4
 PIPELINED = setups(wider(TINY_WITH_BIASES, n_layer=6), global_batch=16, accumulation=2)
 LOCAL = setups(steps=8)  # two periods of 4
 MUON = setups(optimizers=("muon",))
-# µP at twice its base width (32 against 16): every multiplier of litscale.mup is not 1.
+# µP at twice its base width (32 against 16): every multiplier of litscale.optim.mup is not 1.
 MUP = setups(optimizers=("adamw", "muon"), base_width=16)
 # NOTE: FedProx's AdamW without biases. The key projection's bias has an exactly zero data
 # gradient (softmax ignores a constant added to every key), so AdamW moves it by fp32 noise

@@ -167,7 +167,7 @@ def test_pipeline_and_3d_mesh_errors_are_one_line(kwargs, message):
 
 
 def test_3d_mesh_sizes_resolve_and_valid_setups_pass():
-    from litscale.strategies.mesh import MeshSizes, resolve_mesh_sizes
+    from litscale.parallel.layout import MeshSizes, resolve_mesh_sizes
 
     assert resolve_mesh_sizes(8, pipeline=2, data=None, tensor=2) == MeshSizes(2, 2, 2)
     assert resolve_mesh_sizes(4, pipeline=None, data=1, tensor=2) == MeshSizes(2, 1, 2)
@@ -225,3 +225,27 @@ def test_train_py_pipeline_resumes_from_its_per_stage_checkpoint(tmp_path):
     assert after_resume["steps"] == reference["steps"] == 10
     for key in ("train/loss", "val/loss"):
         assert after_resume[key] == pytest.approx(reference[key], rel=1e-5), key
+
+
+@pytest.mark.full
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pipeline_with_data_parallel_exports_every_stage_as_one_process_trains_it(tmp_path):
+    """PP 2 x DP 2 (FSDP inside each stage): ``model.pt`` holds both stages' weights, each equal to
+    one process's after the same global batches. The stages' FSDP gather kept its tensors on
+    global rank 0 only, so the second stage exported nothing (found by the combination sample)."""
+    run = ("model=llama", "data=synthetic", "data.seq_len=32", "optimizer=sgd", "trainer.max_steps=3",
+           "trainer.gradient_clip_val=null", "trainer.accelerator=cpu", "callbacks=none",
+           "trainer.enable_progress_bar=false")
+    pipelined = train_on_pool(*run, "strategy=pipeline", "strategy.pipeline_parallel_size=2",
+                              "strategy.data_parallel_size=2", "data.batch_size=8", "trainer.devices=4",
+                              "launcher.oversubscribe=true", "paths.output_dir=" + str(tmp_path / "pp"),
+                              outputs=tmp_path, devices=4)
+    assert pipelined.returncode == 0, explain(pipelined)
+    single = train_on_pool(*run, "strategy=single", "data.batch_size=16", "paths.output_dir=" + str(tmp_path / "one"),
+                           outputs=tmp_path)
+    assert single.returncode == 0, explain(single)
+    got, want = (torch.load(tmp_path / name / "model.pt", weights_only=True) for name in ("pp", "one"))
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1.3e-6, atol=1e-5, msg=name)

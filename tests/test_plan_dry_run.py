@@ -16,9 +16,9 @@ import torch.distributed as dist
 from helpers.configs import compose_job
 from omegaconf import OmegaConf
 
+from litscale.app.checks.validation import meta_net, validate
 from litscale.app.plan.dry_run import REPLICATED_MESH, built_in_this_process, built_on_fake_world
 from litscale.app.plan.ranking import configured_plan, facts_of
-from litscale.app.validation import meta_net, validate
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import memory_per_rank
 
@@ -99,7 +99,7 @@ def test_tensor_parallel_rank0_holds_its_split_and_the_replicated_rest(world, ex
     assert found["params_bytes"] == pytest.approx(_elements(net, tensor=tensor) * 4 / data, rel=1e-6)
     # The planner splits every parameter by the tensor-parallel size; rank 0 holds a little more.
     assert predicted <= found["params_bytes"]
-    assert found["mesh"] == f"pipeline_parallel 1 x data_parallel {data} x tensor_parallel {tensor}"
+    assert found["mesh"] == " x ".join([*([f"shard {data}"] if data > 1 else []), f"tensor_parallel {tensor}"])
 
 
 @pytest.mark.slow
@@ -115,7 +115,8 @@ def test_pipeline_rank0_holds_its_first_stage(world, extra, pipeline, data, tens
     first = ("wte.", "wpe.", *(f"blocks.{i}." for i in range(4 // pipeline)))
     exact = _elements(net, lambda name: name.startswith(first), tensor) * 4 / data  # FSDP2 per stage over data
     assert found["params_bytes"] == pytest.approx(exact, rel=1e-6)
-    assert found["mesh"] == f"pipeline_parallel {pipeline} x data_parallel {data} x tensor_parallel {tensor}"
+    assert found["mesh"] == " x ".join(f"{name} {size}" for name, size in (
+        ("pipeline_parallel", pipeline), ("shard", data), ("tensor_parallel", tensor)) if size > 1)
 
 
 @pytest.mark.slow

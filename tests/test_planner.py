@@ -16,9 +16,9 @@ from helpers.inprocess import train_on_pool
 from omegaconf import OmegaConf
 from torch import nn
 
-from litscale.layout import MeshSizes
 from litscale.models.gpt import build_gpt
 from litscale.models.llama import build_llama
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives, memory_per_rank, predict
 from litscale.planner.model_facts import Profile, model_facts, saved_activation_bytes
@@ -148,8 +148,8 @@ def test_precision_fp8_runs_its_float8_layers_share_of_the_flops_at_the_float8_p
 def test_a_runs_precision_fp8_is_the_plans_float8(tmp_path):
     from helpers.configs import compose_job
 
+    from litscale.app.checks.validation import validate
     from litscale.app.plan import ranking as plan_module
-    from litscale.app.validation import validate
 
     for precision, float8 in (("fp8", True), ("bf16_mixed", False)):
         cfg, choices = compose_job([f"precision={precision}", "cluster=h100_8x"], tmp_path / precision)
@@ -444,24 +444,24 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     from helpers.configs import compose_job
 
     from litscale.app.build import build
+    from litscale.app.checks.validation import validate
     from litscale.app.plan import profile as plan_profile
     from litscale.app.plan import ranking as plan_module
-    from litscale.app.plan.runs import predicted_for_run
-    from litscale.app.validation import validate
+    from litscale.app.plan.runs import predict_run
     from litscale.planner import profile_cache
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
     (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(CALIBRATION))
     timed_in_child: list[dict] = []
 
-    def child(net_config, *, keys, seq_len, vocab_size, compression=None):
+    def child(net_config, *, keys, seq_len, vocab_size, compression=None, packed_documents=False):
         timed_in_child.append(keys)
         return {key: Profile({m: 0.5 * m for m in micros}, 0.25) for key, micros in keys.items()}
 
     monkeypatch.setattr(plan_profile, "profiles_in_child", child)
     cfg, choices = compose_job(["data.seq_len=32"], tmp_path / "run")
     layout = validate(cfg, choices=choices)
-    before = predicted_for_run(cfg, choices, layout)
+    before = predict_run(cfg, choices, layout).figures
     assert before["plan/compute_source"] == "flops" and before["plan/predicted_step_s"] > 0
     assert not timed_in_child  # nothing timed for a run
 
@@ -469,7 +469,7 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     plan = plan_module.configured_plan(cfg, choices, layout)
     facts = plan_module.timed_here(cfg, cluster, plan_module.facts_of(cfg), [plan])  # as plan=show does
     assert timed_in_child == [{"plain": {16}}] and facts.profiles["plain"].forward_backward_s == {16: 8.0}
-    after = predicted_for_run(cfg, choices, layout)
+    after = predict_run(cfg, choices, layout).figures
     assert after["plan/compute_source"] == "timed" and len(timed_in_child) == 1
     assert after["plan/predicted_step_s"] == pytest.approx(8.0 + 0.25)  # one rank: compute + optimizer
 
@@ -482,7 +482,7 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     assert profile_cache.load(plan_module.profile_identity(other, cluster)) == {}  # another model: not this cache
 
     cfg.plan.predict_run = False  # the opt-out: no prediction at all
-    assert predicted_for_run(cfg, choices, layout) == {}
+    assert predict_run(cfg, choices, layout).figures == {}
 
 
 def test_a_plan_keeps_the_users_run_and_replaces_its_layout():
@@ -568,7 +568,7 @@ def test_a_failed_verify_job_is_recorded_and_the_plans_after_it_still_run(tmp_pa
 def test_a_bad_cluster_value_is_one_line(tmp_path, outputs_root):
     from helpers.configs import compose_job
 
-    from litscale.app.validation import ConfigError, validate
+    from litscale.app.checks.validation import ConfigError, validate
 
     cfg, choices = compose_job(["plan=show", "cluster=h100_8x", "cluster.nodes=0"], tmp_path / "run")
     with pytest.raises(ConfigError) as error:

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
+from litscale.parallel.sharding import Sharding
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import collectives, rank_params, tensor_parallel_whole_bytes
 from litscale.planner.float8_cost import float8_cast_s
 from litscale.planner.model_facts import ModelFacts, MoEFacts
 from litscale.planner.moe_cost import grouped_fraction, remote_nodes_per_token
 from litscale.planner.plan import Framework, Plan
-from litscale.sharding import Sharding
 
 REPO = Path(__file__).resolve().parents[1]
 PLANNER = REPO / "experiments" / "planner"

@@ -24,8 +24,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from litscale.layout import MeshSizes
 from litscale.models.gpt import build_gpt
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives
 from litscale.planner.model_facts import model_facts
@@ -168,7 +168,7 @@ def _tensor_parallel_net(world: int):
 def _tensor_parallel_counts(world: int):
     """A whole step as the tensor-parallel strategy runs it: forward-backward, each partial
     gradient summed once (its ``optimizer_step``), and AdamW's step."""
-    from litscale.strategies.mesh import sum_partial_gradients_after
+    from litscale.parallel.gradient_norm import sum_partial_gradients_after
 
     net, _ = _tensor_parallel_net(world)
     step = sum_partial_gradients_after(lambda: _step(net, 2), net)
@@ -205,7 +205,7 @@ def test_a_muon_step_under_fsdp_gathers_each_matrix_update_as_predicted(fake_wor
     """Muon's step gathers each sharded hidden matrix's update whole (``full_tensor``): the
     planner's ``Muon update all-gather``, in calls and bytes, beside FSDP's own collectives."""
     from litscale.app.plan.runs import with_muon
-    from litscale.muon import Muon, parameter_roles
+    from litscale.optim.muon import Muon, parameter_roles
 
     world = fake_world
     net, facts = _gpt_and_facts()
@@ -260,7 +260,7 @@ def test_tensor_parallel_step_of_a_mixture_of_experts_issues_the_predicted_colle
     tensor-parallel plan on the fake group: the dense layer as a GPT block; each MoE layer,
     whole on both ranks, gathers its input and its output's gradient but scatters neither."""
     from litscale.models.moe import build_moe
-    from litscale.strategies.mesh import sum_partial_gradients_after
+    from litscale.parallel.gradient_norm import sum_partial_gradients_after
     from litscale.strategies.tensor_plan import apply_declared_plan
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -403,8 +403,8 @@ def test_pipeline_step_sends_the_predicted_activations_and_gradients_on_two_rank
 def test_fsdp_bytes_per_rank_are_the_predicted_shares_at_fake_worlds(world):
     """Parameters, gradients and AdamW state one rank holds after a step, against the planner's
     memory per rank (before activations), up to 64 ranks without starting one."""
+    from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes
     from litscale.planner.cost import memory_per_rank
-    from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
@@ -451,13 +451,13 @@ def _expert_parallel_counts(rank: int, world: int):
     ``expert_parallel_size=2`` (experts over both ranks, everything else FSDP2), counted after
     an uncounted one."""
     from litscale.models.moe import build_moe
+    from litscale.parallel.mesh import ParallelMesh
     from litscale.strategies import FSDPStrategy
 
     torch.manual_seed(0)
     module = _Holder(build_moe(vocab_size=VOCAB, block_size=SEQ, **EVEN_ROUTING))
     strategy = FSDPStrategy(expert_parallel_size=world)
-    shape, names = strategy.mesh_layout(strategy.resolve_mesh(world))
-    strategy.split(module, init_device_mesh("cpu", shape, mesh_dim_names=names))
+    strategy.split(module, ParallelMesh.build(strategy.resolve_mesh(world), "cpu"))
     tokens = torch.randint(VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(rank))
 
     def step() -> None:

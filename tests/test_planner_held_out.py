@@ -65,7 +65,7 @@ def test_every_drawn_configuration_is_one_litscale_accepts(tmp_path):
     """A refused configuration would stop the study after its profiles were timed."""
     from helpers.configs import compose_job
 
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     for name, config in held_out.draw(study.CONFIGS, seed=0).items():
         overrides = [o for o in study.overrides_of(name, config) if not o.startswith("name=")]

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from litscale.layout import MeshSizes
 from litscale.models.moe import build_moe
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan, collectives, memory_per_rank, predict
 from litscale.planner.model_facts import ModelFacts, MoEFacts, model_facts

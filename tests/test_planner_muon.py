@@ -11,10 +11,10 @@ import torch
 from helpers.configs import compose_job
 from torch.utils.flop_counter import FlopCounterMode
 
-from litscale.app.contract_checks import chosen_options, run_settings
+from litscale.app.checks.contract import chosen_options, run_settings
 from litscale.app.plan.runs import facts_of
-from litscale.layout import MeshSizes
-from litscale.muon import MATRIX, newton_schulz, newton_schulz_flops, parameter_roles
+from litscale.optim.muon import MATRIX, newton_schulz, newton_schulz_flops, parameter_roles
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import predict
 from litscale.planner.plan import Plan

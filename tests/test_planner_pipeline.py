@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from litscale.layout import MeshSizes
 from litscale.models.gpt import build_gpt
 from litscale.models.llama import build_llama
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.model_facts import (
     ModelFacts,
     model_facts,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from litscale.app.plan import refit
-from litscale.layout import MeshSizes
 from litscale.models.gpt import build_gpt
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import model_facts
@@ -74,7 +74,7 @@ def test_constants_the_runs_do_not_move_stay_as_the_cluster_file_gives_them(samp
 def test_a_bad_calibrate_from_is_refused_in_one_line(tmp_path, overrides, message):
     from helpers.configs import compose_job
 
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
     from litscale.errors import ConfigError
 
     cfg, choices = compose_job(overrides, tmp_path / "run")

@@ -1,4 +1,4 @@
-"""The planner asks the strategies (``litscale.contract``) instead of restating them: the layouts
+"""The planner asks the strategies (``litscale.parallel.contract``) instead of restating them: the layouts
 are each strategy's ``candidate_meshes``, every plan it keeps is one its strategy builds and
 validates on the model's meta-device network, every plan a strategy refuses is pruned with
 that strategy's own line, a strategy whose package is missing is never recommended, and a
@@ -14,8 +14,8 @@ import torch
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from litscale.layout import MeshSizes
 from litscale.models import gpt, llama, moe, moe_config
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster, Link
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import (
@@ -64,7 +64,7 @@ def strategy_from_its_option_file(name: str) -> type:
 def check_against_the_strategies(facts: ModelFacts, worlds) -> int:
     """Every plan of ``facts`` at each world: kept exactly when its strategy, built as its option
     file builds it, takes it on the plan's mesh; pruned with the strategy's line otherwise."""
-    from litscale.contract import missing_requirement
+    from litscale.parallel.contract import missing_requirement
 
     answers: dict[tuple, str | None] = {}
     checked = 0
@@ -157,7 +157,7 @@ def test_the_planner_plans_any_registered_strategy_from_its_own_candidate_meshes
     from lightning.pytorch.strategies import StrategyRegistry
 
     from litscale.app.plan.ranking import overrides
-    from litscale.sharding import Sharding
+    from litscale.parallel.sharding import Sharding
     from litscale.strategies import DDPStrategy
 
     class ShardedStateDDP(DDPStrategy):  # as if its optimizer state were sharded (ZeRO-1)
@@ -187,7 +187,7 @@ def test_the_planner_plans_any_registered_strategy_from_its_own_candidate_meshes
 
 
 def test_a_plans_sharding_is_its_strategy_instances_with_the_plans_options():
-    from litscale.sharding import fsdp2_sharding
+    from litscale.parallel.sharding import fsdp2_sharding
     from litscale.strategies.deepspeed_zero import zero_sharding
 
     mesh = MeshSizes(data_shard=4)

@@ -124,8 +124,8 @@ def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float, *overrides
     from helpers.configs import compose_job
 
     from litscale.app import scaling_study
+    from litscale.app.checks.validation import validate
     from litscale.app.plan import ranking as plan_module
-    from litscale.app.validation import validate
     from litscale.planner import trust
 
     user = ["plan=auto", "cluster=h100_8x", "strategy=ddp", "trainer.devices=2", "data.seq_len=32", *overrides]

@@ -1,5 +1,5 @@
 """A checkpoint is complete or invisible on an object-store mount too (``checkpoint.publish``,
-``litscale.atomic_checkpoint``).
+``litscale.checkpoint.atomic``).
 
 The mount is played by ``ObjectStoreMount``: a file's rename is one object's copy (whole or not
 at all), a directory's rename copies its files one by one and then deletes them, and the
@@ -19,8 +19,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers.distributed import one_rank_group
 
-from litscale import atomic_checkpoint
-from litscale.checkpoints import is_complete_checkpoint, resolve_ckpt_path
+from litscale.checkpoint import atomic as atomic_checkpoint
+from litscale.checkpoint.resume import is_complete_checkpoint, resolve_ckpt_path
 
 TENSORS, SHAPE = 3, (64, 64)
 
@@ -195,7 +195,7 @@ def test_a_pointer_names_only_a_save_beside_it(tmp_path):
 
 def test_a_pointer_typed_as_ckpt_path_resumes_the_save_it_names(tmp_path, monkeypatch, one_rank, bucket_mounts):
     """``ckpt_path=<run>/checkpoints/last.ckpt`` typed by hand, where last.ckpt is a pointer."""
-    from litscale.checkpoints import resolve_ckpt_path
+    from litscale.checkpoint.resume import resolve_ckpt_path
 
     monkeypatch.setattr(atomic_checkpoint, "MOUNTS", str(bucket_mounts), raising=False)
     last = tmp_path / "bucket" / "run" / "checkpoints" / "last.ckpt"

@@ -17,8 +17,13 @@ from helpers.cli import check_command, run_train
 from helpers.configs import CONF_DIR, compose_full, group_options
 from helpers.user_models import RankBranchNet
 
-from litscale.app import collective_check
-from litscale.app.collective_check import EVEN_COUNTS, Collective, agreement_line, first_difference
+from litscale.app.checks import collectives as collective_check
+from litscale.app.checks.collectives import (
+    EVEN_COUNTS,
+    Collective,
+    agreement_line,
+    first_difference,
+)
 
 SMALL = [
     "data.batch_size=2",
@@ -102,7 +107,7 @@ def _parameter_count(overrides: list[str]) -> int:
     from helpers.configs import compose_full
     from omegaconf import open_dict
 
-    from litscale.app.validation import meta_net
+    from litscale.app.checks.validation import meta_net
 
     cfg = compose_full(overrides)
     with open_dict(cfg):
@@ -218,8 +223,8 @@ def test_a_strategy_that_is_not_traced_is_named(capsys):
 @pytest.mark.parametrize("strategy", group_options("strategy"))
 def test_what_is_traced_is_the_contract_s_answer(strategy):
     """The check asks each strategy's class (``untraced``), keeping no table of names."""
-    from litscale.app.safety import locate_target
-    from litscale.contract import contract_value
+    from litscale.app.checks.safety import locate_target
+    from litscale.parallel.contract import contract_value
 
     cfg = compose_full([f"strategy={strategy}"])
     strategy_class = locate_target(cfg.strategy._target_, "strategy")

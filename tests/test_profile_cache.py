@@ -11,7 +11,7 @@ import json
 import pytest
 from helpers.configs import compose_job
 
-from litscale import flops
+from litscale.measure import flops
 from litscale.planner import calibrate, machine, profile_cache
 from litscale.planner.model_facts import Profile
 
@@ -26,10 +26,10 @@ def cached_run(tmp_path, monkeypatch):
     """A DDP-less GPT-nano run on a made-up calibration, its model 'timed' by a made-up child
     (seconds recorded in ``timed``) and cached as ``plan=show`` does."""
     from litscale.app.build import build
+    from litscale.app.checks.validation import validate
     from litscale.app.plan import profile as plan_profile
     from litscale.app.plan import ranking
-    from litscale.app.plan.runs import predicted_for_run
-    from litscale.app.validation import validate
+    from litscale.app.plan.runs import predict_run, record_contradiction
 
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
     monkeypatch.delenv(flops.MAX_LOAD_ENV, raising=False)
@@ -37,7 +37,7 @@ def cached_run(tmp_path, monkeypatch):
     (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(CALIBRATION))
     timed: list[dict] = []
 
-    def child(net_config, *, keys, seq_len, vocab_size, compression=None):
+    def child(net_config, *, keys, seq_len, vocab_size, compression=None, packed_documents=False):
         timed.append(keys)
         return {key: Profile({m: PROFILE_S * m for m in micros}, 0.25) for key, micros in keys.items()}
 
@@ -50,7 +50,13 @@ def cached_run(tmp_path, monkeypatch):
         return ranking.timed_here(cfg, build(cfg.cluster), ranking.facts_of(cfg), [plan])
 
     def predicted(measured_step_s=None):
-        return predicted_for_run(cfg, choices, layout, measured_step_s)
+        """As a run does: ``train()`` predicts before launch, rank 0's summary holds the
+        measured step to it, and ``train()`` records a contradiction once the ranks are done."""
+        prediction = predict_run(cfg, choices, layout)
+        held = prediction.held_to(measured_step_s)
+        record_contradiction(prediction, {**held, "perf/step_time_s": measured_step_s,
+                                          "output_dir": str(tmp_path / "run")})
+        return held
 
     plan_show()
     assert timed == [{"plain": {16}}]
@@ -195,3 +201,13 @@ def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibratio
     monkeypatch.setattr(calibrate, "probe_matmul_flops", lambda dtype, seconds: 2e10)
     assert calibrate.local_cpu().peak_flops["float32"] == 2e10  # a plan measures this machine again
     assert calibrate.calibrated_figures()["machine"] == machine.fingerprint()
+
+
+def test_the_code_a_profile_depends_on_is_where_the_cache_reads_it():
+    """Every part of ``TIMED_CODE`` exists in the package (a moved module left behind in the
+    list made every digest, and so every run's prediction, fail)."""
+    from pathlib import Path
+
+    package = Path(profile_cache.__file__).resolve().parents[1]
+    assert [part for part in profile_cache.TIMED_CODE if not (package / part).exists()] == []
+    assert len(profile_cache.code_digest()) == 16

@@ -27,7 +27,7 @@ from helpers.cli import (
 )
 from helpers.inprocess import train_on_pool
 
-from litscale.checkpoints import (
+from litscale.checkpoint.resume import (
     is_complete_checkpoint,
     newest_last_checkpoint,
     resolve_ckpt_path,

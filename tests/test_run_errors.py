@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers.configs import compose_job
 
-from litscale.app.validation import ConfigError, validate
-from litscale.checkpoints import resolve_ckpt_path
+from litscale.app.checks.validation import ConfigError, validate
+from litscale.checkpoint.resume import resolve_ckpt_path
 
 
 def test_pipeline_microbatches_must_divide_the_micro_batch(tmp_path, outputs_root):

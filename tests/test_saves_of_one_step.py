@@ -1,5 +1,5 @@
 """The second save of one step in the background (``checkpoint.async_save=true``,
-``litscale.async_checkpoint``): ``ModelCheckpoint`` under the default callbacks saves the top-k
+``litscale.checkpoint.background``): ``ModelCheckpoint`` under the default callbacks saves the top-k
 file and then ``last.ckpt`` at every validation, and the state is copied once for both, with
 nothing waited for; both checkpoints are complete and hold the step's state.
 
@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from helpers.distributed import one_rank_group
 from omegaconf import OmegaConf
 
-from litscale import atomic_checkpoint
-from litscale.checkpoints import is_complete_checkpoint
+from litscale.checkpoint import atomic as atomic_checkpoint
+from litscale.checkpoint.resume import is_complete_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 WIDTH, VALIDATIONS, EVERY = 256, 3, 2

@@ -14,7 +14,6 @@ import pytest
 import torch
 from helpers.cli import REPO, explain, run_train, summaries
 
-from litscale import flops
 from litscale.app.scaling_study import (
     ScalingContext,
     efficiency,
@@ -24,9 +23,10 @@ from litscale.app.scaling_study import (
     variant_of,
 )
 from litscale.errors import ConfigError
-from litscale.flops import flops_per_sample, measured_cpu_peak
-from litscale.layout import micro_batch_for
+from litscale.measure import flops
+from litscale.measure.flops import flops_per_sample, measured_cpu_peak
 from litscale.models.gpt import build_gpt
+from litscale.parallel.layout import micro_batch_for
 
 TINY = ("optimizer=sgd", "optimizer.lr=0.05", "trainer.max_steps=12", "trainer.val_check_interval=12",
         "trainer.limit_val_batches=2", "trainer.accelerator=cpu", "data.seq_len=32",
@@ -96,7 +96,7 @@ def test_a_cpu_peak_that_a_run_beat_is_measured_again_and_never_set_to_the_run(t
     the cached peak replaces it with a new probe (on a quiet machine). Never with what the run
     reached: that made every later run of its kind read 100% (bf16 on a CPU without bf16 units
     read 95-97%); a run still faster than the new probe is provisional, and says so."""
-    from litscale.flops import corrected_cpu_peak
+    from litscale.measure.flops import corrected_cpu_peak
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(flops, "load_average", lambda: 0.0)  # a quiet machine: probes are kept

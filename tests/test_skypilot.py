@@ -80,7 +80,7 @@ def test_the_default_task_mounts_a_bucket_for_its_outputs_and_passes_the_schema(
 
 def test_a_job_on_the_mounted_bucket_publishes_sharded_checkpoints_by_a_pointer():
     """A directory's rename on a MOUNT-mode bucket is a copy of its files, one by one: each job
-    says checkpoint.publish=pointer (litscale.atomic_checkpoint), unless it chooses itself."""
+    says checkpoint.publish=pointer (litscale.checkpoint.atomic), unless it chooses itself."""
     assert task_for("trainer.devices=2")["run"].splitlines()[1].endswith(" checkpoint.publish=pointer")
     chosen = task_for("trainer.devices=2", "checkpoint.publish=rename")["run"]
     assert "checkpoint.publish=rename" in chosen and "checkpoint.publish=pointer" not in chosen

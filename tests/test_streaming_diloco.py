@@ -29,7 +29,7 @@ from helpers.parity import (
     tiny_net,
 )
 
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.compression.outer_quantization import (
     BLOCK,
     dequantize,

@@ -4,12 +4,16 @@
   ``tests/helpers/``, so a module can move, split or go without breaking the others;
 - a test that starts processes (gloo ranks, ``train.py``, torchrun, any subprocess, a
   notebook kernel), itself or through a fixture or function of its module, is marked
-  ``slow``, so that ``pytest -m "not slow"`` stays the one-minute loop.
+  ``slow``, so that ``pytest -m "not slow"`` stays the one-minute loop;
+
+and one of the library's, read from ``src/``: no size product and no mesh flattening outside
+``litscale/parallel/`` (the mesh is laid out once, its derived sizes named there).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -98,3 +102,45 @@ def test_marked(launched): pass
 def test_pure(): pass
 '''
     assert unmarked_process_tests(ast.parse(source)) == ["test_by_fixture", "test_direct"]
+
+
+# --- the mesh laid out once ----------------------------------------------------------------
+
+SRC = TESTS.parent / "src"
+PARALLEL = SRC / "litscale" / "parallel"
+# A mesh or layout size, or a strategy's size option, as code names it (``mesh.tensor``,
+# ``sizes.data``, ``self.replicate_size``, ``world_size``, ``processes``, ...).
+SIZE = (r"(?:pipeline|data|data_shard|data_replicate|context|tensor|expert|expert_data|replica_groups|groups|"
+        r"world_size|world|nodes|[a-z]*_parallel_size|replicate_size|processes_per_node|processes|num_nodes|devices)")
+OPERAND = rf"(?:\w+\.)*{SIZE}\b"
+SIZE_PRODUCT = re.compile(rf"(?<![\w.]){OPERAND}\s*\*(?!\*)\s*\(?\s*{OPERAND}")
+MESH_FLATTENING = re.compile(r"\._(?:un)?flatten\(")
+
+
+def size_products_and_flattenings(path: Path) -> list[str]:
+    """``file:line: code`` of each product of two sizes, and each ``DeviceMesh._flatten`` or
+    ``_unflatten``, in ``path`` (comments left out)."""
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        code = line.split("#", 1)[0]
+        if SIZE_PRODUCT.search(code) or MESH_FLATTENING.search(code):
+            found.append(f"{path.name}:{number}: {line.strip()}")
+    return found
+
+
+def test_the_size_grep_sees_a_product_and_a_flattening(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text("share = 1 / (mesh.tensor * mesh.pipeline)\nbytes = 4 * params  # mesh.data * mesh.context\n"
+                       "mesh[dims]._flatten()\nflat = torch._utils._flatten_dense_tensors(grads)\n"
+                       "rest = world_size // (self.replicate_size * self.context_parallel_size)\n")
+    assert size_products_and_flattenings(planted) == [
+        "planted.py:1: share = 1 / (mesh.tensor * mesh.pipeline)", "planted.py:3: mesh[dims]._flatten()",
+        "planted.py:5: rest = world_size // (self.replicate_size * self.context_parallel_size)"]
+
+
+def test_no_size_product_or_mesh_flattening_outside_parallel():
+    """Only ``litscale/parallel/`` multiplies mesh sizes or flattens a mesh: everyone else asks
+    it for the named size or mesh (``MeshSizes.fsdp``, ``ParallelMesh.get(FSDP)``, ...)."""
+    found = [f"{path.parent.relative_to(SRC)}/{line}" for path in sorted(SRC.rglob("*.py"))
+             if PARALLEL not in path.parents for line in size_products_and_flattenings(path)]
+    assert found == []

@@ -18,7 +18,7 @@ from helpers.inprocess import train_on_pool
 from omegaconf import OmegaConf
 
 from litscale.app.build import build
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.data import TokenDataModule, load_tokenizer
 from litscale.data.documents import corpus_files
 from litscale.data.stdlib_code import stdlib_files

@@ -41,7 +41,7 @@ def torch_and_litscale_on_two_ranks(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from litscale.strategies.mesh import clip_grad_norm_across_mesh
+    from litscale.parallel.gradient_norm import clip_grad_norm_across_mesh
     from litscale.strategies.tensor_plan import apply_tensor_parallel
 
     torch.manual_seed(0)

@@ -96,13 +96,13 @@ def litscale_cache(home, monkeypatch):
 
 
 def ckpt_path(home, monkeypatch):
-    from litscale.checkpoints import resolve_ckpt_path
+    from litscale.checkpoint.resume import resolve_ckpt_path
 
     return resolve_ckpt_path("~/ckpt/last.ckpt", search_dir=str(home)), str(home / "ckpt" / "last.ckpt")
 
 
 def calibrate_from(home, monkeypatch):
-    from litscale.app.validation import calibrate_from_paths, check_calibrate_from
+    from litscale.app.checks.validation import calibrate_from_paths, check_calibrate_from
 
     check_calibrate_from(OmegaConf.create({"mode": "show", "calibrate_from": "~/runs"}))
     return calibrate_from_paths(["~/runs"]), [str(home / "runs")]
@@ -124,7 +124,7 @@ def scaling_baseline(home, monkeypatch):
 
 def paths_root_dir(home, monkeypatch):
     """Typed on the command line: the run dir Hydra makes, and where ``ckpt_path=last`` looks."""
-    from litscale.app.validation import resume_search_dir
+    from litscale.app.checks.validation import resume_search_dir
 
     cfg = compose_full(["paths.root_dir='~/outputs'", "hydra.job.name=x"])
     run_dir = OmegaConf.select(cfg, "hydra.run.dir").rsplit("/", 1)[0]

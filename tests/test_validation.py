@@ -21,8 +21,8 @@ from helpers.configs import REPO_ROOT, compose_full, compose_job, group_options
 from helpers.fork_server import ForkServer
 from omegaconf import ListConfig
 
-from litscale.app.devices import count_devices
-from litscale.app.validation import ConfigError, validate
+from litscale.app.checks.devices import count_devices
+from litscale.app.checks.validation import ConfigError, validate
 from litscale.arguments import check_value, describe
 from litscale.constraints import (
     Fraction,

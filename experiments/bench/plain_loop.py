@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from litscale.data.synthetic import SyntheticLM  # noqa: E402
 from litscale.models.gpt import build_gpt  # noqa: E402
 from litscale.modules import weight_decay_groups  # noqa: E402
-from litscale.schedulers import warmup_cosine  # noqa: E402
+from litscale.optim.schedulers import warmup_cosine  # noqa: E402
 
 # conf/model/gpt.yaml, conf/optimizer/adamw.yaml, conf/scheduler/cosine.yaml,
 # conf/trainer/default.yaml (gradient_clip_val, log_every_n_steps), conf/train.yaml (seed)

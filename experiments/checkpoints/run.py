@@ -3,8 +3,8 @@
 For GPT-nano and GPT-2 small (124M parameters) with AdamW's state, after one optimizer step:
 
 - ``file``: one process; the synchronous save is the strategy's ``CheckpointIO`` writing
-  ``last.ckpt`` to a staging path and publishing it (``litscale.atomic_checkpoint``); the
-  background one is ``litscale.async_checkpoint``'s copy of the state, then the same write
+  ``last.ckpt`` to a staging path and publishing it (``litscale.checkpoint.atomic``); the
+  background one is ``litscale.checkpoint.background``'s copy of the state, then the same write
   and publish on the writer thread.
 - ``dcp``: FSDP2 on 2 gloo ranks; the synchronous save is Lightning's DCP save of the model's
   and optimizer's sharded state (what ``ModelParallelStrategy`` runs) and the publish; the
@@ -75,8 +75,8 @@ def steps_while(pending, net, optimizer, limit: int = 50, *, distributed: bool =
 def measure(kind: str, preset: str, saves: int, rank: int = 0) -> dict:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-    from litscale.async_checkpoint import CheckpointWriter, start_directory_save
-    from litscale.atomic_checkpoint import publish, remove, staging_path
+    from litscale.checkpoint.atomic import publish, remove, staging_path
+    from litscale.checkpoint.background import CheckpointWriter, start_directory_save
 
     net = build(preset)
     if kind == "dcp":

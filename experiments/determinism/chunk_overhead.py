@@ -16,8 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from litscale.determinism import _Subtree
 from litscale.models.gpt import build_gpt
+from litscale.reliability.determinism import _Subtree
 
 SEQ, VOCAB = 32, 256
 

@@ -64,7 +64,7 @@ def fit_cell(overrides: list[str], output_dir: str, metric: str = "val/accuracy"
     from omegaconf import OmegaConf, open_dict
 
     from litscale.app.build import build_run
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
 
     class Metric(Callback):
         def __init__(self) -> None:

@@ -314,7 +314,7 @@ def probe_peak() -> float:
     """Best of 5 one-second runs of litscale's matmul probe (512-square fp32 matmuls)."""
     import torch
 
-    from litscale.flops import probe_matmul_flops
+    from litscale.measure.flops import probe_matmul_flops
 
     return max(probe_matmul_flops(torch.float32, seconds=1.0) for _ in range(5))
 
@@ -324,7 +324,7 @@ def cached_peak() -> dict:
     model and thread count and cached (a probe run while the machine was busy is too low)."""
     import torch
 
-    from litscale.flops import measured_cpu_peak
+    from litscale.measure.flops import measured_cpu_peak
 
     threads = torch.get_num_threads()
     return {"threads": threads, "litscale_cached": measured_cpu_peak(torch.float32, threads)}

@@ -27,10 +27,10 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 from litscale.data.digits import DigitsDataModule
-from litscale.lr_scaling import LRScaling
 from litscale.models.resnet import ResNet
 from litscale.modules import ClassificationModule
-from litscale.schedulers import warmup_cosine
+from litscale.optim.lr_scaling import LRScaling
+from litscale.optim.schedulers import warmup_cosine
 
 HERE = Path(__file__).resolve().parent
 # (rule, warmup fraction of the run's optimizer steps); warmup replaces the scheduler's own.

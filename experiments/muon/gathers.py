@@ -3,7 +3,7 @@
     python experiments/muon/gathers.py            # 2 and 4 gloo ranks, GPT-nano, a few seconds each
 
 Each rank shards GPT-nano with litscale's FSDP2 units (``strategies.fully_shard.apply_fsdp``),
-runs one forward-backward, then one ``litscale.muon.Muon`` step under a dispatch mode that sees
+runs one forward-backward, then one ``litscale.optim.muon.Muon`` step under a dispatch mode that sees
 every collective the step issues: the functional all-gathers a DTensor's ``full_tensor`` runs
 (torch.distributed.tensor's redistribution) are summed, as bytes each rank receives (the
 gathered tensor less its own part). The prediction is the planner's ``Muon update all-gather``
@@ -55,7 +55,7 @@ def rank_main(rank: int, world: int, port: int, results) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from litscale.models.gpt import build_gpt
-        from litscale.muon import Muon, parameter_roles
+        from litscale.optim.muon import Muon, parameter_roles
         from litscale.strategies.fully_shard import apply_fsdp, find_sharding_units
 
         torch.manual_seed(0)
@@ -80,7 +80,7 @@ def predicted(world: int) -> tuple[float, int]:
     from hydra import compose, initialize_config_dir
 
     from litscale.app.plan.runs import facts_of
-    from litscale.layout import MeshSizes
+    from litscale.parallel.layout import MeshSizes
     from litscale.planner.cluster import Cluster, Link
     from litscale.planner.cost import collectives
     from litscale.planner.plan import Plan

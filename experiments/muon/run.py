@@ -98,7 +98,7 @@ def gathered_bytes_per_rank(world: int) -> int:
     import torch
 
     from litscale.models.gpt import build_gpt
-    from litscale.muon import parameter_roles
+    from litscale.optim.muon import parameter_roles
 
     with torch.device("meta"):
         net = build_gpt(preset="nano", block_size=64)

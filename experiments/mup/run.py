@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from litscale.app.mup_check import compose_config, first_batches
-from litscale.lr_scaling import ScaledOptimizerFactory
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.modules import optimizer_groups
-from litscale.muon import Muon
-from litscale.mup import WidthScaling
+from litscale.optim.lr_scaling import ScaledOptimizerFactory
+from litscale.optim.muon import Muon
+from litscale.optim.mup import WidthScaling
 
 HERE = Path(__file__).resolve().parent
 OPTIMIZERS = {

@@ -129,8 +129,8 @@ def recompute_flops_per_token(kind: str | None, facts) -> float:
 
 def framework_of(anchor: dict, data: dict, facts):
     """The published run's framework (``anchors.json``: ``frameworks``), with its partial recompute."""
+    from litscale.parallel.sharding import Sharding
     from litscale.planner.plan import Framework
-    from litscale.sharding import Sharding
 
     spec = {key: value for key, value in data["frameworks"][anchor["framework"]].items() if key != "source"}
     held = spec.pop("held", None)
@@ -139,7 +139,7 @@ def framework_of(anchor: dict, data: dict, facts):
 
 
 def plan_of(anchor: dict, data: dict, facts):
-    from litscale.layout import MeshSizes
+    from litscale.parallel.layout import MeshSizes
     from litscale.planner.plan import Plan
 
     spec = anchor["predicted_as"]

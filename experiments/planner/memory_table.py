@@ -1,9 +1,9 @@
 """The planner's predicted peak memory per rank against the measured one, on CPU.
 
 Each cell trains 2 steps with ``callbacks.memory.measure_peak=true`` (the second step is
-watched by torch's MemTracker, litscale.step_memory) and reads ``memory/peak_bytes`` (the
+watched by torch's MemTracker, litscale.measure.step_memory) and reads ``memory/peak_bytes`` (the
 busiest rank's) and ``plan/predicted_peak_bytes`` from its summary.json. The prediction is the
-one every run makes of itself (litscale.app.plan.runs.predicted_for_run), so the planner needs
+one every run makes of itself before launch (litscale.app.plan.runs.predict_run), so the planner needs
 this machine's calibration (``python -m litscale.planner.calibrate``) for the run to predict.
 
     python experiments/planner/memory_table.py            # every cell, writes memory_table.json

@@ -26,9 +26,9 @@ sys.path.insert(0, str(REPO / "src"))
 import anchors  # noqa: E402  (this folder's anchors.py)
 from study import write_section  # noqa: E402  (this folder's study.py)
 
-from litscale.layout import MeshSizes  # noqa: E402
 from litscale.models.gpt import build_gpt  # noqa: E402
 from litscale.models.llama import build_llama  # noqa: E402
+from litscale.parallel.layout import MeshSizes  # noqa: E402
 from litscale.planner.cost import Plan, predict  # noqa: E402
 from litscale.planner.model_facts import model_facts  # noqa: E402
 

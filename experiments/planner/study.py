@@ -256,7 +256,7 @@ def quiet_load(name: str) -> float:
     """The last minute's load average once it is at most the core count. The study's own last
     2-rank run lifts it to about 2 for a minute after it ends, so a run waits for it to fall
     (up to ``SETTLE_S``) before calling the machine busy and stopping the study."""
-    from litscale import flops
+    from litscale.measure import flops
 
     deadline = time.monotonic() + SETTLE_S
     while True:

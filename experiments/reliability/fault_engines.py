@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fault_runs import REPO, fault_record, launch, verdict, when_recorded
 
-from litscale.checkpoints import newest_last_checkpoint
+from litscale.checkpoint.resume import newest_last_checkpoint
 
 
 class StampedLines(io.TextIOBase):

@@ -42,7 +42,7 @@ from fault_runs import (
     when_recorded,
 )
 
-from litscale.checkpoints import (
+from litscale.checkpoint.resume import (
     is_complete_checkpoint,
     newest_last_checkpoint,
     resumable_checkpoints,

@@ -1,7 +1,13 @@
 """litscale: config-driven distributed training on Hydra and PyTorch Lightning.
 
-The library pieces (strategies, compression hooks, LR-scaling rules, callbacks) import
-without Hydra; ``litscale.app.run`` is the Hydra-facing entry that composes them.
+The root is a face: a few small modules every floor may use (``errors``, ``arguments``,
+``constraints``, ``precision``, ``extras``, ``user_paths``, ``lightning_private``,
+``torchmetrics_backends``, ``loggers``), the LightningModules (``modules``, on the
+strategies' floor) and ``python -m litscale.doctor`` (on the app's). Each concern is a package, on floors an import only goes down
+(``tests/test_layering.py``): ``measure``, ``health`` -> ``parallel``, ``models``,
+``compression`` -> ``data``, ``optim`` -> ``reliability``, ``checkpoint`` -> ``strategies``,
+``callbacks`` -> ``planner`` -> ``app``. Everything below ``app`` imports without Hydra;
+``litscale.app.run`` is the Hydra-facing entry that composes it.
 """
 
 import os

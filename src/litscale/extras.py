@@ -2,16 +2,16 @@
 litscale imports only when a config asks for them, and how a config says it needs one.
 
 Who declares: the object a ``_target_`` names, beside its code, as class (or function)
-attributes; a config schema (``litscale.app.schemas``) the same way for keys that are not
+attributes; a config schema (``litscale.app.checks.schemas``) the same way for keys that are not
 constructor arguments:
 
 - ``requires``: the packages it imports whenever it is used;
 - ``requires_when``: key -> package, imported only when that key is set (not null, false or
   ``none``): the Kubernetes launcher's client only with ``submit=true``.
 
-Who reads: ``litscale.app.extras_checks`` walks a composed config's ``_target_``s and schemas
+Who reads: ``litscale.app.checks.extras`` walks a composed config's ``_target_``s and schemas
 and refuses a missing package in one line (``Requirement.refusal``) before any run dir or rank
-exists; the planner prunes a strategy whose package is missing (``litscale.contract``).
+exists; the planner prunes a strategy whose package is missing (``litscale.parallel.contract``).
 """
 
 from __future__ import annotations

@@ -20,22 +20,36 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torchmetrics.aggregation import MeanMetric
 
-from litscale.determinism import LayoutInvariance
+from litscale.data.token_batch import (
+    IGNORE_INDEX,
+    TokenBatch,
+    counted_tokens,
+    loss_denominator,
+    model_inputs,
+)
 from litscale.loggers import is_logging_step
+from litscale.reliability.determinism import LayoutInvariance
 
 OptimizerFactory = Callable[[Iterable], Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
 
 
-def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross-entropy over the logits in fp32 (a copy, for 16-bit logits)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def next_token_loss(logits: Tensor, targets: Tensor, counted_fraction: Tensor | None = None) -> Tensor:
+    """Mean next-token cross-entropy over the logits in fp32 (a copy, for 16-bit logits). With
+    ``counted_fraction`` (a ``TokenBatch``'s): summed over the counted targets and divided by
+    that share of the targets (``litscale.data.token_batch``), so the slices' mean over every
+    layout is the global batch's mean over its counted tokens."""
+    if counted_fraction is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    summed = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="sum")
+    return summed / loss_denominator(targets, counted_fraction).float()
 
 
 def optimizer_groups(net: nn.Module, optimizer: object, weight_decay: float) -> list[dict]:
     """The param groups ``optimizer`` (a class or factory) is built from: by weight decay, and by
     role where it asks for them (Muon)."""
-    from litscale.muon import parameter_roles, wants_parameter_roles
+    from litscale.optim.muon import parameter_roles, wants_parameter_roles
 
     return (parameter_roles if wants_parameter_roles(optimizer) else weight_decay_groups)(net, weight_decay)
 
@@ -74,7 +88,7 @@ class TaskModule(LightningModule):
         self.compile_net = compile
         self.val_loss = MeanMetric()
         # This optimizer step's micro-batch losses, logged as train/loss at the step; replica
-        # groups (litscale.fault_tolerance) average them over the groups before that.
+        # groups (litscale.reliability.replica_groups) average them over the groups before that.
         self.window_losses: list[Tensor] = []
         self.initial_val_loss: float | None = None
 
@@ -123,16 +137,14 @@ class TaskModule(LightningModule):
         global batch's mean gradient, summed over shards and stages), before clipping; the same
         number on every layout of a synchronous strategy, as one process takes it. A strategy
         that keeps gradients apart (DeepSpeed) logs its engine's instead."""
-        from litscale.contract import contract_value
-        from litscale.layout import MeshSizes
-        from litscale.strategies.mesh import global_gradient_norm
+        from litscale.parallel.contract import contract_value
+        from litscale.parallel.gradient_norm import global_gradient_norm
+        from litscale.parallel.layout import mesh_of
 
         strategy = self._trainer.strategy
         if contract_value(strategy, "keeps_gradients_apart"):
             return
-        resolve = getattr(strategy, "resolve_mesh", None)
-        world = self._trainer.world_size
-        sizes = resolve(world) if resolve is not None else MeshSizes(data_replicate=world)
+        sizes = mesh_of(strategy, self._trainer.world_size)
         parameters = [p for group in optimizer.param_groups for p in group["params"]]
         self.log("train/grad_norm", global_gradient_norm(parameters, sizes=sizes))
 
@@ -145,7 +157,9 @@ class TaskModule(LightningModule):
                 and trainer.fit_loop._should_accumulate())
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.val_loss.update(self.loss(batch), weight=batch[0].shape[0])
+        # a mean over samples, or over counted tokens where the batch masks some (TokenBatch)
+        weight = counted_tokens(batch) if isinstance(batch, TokenBatch) else batch[0].shape[0]
+        self.val_loss.update(self.loss(batch), weight=weight)
 
     def on_validation_epoch_end(self) -> None:
         val_loss = self.val_loss.compute()  # synchronised across ranks by torchmetrics
@@ -198,9 +212,14 @@ class CausalLMModule(TaskModule):
 
     task = "causal_lm"
 
-    def loss(self, batch: tuple[Tensor, Tensor], net: nn.Module | None = None) -> Tensor:
-        tokens, targets = batch
-        return self.loss_fn((net or self.net)(tokens), targets)
+    def loss(self, batch: tuple[Tensor, Tensor] | TokenBatch, net: nn.Module | None = None) -> Tensor:
+        net = net or self.net
+        if not isinstance(batch, TokenBatch):
+            tokens, targets = batch
+            return self.loss_fn(net(tokens), targets)
+        # Validation counts the batch's own tokens (a zero fraction); training its global batch's.
+        fraction = batch.counted_fraction if self.training else torch.zeros_like(batch.counted_fraction)
+        return self.loss_fn(net(*model_inputs(net, batch)), batch.targets, fraction)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         """The next-token loss (``train/loss``, comparable with ``val/loss``) plus the net's
@@ -223,9 +242,10 @@ class CausalLMModule(TaskModule):
             # materialising a float copy (GPT-2 small, batch 32 x 1024: 6.6 GB).
             self.loss_fn = torch.compile(self.loss_fn)
 
-    def loss_fn(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean next-token cross-entropy (a pipeline's last stage calls it on its output)."""
-        return next_token_loss(logits, targets)
+    def loss_fn(self, logits: Tensor, targets: Tensor, counted_fraction: Tensor | None = None) -> Tensor:
+        """Mean next-token cross-entropy (a pipeline's last stage calls it on its output), over
+        the counted tokens of a ``TokenBatch`` (``next_token_loss``)."""
+        return next_token_loss(logits, targets, counted_fraction)
 
     def log_validation(self, val_loss: Tensor) -> None:
         super().log_validation(val_loss)

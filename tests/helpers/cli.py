@@ -55,12 +55,12 @@ EXIT_GRACE_S = 5.0
 
 
 def run_in_own_group(command: list[str], *, outputs: Path, env: dict | None = None,
-                     timeout: float) -> tuple[subprocess.CompletedProcess, float, list[str]]:
-    """Run ``command`` from the repo in a process group of its own, so that nothing it started
-    can outlive it: returns the process (a hang, killed at ``timeout``, says so in stderr),
-    its seconds, and the processes of its group still running when it ended (then killed)."""
+                     timeout: float, cwd: Path = REPO) -> tuple[subprocess.CompletedProcess, float, list[str]]:
+    """Run ``command`` from the repo (or ``cwd``) in a process group of its own, so that nothing
+    it started can outlive it: returns the process (a hang, killed at ``timeout``, says so in
+    stderr), its seconds, and the processes of its group still running when it ended (then killed)."""
     started = time.monotonic()
-    process = subprocess.Popen(command, cwd=REPO, env=cli_env(outputs, env), stdout=subprocess.PIPE,
+    process = subprocess.Popen(command, cwd=cwd, env=cli_env(outputs, env), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)

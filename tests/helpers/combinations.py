@@ -53,7 +53,7 @@ LAUNCHERS = ("basic", "ray", "slurm_local")
 SWEEPERS = ("basic", "optuna")
 # none: no checkpoint (callbacks=none); sync / async: last.ckpt and the step's saved every step.
 CHECKPOINTS = ("none", "sync", "async")
-# none: the default rule; mup: µP at a quarter or half of the model's width (every multiplier of litscale.mup is not 1).
+# none: the default rule; mup: µP at a quarter or half of the model's width (every multiplier of litscale.optim.mup is not 1).
 LR_SCALINGS = ("none", "mup")
 # norm: the default clipping (trainer.gradient_clip_val=1.0); none: no clipping (what Muon
 # under ZeRO, stepped by DeepSpeed's ZeRO Muon, needs).

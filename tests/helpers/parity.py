@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from litscale.lr_scaling import LRScaling, ScaledOptimizerFactory, base_lr_of
 from litscale.models.gpt import GPT, GPTConfig
 from litscale.modules import CausalLMModule
-from litscale.muon import Muon
-from litscale.mup import WidthScaling
+from litscale.optim.lr_scaling import LRScaling, ScaledOptimizerFactory, base_lr_of
+from litscale.optim.muon import Muon
+from litscale.optim.mup import WidthScaling
 
 # PyTorch's fp32 defaults for assert_close: what a sharded step may differ from one process by.
 TOLERANCE = {"rtol": 1.3e-6, "atol": 1e-5}
@@ -302,7 +302,7 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
     call it on every rank."""
     import lightning as L
 
-    from litscale.export import consolidated_state_dict
+    from litscale.checkpoint.export import consolidated_state_dict
 
     module, recorder = tiny_module(setup), StepRecorder(gradients=gradients)
     if setup.base_width is not None:  # µP as a run gets it: lr_scaling=mup's callback

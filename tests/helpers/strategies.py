@@ -56,3 +56,9 @@ def pipeline(**options):
     from litscale.strategies import PipelineParallelStrategy
 
     return PipelineParallelStrategy(**options)
+
+
+def single(**options):
+    from litscale.strategies.single import SingleStrategy
+
+    return SingleStrategy(**options)

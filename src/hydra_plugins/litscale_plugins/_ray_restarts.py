@@ -46,7 +46,7 @@ class RayRestartReport(UserCallback):
 
     def resumes_from(self) -> str:
         """What the restarted job resumes from: ``ckpt_path=here``'s choice in its run dir."""
-        from litscale.checkpoints import newest_last_checkpoint
+        from litscale.checkpoint.resume import newest_last_checkpoint
 
         if self.ckpt_path != "here":
             return f"resuming from ckpt_path={self.ckpt_path} again, as the job names it"

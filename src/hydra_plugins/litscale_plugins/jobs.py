@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.launcher import Launcher
@@ -85,7 +85,36 @@ def job_return(
 
 
 class ClusterLauncher(Launcher):
-    """A launcher whose settings are its ``hydra.launcher`` node, read in each job's config."""
+    """A launcher whose settings are its ``hydra.launcher`` node, read in each job's config.
+
+    Before a sweep, ``litscale.app.preflight`` finds the class from ``hydra.launcher._target_``
+    and asks it about each job (``runs_jobs_elsewhere``, ``check_job``): the app names no launcher.
+    """
+
+    # Whether each job runs on other machines, whose devices are not this machine's (this
+    # machine's device checks are then skipped, and the job is sized by ``check_job``).
+    runs_jobs_elsewhere: ClassVar[bool] = True
+    # How messages name the launcher: ``hydra/launcher=<option>``, a ``<engine>`` job of
+    # ``trainer.devices`` ``<ranks_are>`` per node.
+    option: ClassVar[str] = ""
+    engine: ClassVar[str] = ""
+    ranks_are: ClassVar[str] = "processes"
+
+    @classmethod
+    def check_job(cls, params: dict[str, Any], *, devices: Any, strategy_target: str) -> bool:
+        """Whether one job's ``hydra.launcher`` settings (``params``, resolved) can run it: one
+        ``ConfigError`` line for the first that cannot. The job is sized from ``trainer.devices``
+        (``devices``: processes and GPUs per node) and ``trainer.num_nodes``, so it must be a
+        count. True where the settings make the job elastic (its rank count then changes on
+        its own)."""
+        from litscale.errors import ConfigError
+
+        text = str(devices).strip()
+        if isinstance(devices, bool) or not text.isdigit() or int(text) < 1:
+            raise ConfigError(
+                f"trainer.devices={devices!r} cannot size a {cls.engine} job: hydra/launcher={cls.option} asks "
+                f"for trainer.devices {cls.ranks_are} and GPUs per node; give a count, e.g. trainer.devices=4")
+        return False
 
     def __init__(self, **params: Any) -> None:
         self.params = params

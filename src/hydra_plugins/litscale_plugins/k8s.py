@@ -79,6 +79,15 @@ class KubernetesLauncher(ClusterLauncher):
     # litscale.extras: checked before the sweep dir exists
     requires = (JSONSCHEMA_K8S,)
     requires_when = {"submit": KUBERNETES}
+    option, engine = "k8s", "k8s"
+
+    @classmethod
+    def check_job(cls, params: dict[str, Any], *, devices: Any, strategy_target: str) -> bool:
+        """The job's count, the launch it continues and its elastic range (``k8s_manifests``);
+        elastic where ``min_nodes`` / ``max_nodes`` are set."""
+        super().check_job(params, devices=devices, strategy_target=strategy_target)
+        continued_launch(params)
+        return elastic_nodes(params, strategy_target) is not None
 
     def setup(self, *, hydra_context: Any, task_function: Any, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)

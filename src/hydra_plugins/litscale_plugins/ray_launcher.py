@@ -76,6 +76,15 @@ class RayLauncher(ClusterLauncher):
     """Runs each job as a Ray Train ``TorchTrainer`` on the cluster at ``address``."""
 
     requires = (RAY,)  # litscale.extras: checked before the sweep dir exists
+    option, engine = "ray", "ray"
+
+    @classmethod
+    def check_job(cls, params: dict[str, Any], *, devices: Any, strategy_target: str) -> bool:
+        """The job's count, storage, working dir and elastic range (``ray_settings``); elastic
+        where ``min_workers`` / ``max_workers`` are set."""
+        super().check_job(params, devices=devices, strategy_target=strategy_target)
+        check_settings(params, strategy_target)
+        return elastic_workers(params, strategy_target) is not None
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int

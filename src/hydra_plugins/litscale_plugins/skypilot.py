@@ -39,7 +39,11 @@ from hydra_plugins.litscale_plugins.jobs import (
     write_checked,
 )
 from hydra_plugins.litscale_plugins.k8s import job_name
-from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_mount, published_by_pointer
+from hydra_plugins.litscale_plugins.skypilot_outputs import (
+    outputs_mount,
+    outputs_problem,
+    published_by_pointer,
+)
 from litscale.extras import JSONSCHEMA_SKYPILOT, SKYPILOT
 
 SCHEMA = Path(__file__).with_name("schemas") / "skypilot_task.yaml"
@@ -116,6 +120,18 @@ class SkyPilotLauncher(ClusterLauncher):
     # litscale.extras: checked before the sweep dir exists
     requires = (JSONSCHEMA_SKYPILOT,)
     requires_when = {"submit": SKYPILOT}
+    option, engine = "skypilot", "skypilot"
+
+    @classmethod
+    def check_job(cls, params: dict[str, Any], *, devices: Any, strategy_target: str) -> bool:
+        """The job's count, and outputs that outlive its nodes (``skypilot_outputs``)."""
+        from litscale.errors import ConfigError
+
+        super().check_job(params, devices=devices, strategy_target=strategy_target)
+        problem = outputs_problem(params)
+        if problem:
+            raise ConfigError(problem)
+        return False
 
     def launch(
         self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int

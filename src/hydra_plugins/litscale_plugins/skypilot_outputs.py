@@ -42,7 +42,7 @@ def published_by_pointer(args: list[str], params: dict[str, Any]) -> list[str]:
     """A job's arguments with ``checkpoint.publish=pointer`` where its outputs are a mounted
     bucket, unless the job chooses: in MOUNT mode a directory's rename is a copy of its files
     one by one (or fails), so a sharded checkpoint is published by a pointer file
-    (``litscale.atomic_checkpoint``). Said on the command line rather than left to ``auto``'s
+    (``litscale.checkpoint.atomic``). Said on the command line rather than left to ``auto``'s
     look at the mount: the task reads as what it does, whatever the mount's type is called."""
     if not params.get("outputs_bucket") or any(a.split("=", 1)[0].lstrip("+~") == "checkpoint.publish"
                                                for a in args):

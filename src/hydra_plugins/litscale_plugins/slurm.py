@@ -48,7 +48,7 @@ def group_by_resources(resources: list[dict[str, Any]]) -> list[tuple[dict[str, 
 
 def resume_checkpoint(job_dir: str, restart_count: int) -> str | None:
     """The checkpoint a requeued job resumes from: its own newest ``last.ckpt``, if any."""
-    from litscale.checkpoints import newest_last_checkpoint
+    from litscale.checkpoint.resume import newest_last_checkpoint
 
     if restart_count < 1 or not os.path.isdir(job_dir):
         return None
@@ -64,6 +64,7 @@ class SlurmLauncher(ClusterLauncher):
 
     _EXECUTOR = "slurm"
     requires = (SUBMITIT_LAUNCHER,)  # litscale.extras: checked before the sweep dir exists
+    option, engine, ranks_are = "slurm", "SLURM", "tasks"
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         assert self.config is not None and self.hydra_context is not None
@@ -141,3 +142,4 @@ class LocalLauncher(SlurmLauncher):
     (``-m hydra/launcher=slurm_local``), for trying a SLURM sweep without SLURM."""
 
     _EXECUTOR = "local"
+    runs_jobs_elsewhere = False  # subprocesses of this machine: its device checks hold

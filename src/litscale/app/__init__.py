@@ -2,11 +2,14 @@
 ``hydra`` or ``omegaconf``.
 
 A run goes: ``preflight`` (every job of the command line checked before Hydra writes
-anything) -> ``validation`` (each field and combination; the run layout computed once) ->
-``launch`` (the ranks) -> on each rank ``build`` (objects from ``_target_``s) -> fit ->
-``summary``. ``scaling_study`` and ``report`` compare runs of a sweep. Everything these
-modules build (strategies, compression, callbacks, models, data) is the library outside
-this package, usable in a plain Lightning script.
+anything; a cluster launcher answers for its own jobs) -> ``checks`` (``validate``: each field
+and combination, in one sequence; the run layout computed once) -> ``run`` (the planner's
+prediction for the run, ``plan/runs``, made once here) -> ``launch`` (the ranks;
+``replica_launch`` for replica groups) -> on each rank ``build`` (objects from ``_target_``s)
+-> fit -> ``summary``. ``plan/`` is ``plan=show|auto`` (the planner ranks layouts and verifies
+its pick); ``scaling_study`` and ``report`` compare runs of a sweep. Everything these modules
+build (strategies, compression, callbacks, models, data) is the library outside this package,
+usable in a plain Lightning script.
 """
 
 from litscale.app import resolvers  # noqa: F401  (registers the configs' resolvers)

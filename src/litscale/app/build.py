@@ -11,7 +11,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hydra.errors import InstantiationException
@@ -20,10 +20,13 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer, see
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from litscale.app.safety import allowed_prefixes, check_targets, locate_target
+from litscale.app.checks.safety import allowed_prefixes, check_targets, locate_target
 from litscale.arguments import signature_annotations
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 from litscale.precision import PrecisionDtypes
+
+if TYPE_CHECKING:
+    from litscale.reliability.replica_groups import ReplicaGroup
 
 
 @dataclass
@@ -34,6 +37,7 @@ class BuiltRun:
     datamodule: LightningDataModule
     module: LightningModule
     trainer: Trainer
+    replica_group: ReplicaGroup | None = None  # fault_tolerance=replicas: this rank's group
 
 
 def build(node: DictConfig, *, trusted: tuple[str, ...] = allowed_prefixes(), **runtime: Any) -> Any:
@@ -85,7 +89,7 @@ def _share_cpu_threads() -> None:
     """Give each local rank its share of the cores: N ranks x all cores oversubscribes. In a
     device sweep every job gets the largest job's share (``scaling_study.THREADS_ENV``)."""
     from litscale.app.scaling_study import THREADS_ENV
-    from litscale.flops import cores
+    from litscale.measure.flops import cores
 
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     threads = int(os.environ.get(THREADS_ENV) or max(1, cores() // local_ranks))
@@ -164,19 +168,20 @@ def never_validates(trainer: DictConfig, ckpt_path: str | None) -> bool:
             and isinstance(interval, int) and not isinstance(interval, bool) and steps < interval)
 
 
-def _replica_groups(cfg: DictConfig, datamodule: LightningDataModule, layout: RunLayout) -> Any:
-    """``fault_tolerance=replicas`` on a rank of one group: the callback that averages across
-    groups, and the group's block of the data order."""
-    from litscale.fault_tolerance import ReplicaFaultTolerance, replica_group
+def _replica_groups(cfg: DictConfig, datamodule: LightningDataModule, layout: RunLayout,
+                    group: ReplicaGroup | None) -> Any:
+    """``fault_tolerance=replicas`` on a rank of one group (``group``, handed in by the replica
+    launcher): the callback that averages across groups, and the group's block of the data order."""
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
-    datamodule.replica_group = replica_group() or (0, layout.replica_groups)
-    ft = cfg.fault_tolerance
-    return ReplicaFaultTolerance(run_dir=cfg.paths.output_dir, min_replicas=ft.min_replicas,
-                                 timeout_s=ft.timeout_s, quorum_timeout_s=ft.quorum_timeout_s)
+    datamodule.replica_group = (group.group, group.groups) if group is not None else (0, layout.replica_groups)
+    return ReplicaFaultTolerance(run_dir=cfg.paths.output_dir, group=group,
+                                 replicas=build(cfg.fault_tolerance, trusted=trusted_targets(cfg)))
 
 
 def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
-              loggable_config: dict | None = None, sweep_dir: str | None = None) -> BuiltRun:
+              loggable_config: dict | None = None, sweep_dir: str | None = None,
+              replica_group: ReplicaGroup | None = None) -> BuiltRun:
     cfg = OmegaConf.create(config)
     trusted = trusted_targets(cfg)
     _quiet_lightning()
@@ -209,7 +214,10 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
     if layout.replica_groups > 1:
         # NOTE: first, so that every other callback sees a step the groups dropped as no step
         # (Lightning counts it; the replicas' callback sets the count back at the batch's end).
-        callbacks.insert(0, _replica_groups(cfg, datamodule, layout))
+        callbacks.insert(0, _replica_groups(cfg, datamodule, layout, replica_group))
+    from litscale.callbacks.loss_curve import LossCurve
+
+    callbacks.append(LossCurve())  # loss_curve.png beside summary.json
     if any(type(logger).__name__ == "WandbLogger" for logger in loggers):
         from litscale.loggers import WandbRunId
 
@@ -232,4 +240,4 @@ def build_run(config: dict, choices: dict[str, str], layout: RunLayout, *,
     if getattr(module, "determinism", None) is not None:  # before fit's first CUDA op
         module.determinism.use_device(trainer.strategy.root_device)
     return BuiltRun(config=cfg, choices=choices, layout=layout, datamodule=datamodule, module=module,
-                    trainer=trainer)
+                    trainer=trainer, replica_group=replica_group)

@@ -1,4 +1,4 @@
-"""``docs/compatibility.md``, written from the strategy contract (``litscale.contract``).
+"""``docs/compatibility.md``, written from the strategy contract (``litscale.parallel.contract``).
 
     python -m litscale.app.compatibility > docs/compatibility.md
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from litscale.contract import ALTERNATIVES, Option, contract_value, why_not
+from litscale.parallel.contract import ALTERNATIVES, Option, contract_value, why_not
 
 CONF_STRATEGIES = Path(__file__).resolve().parents[3] / "conf" / "strategy"
 # Arguments a run passes at build time (runtime objects), not written in the option files.
@@ -25,6 +25,7 @@ HEADINGS = {
     Option.MIXTURE_OF_EXPERTS: "model=moe", Option.EXPERT_PARALLEL: "EP", Option.CONTEXT_PARALLEL: "CP",
     Option.TENSOR_PARALLEL: "TP", Option.PIPELINE_PARALLEL: "PP", Option.ASYNC_SAVE: "async save",
     Option.MATRIX_OPTIMIZER: "muon", Option.LAYERWISE_OPTIMIZER: "lars, lamb", Option.WIDTH_SCALING: "µP", Option.REPLICA_GROUPS: "replica groups",
+    Option.TOKEN_BATCHES: "SFT, packed",
 }
 
 
@@ -62,7 +63,7 @@ def render() -> str:
     lines = ["# Compatibility", "",
              "Which option each strategy takes (`yes`) or refuses before any rank starts (`no`, with the",
              "one-line reason a run prints). Written by `python -m litscale.app.compatibility > docs/compatibility.md`",
-             "from what each strategy states (`litscale.contract`); the tests check it is current, and a",
+             "from what each strategy states (`litscale.parallel.contract`); the tests check it is current, and a",
              "generated test (`tests/test_combinations.py`) checks that validation refuses exactly these and",
              "that what it accepts trains.", "",
              "| strategy | " + " | ".join(HEADINGS.values()) + " | collective check | needs |",
@@ -92,7 +93,9 @@ def render() -> str:
               "`determinism.chunks` to split the global batch evenly; a strategy whose package is missing is",
               "refused with the `pip install` line; expert parallel beside context parallel",
               "(`strategy.expert_parallel_size` and `strategy.context_parallel_size` both above 1) is refused:",
-              "its groups would be borrowed from data x context, which no parity test checks yet. The mode's own rules: [reliability.md](reliability.md#bit-identical-layouts-determinismlayout_invariant).", ""]
+              "its groups would be borrowed from data x context, which no parity test checks yet. The mode's own rules: [reliability.md](reliability.md#bit-identical-layouts-determinismlayout_invariant).",
+              "Packed rows (`data.pack=true`, `data.document_mask=true`) need a network that keeps attention",
+              "inside each document: `model=llama`, `moe` or `hf` ([fine-tuning.md](fine-tuning.md)).", ""]
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from litscale.errors import ConfigError
 from litscale.health.heartbeat import STOPPED_BY_WATCHDOG
 from litscale.health.launcher import launcher_lost, note_launcher
 from litscale.health.watchdog import HANG_ERROR, LAUNCHER_REPORTS_ENV
+from litscale.parallel.layout import world_size_of
 
 
 class RankFailure(RuntimeError):
@@ -114,11 +115,11 @@ def check_launchable(processes: int, num_nodes: int) -> None:
     """``processes`` per node x ``num_nodes`` ranks can run from here: under torchrun or srun
     they are the ranks the launcher started; otherwise this node is the only one."""
     if launched_externally():
-        started = external_world_size()
-        if processes * num_nodes != started:
+        started, world = external_world_size(), world_size_of(num_nodes=num_nodes, processes_per_node=processes)
+        if world != started:
             raise ConfigError(
                 f"trainer.devices={processes} x trainer.num_nodes={num_nodes} is "
-                f"{processes * num_nodes} rank(s), but the launcher started {started}; set "
+                f"{world} rank(s), but the launcher started {started}; set "
                 "trainer.devices to the processes per node (torchrun --nproc-per-node, srun "
                 "--ntasks-per-node) and trainer.num_nodes to the number of nodes"
             )

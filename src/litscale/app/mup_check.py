@@ -106,9 +106,9 @@ def first_batches(cfg: DictConfig, count: int, split: str = "train") -> list[tup
 def train_and_measure(cfg: DictConfig, width: int, base_width: int, parametrisation: str,
                       batches: list, seed: int) -> dict[str, list[float]]:
     from litscale.app.build import build, trusted_targets
-    from litscale.lr_scaling import ScaledOptimizerFactory
     from litscale.modules import next_token_loss, optimizer_groups
-    from litscale.mup import WidthScaling
+    from litscale.optim.lr_scaling import ScaledOptimizerFactory
+    from litscale.optim.mup import WidthScaling
 
     trusted = trusted_targets(cfg)
     with open_dict(cfg):

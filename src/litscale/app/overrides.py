@@ -162,7 +162,7 @@ def _value_of(overrides: list[str], key: str) -> str:
 
 def _target_arguments(node, path: str) -> tuple[set[str], str | None]:
     """The arguments of the ``_target_`` that ``node`` builds (empty when it builds none)."""
-    from litscale.app.safety import locate_target
+    from litscale.app.checks.safety import locate_target
     from litscale.arguments import signature_annotations
 
     if not isinstance(node, DictConfig) or "_target_" not in node:

@@ -51,7 +51,7 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
-    from litscale.app.extras_checks import missing_option_package
+    from litscale.app.checks.extras import missing_option_package
     from litscale.app.overrides import (
         explain_compose_error,
         null_group_problem,
@@ -118,14 +118,14 @@ def check_command_line(argv: list[str], *, config_dir: str, config_name: str) ->
 
 def validate_job(cfg, *, multirun: bool) -> None:
     """Validate one composed job (its ``hydra`` node included) as the job itself will."""
-    from litscale.app.extras_checks import check_sweep_extras
+    from litscale.app.checks.extras import check_sweep_extras
+    from litscale.app.checks.validation import only_planned, planning, validate
     from litscale.app.launch import check_launchable
-    from litscale.app.validation import only_planned, planning, validate
 
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
     if multirun:  # Hydra builds the launcher and the sweeper only for a sweep
         check_sweep_extras(cfg, choices)
-    on_cluster = multirun and _launcher(cfg) in CLUSTER_LAUNCHERS
+    on_cluster = multirun and runs_jobs_elsewhere(cfg)
     elastic = on_cluster and check_cluster_resources(cfg)
     job = _as_job_config(cfg)
     if elastic:  # as the launcher hands the job to its ranks (the Ray and k8s launchers' elastic=true)
@@ -135,7 +135,7 @@ def validate_job(cfg, *, multirun: bool) -> None:
     if here:  # the ranks can start from this process
         check_launchable(layout.processes_per_node, layout.num_nodes)
     if (job.get("preflight") or {}).get("collectives") and not planning(job):  # plan=show traces them itself
-        from litscale.app.collective_check import check_collectives
+        from litscale.app.checks.collectives import check_collectives
 
         print(f"litscale: {check_collectives(job, choices.get('strategy', ''), layout)}", flush=True)
 
@@ -153,7 +153,7 @@ def _folder_options(config_dir: str, group: str) -> list[str]:
     return [f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")] if os.path.isdir(folder) else []
 
 
-# Read by the sweeper (hydra_plugins.litscale_plugins.sweeper): the jobs train.py leaves out.
+# Read by litscale's sweeper (hydra/sweeper=litscale): the jobs train.py leaves out.
 SKIPPED_JOBS_ENV = "LITSCALE_SKIPPED_JOBS"
 
 
@@ -184,56 +184,42 @@ def cells_to_skip(jobs: list[list[str]], failed: dict[int, str]) -> list[int]:
             and any(rest == cells[index][1] for _, rest in ran)]
 
 
-# Launchers that run each job on other machines, whose devices are not this machine's; those
-# of litscale size each job from its trainer.devices (launcher option named in messages).
-SIZING_LAUNCHERS = {"hydra_plugins.litscale_plugins.slurm.SlurmLauncher": "slurm",
-                    "hydra_plugins.litscale_plugins.ray_launcher.RayLauncher": "ray",
-                    "hydra_plugins.litscale_plugins.k8s.KubernetesLauncher": "k8s",
-                    "hydra_plugins.litscale_plugins.skypilot.SkyPilotLauncher": "skypilot"}
-CLUSTER_LAUNCHERS = (*SIZING_LAUNCHERS, "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher")
+# Launchers of other packages that run each job on other machines (they cannot say so
+# themselves; litscale's own say it, ``runs_jobs_elsewhere``).
+OTHER_PACKAGES_CLUSTER_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",)
 
 
-def _launcher(cfg) -> str:
-    return str(OmegaConf.select(cfg, "hydra.launcher._target_") or "")
+def launcher_class(cfg) -> type | None:
+    """The class ``hydra.launcher._target_`` names (None: Hydra's default launcher)."""
+    from litscale.app.checks.safety import locate_target
+
+    target = OmegaConf.select(cfg, "hydra.launcher._target_")
+    return locate_target(str(target), "hydra.launcher") if target else None
+
+
+def runs_jobs_elsewhere(cfg) -> bool:
+    """Whether the sweep's launcher runs each job on other machines, whose devices are not this
+    machine's: its class says so (``runs_jobs_elsewhere``)."""
+    if OmegaConf.select(cfg, "hydra.launcher._target_") in OTHER_PACKAGES_CLUSTER_LAUNCHERS:
+        return True
+    return bool(getattr(launcher_class(cfg), "runs_jobs_elsewhere", False))
 
 
 def check_cluster_resources(cfg) -> bool:
-    """``hydra/launcher=slurm`` (ray, k8s, skypilot) sizes each job from ``trainer.devices``
-    (processes and GPUs per node) and ``trainer.num_nodes``: they must be counts, and the
-    launcher settings must resolve. True where they make the job elastic (its rank count
-    then changes on its own)."""
-    devices = cfg.trainer.get("devices")
-    text = str(devices).strip()
-    option = SIZING_LAUNCHERS.get(_launcher(cfg))
-    if option and (isinstance(devices, bool) or not text.isdigit() or int(text) < 1):
-        what = "tasks" if option == "slurm" else "processes"
-        raise ConfigError(
-            f"trainer.devices={devices!r} cannot size a {'SLURM' if option == 'slurm' else option} job: "
-            f"hydra/launcher={option} asks for trainer.devices {what} and GPUs per node; give a "
-            "count, e.g. trainer.devices=4"
-        )
+    """A launcher that runs jobs elsewhere answers for one job itself (its ``check_job``:
+    litscale's size each job from ``trainer.devices`` and ``trainer.num_nodes``): the
+    launcher settings must resolve, and the launcher must accept them. True where they make the
+    job elastic (its rank count then changes on its own)."""
     try:
         params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     except Exception as error:  # noqa: BLE001 - OmegaConf's several error types, one message
         raise ConfigError(f"hydra.launcher: {str(error).splitlines()[0]}") from None
-    if option == "skypilot":
-        from hydra_plugins.litscale_plugins.skypilot_outputs import outputs_problem
-
-        problem = outputs_problem(params)
-        if problem:
-            raise ConfigError(problem)
-    strategy = str(OmegaConf.select(cfg, "strategy._target_") or "")
-    if option == "ray":
-        from hydra_plugins.litscale_plugins.ray_settings import check_settings, elastic_workers
-
-        check_settings(params, strategy)
-        return elastic_workers(params, strategy) is not None
-    if option == "k8s":
-        from hydra_plugins.litscale_plugins.k8s_manifests import continued_launch, elastic_nodes
-
-        continued_launch(params)
-        return elastic_nodes(params, strategy) is not None
-    return False
+    own = OmegaConf.select(cfg, "hydra.launcher._target_") not in OTHER_PACKAGES_CLUSTER_LAUNCHERS
+    check_job = getattr(launcher_class(cfg), "check_job", None) if own else None
+    if check_job is None:
+        return False
+    return bool(check_job(params, devices=cfg.trainer.get("devices"),
+                          strategy_target=str(OmegaConf.select(cfg, "strategy._target_") or "")))
 
 
 def _as_job_config(cfg):

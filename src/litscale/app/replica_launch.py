@@ -6,7 +6,7 @@ replica group is one process here running torch's elastic agent, as ``torchrun
 --max-restarts`` would for it: the agent starts the group's ``trainer.devices`` ranks and, when
 one of them dies, stops the group's other ranks and starts the whole group again (up to
 ``fault_tolerance.max_restarts`` times), while the other groups train on
-(``litscale.fault_tolerance``). Each group writes to ``<run dir>/replicas/<group>/``; the job's
+(``litscale.reliability.replica_groups``). Each group writes to ``<run dir>/replicas/<group>/``; the job's
 ``summary.json`` is the first finished group's, with what the faults cost added under
 ``fault_tolerance``.
 
@@ -29,11 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from litscale.app.launch import RankFailure, launch
-from litscale.fault_tolerance import (
-    GROUP_ENV,
-    GROUPS_ENV,
-    LIGHTHOUSE_ENV,
-    START_STORE_ENV,
+from litscale.reliability.replica_groups import (
+    ReplicaGroup,
+    ReplicaGroups,
     finished_marker,
     steps_log_path,
 )
@@ -62,10 +60,10 @@ def group_dir(run_dir: str, group: int) -> str:
     return os.path.join(replicas_dir(run_dir), str(group))
 
 
-def launch_replica_groups(entrypoint: Callable[[Any], Any], spec: Any, *, groups: int, processes: int,
-                          min_replicas: int, max_restarts: int, lighthouse: str | None,
-                          straggler_timeout_s: float) -> dict:
-    """Run ``entrypoint`` on ``groups`` replica groups of ``processes`` ranks; return the job's summary."""
+def launch_replica_groups(entrypoint: Callable[[Any], Any], spec: Any, *, replicas: ReplicaGroups) -> dict:
+    """Run ``entrypoint`` on ``replicas.groups`` replica groups of the layout's processes each
+    (``spec.layout``); return the job's summary."""
+    groups, lighthouse = replicas.groups, replicas.lighthouse
     run_dir = spec.config["paths"]["output_dir"]
     os.makedirs(replicas_dir(run_dir), exist_ok=True)
     server = None
@@ -77,8 +75,8 @@ def launch_replica_groups(entrypoint: Callable[[Any], Any], spec: Any, *, groups
         # has not asked yet (a slow step): at torchft's second, the groups' steps on a loaded
         # 2-core machine, seconds apart, left one group out of a quorum every few steps, and it
         # then had to heal from a peer.
-        server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas,
-                                  join_timeout_ms=int(straggler_timeout_s * 1000),
+        server = LighthouseServer(bind="[::]:0", min_replicas=replicas.min_replicas,
+                                  join_timeout_ms=int(replicas.straggler_timeout_s * 1000),
                                   heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, quorum_tick_ms=QUORUM_TICK_MS)
         lighthouse = server.address()
     from torch.distributed import TCPStore
@@ -88,10 +86,10 @@ def launch_replica_groups(entrypoint: Callable[[Any], Any], spec: Any, *, groups
     processes_by_group = {}
     try:
         for group in range(groups):
-            group_spec = _spec_of_group(spec, run_dir, group)
+            identity = ReplicaGroup(group=group, groups=groups, lighthouse=lighthouse,
+                                    start_store=f"127.0.0.1:{start_store.port}")
             process = context.Process(target=_run_group, name=f"replica-group-{group}",
-                                      args=(entrypoint, group_spec, group, groups, lighthouse,
-                                            f"127.0.0.1:{start_store.port}", processes, max_restarts))
+                                      args=(entrypoint, _spec_of_group(spec, run_dir, identity), replicas.max_restarts))
             process.start()
             processes_by_group[group] = process
         exit_codes = _wait(processes_by_group, run_dir)
@@ -102,10 +100,11 @@ def launch_replica_groups(entrypoint: Callable[[Any], Any], spec: Any, *, groups
     return _job_summary(run_dir, groups, exit_codes)
 
 
-def _spec_of_group(spec: Any, run_dir: str, group: int) -> Any:
-    """The job's resolved config with every path under the run dir moved to the group's own
-    (checkpoints, loggers, exports: groups never write the same file)."""
-    ours = group_dir(run_dir, group)
+def _spec_of_group(spec: Any, run_dir: str, identity: ReplicaGroup) -> Any:
+    """The job's spec for one group: its identity handed in, and the resolved config with every
+    path under the run dir moved to the group's own (checkpoints, loggers, exports: groups never
+    write the same file)."""
+    ours = group_dir(run_dir, identity.group)
 
     def moved(value: Any) -> Any:
         if isinstance(value, dict):
@@ -116,15 +115,13 @@ def _spec_of_group(spec: Any, run_dir: str, group: int) -> Any:
             return ours + value[len(run_dir):]
         return value
 
-    return dataclasses.replace(spec, config=moved(spec.config))
+    return dataclasses.replace(spec, config=moved(spec.config), replica_group=identity)
 
 
-def _run_group(entrypoint: Callable[[Any], Any], spec: Any, group: int, groups: int, lighthouse: str,
-               start_store: str, processes: int, max_restarts: int) -> None:
+def _run_group(entrypoint: Callable[[Any], Any], spec: Any, max_restarts: int) -> None:
     """One replica group: its ranks under an elastic agent that starts them again when one dies."""
-    os.environ.update({GROUP_ENV: str(group), GROUPS_ENV: str(groups), LIGHTHOUSE_ENV: lighthouse,
-                       START_STORE_ENV: start_store})
-    _share_the_machine(group, groups, processes)
+    group, processes = spec.replica_group.group, spec.layout.processes_per_node
+    _share_the_machine(group, spec.layout)
     _end_with_parent()
     output_dir = spec.config["paths"]["output_dir"]
     os.makedirs(output_dir, exist_ok=True)
@@ -141,13 +138,14 @@ def _run_group(entrypoint: Callable[[Any], Any], spec: Any, group: int, groups: 
             handle.write(str(group))
 
 
-def _share_the_machine(group: int, groups: int, processes: int) -> None:
+def _share_the_machine(group: int, layout: Any) -> None:
     """Group ``group``'s own block of GPUs (each group's ranks count their GPUs from 0), and of
     CPU threads: the cores shared by every rank of every group (``app.build`` reads it)."""
     from litscale.app.scaling_study import THREADS_ENV
-    from litscale.flops import cores
+    from litscale.measure.flops import cores
 
-    os.environ.setdefault(THREADS_ENV, str(max(1, cores() // (groups * processes))))
+    processes = layout.processes_per_node
+    os.environ.setdefault(THREADS_ENV, str(max(1, cores() // layout.replica_processes)))
     import torch
 
     if torch.cuda.is_available():
@@ -323,7 +321,7 @@ def describe(cost: dict) -> str:
 
 
 def _group_record(run_dir: str, group: int) -> list[dict]:
-    """Group ``group``'s step record (``litscale.fault_tolerance.steps_log_path``)."""
+    """Group ``group``'s step record (``litscale.reliability.replica_groups.steps_log_path``)."""
     return _read_steps(steps_log_path(group_dir(run_dir, group)))
 
 

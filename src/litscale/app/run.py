@@ -1,19 +1,24 @@
-"""``train(cfg)``: validate -> start ranks -> (on each rank) build -> fit -> summary."""
+"""``train(cfg)``: validate -> predict -> start ranks -> (on each rank) build -> fit -> summary."""
 
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.app.launch import launch, wait_for_the_cause
+from litscale.app.checks.safety import config_without_environment
+from litscale.app.checks.validation import only_planned, planning, resume_search_dir, validate
+from litscale.app.launch import external_rank, launch, wait_for_the_cause
+from litscale.app.prediction import RunPrediction
 from litscale.app.run_log import log_printed_lines
-from litscale.app.safety import config_without_environment
 from litscale.app.scaling_study import ScalingContext, job_context
-from litscale.app.validation import only_planned, planning, resume_search_dir, validate
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
+
+if TYPE_CHECKING:
+    from litscale.reliability.replica_groups import ReplicaGroup
 
 
 @dataclass
@@ -27,6 +32,10 @@ class RunSpec:
     loggable_config: dict | None = None  # `config` without values from the environment
     scaling: ScalingContext = field(default_factory=ScalingContext)
     started_at: float = field(default_factory=time.time)
+    # fault_tolerance=replicas: this spec's group, and where the groups meet (the replica launcher's)
+    replica_group: ReplicaGroup | None = None
+    # the planner's prediction for this run, made before launch for rank 0's summary
+    prediction: RunPrediction | None = None
 
 
 def hydra_choices() -> dict[str, str]:
@@ -48,25 +57,42 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
 
         return run_plan(cfg, layout, choices)
     spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,
-                   loggable_config=config_without_environment(cfg), scaling=job_context(cfg))
+                   loggable_config=config_without_environment(cfg), scaling=job_context(cfg),
+                   prediction=predict_once(cfg, choices, layout))
     if layout.replica_groups > 1:
+        from litscale.app.build import build, trusted_targets
         from litscale.app.replica_launch import launch_replica_groups
 
-        ft = cfg.fault_tolerance
-        return launch_replica_groups(run_rank, spec, groups=layout.replica_groups, processes=layout.processes_per_node,
-                                     min_replicas=ft.min_replicas, max_restarts=ft.max_restarts,
-                                     lighthouse=ft.lighthouse, straggler_timeout_s=ft.straggler_timeout_s)
-    result = launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
-    if result.get("preempted"):
-        check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)
+        result = launch_replica_groups(run_rank, spec, replicas=build(cfg.fault_tolerance, trusted=trusted_targets(cfg)))
+    else:
+        result = launch(run_rank, spec, processes=layout.processes_per_node, num_nodes=layout.num_nodes)
+        if result.get("preempted"):
+            check_every_rank_saved(spec.config["paths"]["output_dir"], layout.world_size)
+    if spec.prediction is not None:
+        from litscale.app.plan.runs import record_contradiction
+
+        record_contradiction(spec.prediction, result)
     return result
+
+
+def predict_once(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> RunPrediction | None:
+    """The planner's prediction for this run, made once per job before its ranks start, in the
+    process whose summary holds it (rank 0's under torchrun or srun; None on the others)."""
+    from litscale.app.plan.runs import predict_run
+
+    if external_rank() not in (None, 0):
+        return None
+    try:
+        return predict_run(cfg, choices, layout)
+    except Exception as error:  # a prediction is a comparison, never a reason for a run to fail
+        return RunPrediction(figures={"plan/error": f"{type(error).__name__}: {error}".splitlines()[0]})
 
 
 def say_skipped_checkpoints(cfg: DictConfig, chosen: str | None) -> None:
     """Once per job (rank 0 under torchrun or srun): the checkpoints a resume word passed over,
     so that a torn save is not skipped in silence."""
     from litscale.app.launch import external_rank
-    from litscale.checkpoints import RESUME_WORDS, skipped_line
+    from litscale.checkpoint.resume import RESUME_WORDS, skipped_line
 
     if cfg.get("ckpt_path") not in RESUME_WORDS or external_rank() not in (None, 0):
         return
@@ -85,7 +111,7 @@ def check_every_rank_saved(output_dir: str, world_size: int) -> None:
     ranks = range(world_size) if rank is None else range(rank, rank + 1)
     missing = ranks_without_preemption_checkpoint(output_dir, ranks)
     if missing:
-        from litscale.checkpoints import newest_last_checkpoint
+        from litscale.checkpoint.resume import newest_last_checkpoint
 
         names = ("rank " if len(missing) == 1 else "ranks ") + ",".join(map(str, missing))
         newest = newest_last_checkpoint(output_dir)
@@ -119,15 +145,16 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
     from litscale.app.build import build_run
     from litscale.app.ranks import record_rank
     from litscale.app.summary import finish_loggers, print_start, summarize
-    from litscale.callbacks.watchdog import after_fit, end_watch
-    from litscale.export import export_model
+    from litscale.callbacks.watchdog import end_watch
+    from litscale.checkpoint.export import export_model
     from litscale.health import flight_recorder
+    from litscale.health.beats import after_fit
     from litscale.strategies.lifecycle import destroy_process_group
 
     if spec.layout.world_size > 1:
         flight_recorder.enable()  # before the process group exists: torch reads it then
     built = build_run(spec.config, spec.choices, spec.layout, loggable_config=spec.loggable_config,
-                      sweep_dir=spec.scaling.sweep_dir)
+                      sweep_dir=spec.scaling.sweep_dir, replica_group=spec.replica_group)
     outcome = "failed"
     try:
         record_rank(built.config.paths.output_dir)
@@ -148,9 +175,11 @@ def _fit_on_this_rank(spec: RunSpec) -> dict:
             raise
         after_fit(built.trainer, "export")  # the hang watchdog watches this work too
         export = export_model(built.trainer, built.module, built.config.paths.output_dir,
-                              hugging_face=bool(spec.config.get("export_hf", False)))
+                              hugging_face=bool(spec.config.get("export_hf", False)),
+                              save_tokenizer=getattr(built.datamodule, "save_tokenizer", None))
         after_fit(built.trainer, "summary")
-        summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling)
+        summary = summarize(built, started_at=spec.started_at, export=export, scaling=spec.scaling,
+                            prediction=spec.prediction)
         outcome = "success"
         return summary
     finally:

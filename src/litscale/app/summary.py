@@ -17,6 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_only
 
 from litscale.app.build import BuiltRun
+from litscale.app.prediction import RunPrediction
 from litscale.app.scaling_study import ScalingContext, find_baseline, scaling_metrics
 from litscale.callbacks.communication import CommunicationCallback
 from litscale.callbacks.memory import MemoryCallback
@@ -38,12 +39,10 @@ def _say(line: str) -> None:
     print(f"litscale: {line}", flush=True)
 
 
-def _speaks_for_the_job() -> bool:
+def _speaks_for_the_job(built: BuiltRun) -> bool:
     """Whether this run's start and end are printed: under ``fault_tolerance=replicas`` only
     replica group 0's (the groups run the same layout; each writes its own summary.json)."""
-    from litscale.fault_tolerance import replica_group
-
-    return (replica_group() or (0, 1))[0] == 0
+    return built.replica_group is None or built.replica_group.group == 0
 
 
 @rank_zero_only
@@ -51,7 +50,7 @@ def print_start(built: BuiltRun) -> None:
     """Derived numbers, computed once and printed: model size, strategy, devices, precision,
     and the run layout (processes, mesh, batch). The LR the global batch implies is the
     LR-scaling callback's line."""
-    if not _speaks_for_the_job():
+    if not _speaks_for_the_job(built):
         return
     trainer, choices = built.trainer, built.choices
     net = built.config.model.get("net", {})
@@ -71,9 +70,10 @@ def _metric(trainer: Trainer, name: str) -> float | None:
 
 
 def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
-              scaling: ScalingContext | None = None) -> dict:
+              scaling: ScalingContext | None = None, prediction: RunPrediction | None = None) -> dict:
     """Collect final metrics; rank 0 adds scaling efficiency against its baseline (and logs
-    it), writes ``summary.json`` and prints a few lines."""
+    it) and the planner's ``prediction`` (made before launch) beside the step it measured,
+    writes ``summary.json`` and prints a few lines."""
     trainer, module = built.trainer, built.module
     measured = {name: value for callback in trainer.callbacks if isinstance(callback, MEASURING_CALLBACKS)
                 for name, value in callback.result.items()}
@@ -104,7 +104,7 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         "scaling/mode": "strong" if layout.strong_scaling else "weak",
         "output_dir": os.path.abspath(built.config.paths.output_dir),
         "checkpoint": _best_checkpoint(trainer),
-        "export": export,  # the consolidated weights of the net (litscale.export)
+        "export": export,  # the consolidated weights of the net (litscale.checkpoint.export)
         "export_hf": _hf_export_dir(export, built.config),
         "wall_time_s": time.time() - started_at,
     }
@@ -114,14 +114,17 @@ def summarize(built: BuiltRun, *, started_at: float, export: str | None = None,
         # A step watched for its CPU memory peak (memory/peak_rank) is slowed by the watching:
         # its time is no measurement to hold a prediction to.
         timed = "memory/peak_rank" not in summary
-        summary.update(_prediction(built, summary.get("perf/step_time_s") if timed else None))
+        if prediction is not None:  # made before launch (app.run.predict_once): held to the step measured
+            summary.update(prediction.held_to(summary.get("perf/step_time_s") if timed else None))
         path = os.path.join(summary["output_dir"], "summary.json")
         os.makedirs(summary["output_dir"], exist_ok=True)
         _plot_label_histograms(summary)
+        summary.update(_loss_curve(trainer, summary["output_dir"]))
+        _log_data_facts(trainer, summary.get("data") or {})
         with open(path + ".tmp", "w") as handle:
             json.dump(summary, handle, indent=2)
         os.replace(path + ".tmp", path)  # never a half-written summary
-        if _speaks_for_the_job():
+        if _speaks_for_the_job(built):
             _print_end(summary)
     return summary
 
@@ -145,7 +148,7 @@ def _scaled_lr(trainer: Trainer) -> float | None:
 
 def _lr_scaling(trainer: Trainer) -> dict:
     """What the LR-scaling rule did: rule, base and scaled peak LR, the global batch it saw."""
-    from litscale.lr_scaling import LRScaling
+    from litscale.optim.lr_scaling import LRScaling
 
     rule = next((c for c in trainer.callbacks if isinstance(c, LRScaling) and c.lr is not None), None)
     if rule is None:
@@ -157,7 +160,7 @@ def _lr_scaling(trainer: Trainer) -> dict:
 
 def _hf_export_dir(export: str | None, config) -> str | None:
     """``<run dir>/hf/`` where ``export_hf=true`` wrote a transformers directory beside ``model.pt``."""
-    from litscale.export import HF_DIRNAME
+    from litscale.checkpoint.export import HF_DIRNAME
 
     if export is None or not config.get("export_hf", False):
         return None
@@ -183,7 +186,33 @@ def _data_facts(datamodule) -> dict | None:
     tokenizer = getattr(datamodule, "tokenizer", None)
     if isinstance(getattr(tokenizer, "name", None), str):
         facts["tokenizer"] = tokenizer.name
+    run_facts = getattr(datamodule, "run_facts", None)  # what a run trained on (data=sft: tokens, packing, sources)
+    if run_facts is not None:
+        facts.update(run_facts())
     return facts or None
+
+
+# Figures of data=sft that the loggers (W&B) get too, as data/<name>.
+LOGGED_DATA_FACTS = ("tokens_trained", "tokens_seen", "packing_efficiency")
+
+
+def _log_data_facts(trainer: Trainer, facts: dict) -> None:
+    """The tokens trained on beside those seen, the packing efficiency and each source's share,
+    logged at the last step (rank 0 only)."""
+    metrics = {f"data/{name}": float(facts[name]) for name in LOGGED_DATA_FACTS if name in facts}
+    metrics.update({f"data/source_share/{name}": share for name, share in (facts.get("source_shares") or {}).items()})
+    if metrics:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _loss_curve(trainer: Trainer, output_dir: str) -> dict:
+    """``loss_curve.png`` beside summary.json, from what the run logged (``LossCurve``)."""
+    from litscale.callbacks.loss_curve import LossCurve, plot_loss_curve
+
+    curve = next((c for c in trainer.callbacks if isinstance(c, LossCurve)), None)
+    plot = None if curve is None else plot_loss_curve(curve.points, os.path.join(output_dir, "loss_curve.png"))
+    return {"loss_curve_plot": plot} if plot else {}
 
 
 def _plot_label_histograms(summary: dict) -> None:
@@ -194,16 +223,6 @@ def _plot_label_histograms(summary: dict) -> None:
 
         plot = plot_label_histograms(histograms, os.path.join(summary["output_dir"], "label_histograms.png"))
         summary["data"]["label_histograms_plot"] = plot
-
-
-def _prediction(built: BuiltRun, measured_step_s: float | None) -> dict:
-    """The planner's prediction for this run (``plan/*``), beside what it measured."""
-    from litscale.app.plan.runs import predicted_for_run
-
-    try:
-        return predicted_for_run(built.config, built.choices, built.layout, measured_step_s)
-    except Exception as error:  # a prediction is a comparison, never a reason for a run to fail
-        return {"plan/error": f"{type(error).__name__}: {error}".splitlines()[0]}
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -238,6 +257,12 @@ def _print_end(summary: dict) -> None:
     if "health/slowest_rank" in summary:
         _say(f"slowest rank: {summary['health/slowest_rank']} at {summary['health/straggler_ratio']:.2f}x "
              "the median of its peers' forward times (median over the run)")
+    data = summary.get("data") or {}
+    if "tokens_trained" in data:
+        shares = ", ".join(f"{name} {share:.1%}" for name, share in (data.get("source_shares") or {}).items())
+        _say(f"data: trained on {data['tokens_trained']:,} of {data['tokens_seen']:,} tokens seen | packing "
+             f"efficiency {data['packing_efficiency']:.1%} | {data.get('examples_truncated', 0)} examples truncated, "
+             f"{data.get('examples_dropped_overlong', 0)} dropped as too long" + (f" | sources: {shares}" if shares else ""))
     _print_prediction(summary)
     if "scaling/efficiency" in summary:
         flags = summary.get("scaling/flags")

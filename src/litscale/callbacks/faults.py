@@ -93,11 +93,14 @@ class InjectFault(Callback):
             self._fired = True
 
     def _on_this_rank(self, trainer: Trainer) -> bool:
-        """``rank`` (within its replica group under ``fault_tolerance=replicas``) of ``replica_group``."""
-        from litscale.fault_tolerance import replica_group
+        """``rank`` (within its replica group under ``fault_tolerance=replicas``) of ``replica_group``:
+        the group the replicas' callback was handed."""
+        from litscale.reliability.replica_groups import ReplicaFaultTolerance
 
-        if self.replica_group is not None and (replica_group() or (0, 1))[0] != self.replica_group:
-            return False
+        if self.replica_group is not None:
+            group = next((c.group for c in trainer.callbacks if isinstance(c, ReplicaFaultTolerance)), 0)
+            if group != self.replica_group:
+                return False
         return self.rank is None or trainer.global_rank == self.rank
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
@@ -141,7 +144,7 @@ class InjectFault(Callback):
             self._wait_from_step = trainer.global_step
 
     def on_after_fit(self, trainer: Trainer, work: str, collective: str | None = None) -> None:
-        """The run's work after fit (``litscale.callbacks.watchdog.after_fit``): ``kind=hang``
+        """The run's work after fit (``litscale.health.beats.after_fit``): ``kind=hang``
         with ``during`` that work hangs there."""
         if self.kind == "hang" and self.during == work and not self._fired and self._on_this_rank(trainer):
             self._fired = True

@@ -7,7 +7,7 @@ Gradients are read just before the first optimizer step (DeepSpeed frees its par
 gradients in the step), parameters and optimizer state just after it (Adam's state exists
 only then).
 
-The estimate is ``litscale.sharding.state_bytes_per_rank`` (the ZeRO paper's formulas on the
+The estimate is ``litscale.parallel.sharding.state_bytes_per_rank`` (the ZeRO paper's formulas on the
 rank's share of the mesh), from what the strategy states of itself (``sharding``,
 ``resolve_mesh``): the planner predicts memory from the same function.
 """
@@ -21,11 +21,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
-from litscale.declarations import moe_parameter_counts
-from litscale.layout import mesh_of
-from litscale.sharding import estimate_bytes, sharding_of, state_bytes_per_rank
-from litscale.step_memory import StepPeak
-from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
+from litscale.measure.step_memory import StepPeak
+from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes, torch_optimizer
+from litscale.parallel.contract import contract_value
+from litscale.parallel.declarations import moe_parameter_counts
+from litscale.parallel.layout import mesh_of
+from litscale.parallel.sharding import estimate_bytes, state_bytes_per_rank
 
 __all__ = ["MemoryCallback", "estimate_bytes", "storage_bytes"]
 
@@ -61,7 +62,7 @@ class MemoryCallback(Callback):
 
     def __init__(self, measure_peak: bool = False) -> None:
         self.result: dict[str, float] = {}
-        # CPU: one step watched by torch's MemTracker (litscale.step_memory), which slows it.
+        # CPU: one step watched by torch's MemTracker (litscale.measure.step_memory), which slows it.
         self._step_peak: StepPeak | None = None
         self._measure_peak = measure_peak
         self._grads: int | None = None
@@ -100,7 +101,7 @@ class MemoryCallback(Callback):
         strategy = trainer.strategy
         rank_zero_info(
             f"litscale: memory per rank ({type(strategy).__name__}, stage "
-            f"{sharding_of(strategy).zero_stage}, {trainer.world_size} ranks): "
+            f"{contract_value(strategy, 'sharding').zero_stage}, {trainer.world_size} ranks): "
             + " | ".join(f"{name.split('/')[1][:-6]} {_mib(measured[name])} (estimate "
                          f"{_mib(self.result[name.replace('/', '/estimate_')])})" for name in METRICS))
 
@@ -131,7 +132,7 @@ class MemoryCallback(Callback):
         params = list({id(p): p for p in pl_module.parameters()}.values())
         num_params = self._num_params or sum(getattr(p, "ds_numel", None) or p.numel() for p in params)
         return state_bytes_per_rank(
-            num_params=num_params, mesh=mesh_of(strategy, trainer.world_size), sharding=sharding_of(strategy),
+            num_params=num_params, mesh=mesh_of(strategy, trainer.world_size), sharding=contract_value(strategy, "sharding"),
             param_bytes=params[0].element_size() if params else 4,
             optimizer_bytes_per_param=optimizer_state_bytes_per_param(trainer.optimizers[0]),
             tensor_whole_params=self._moe[0], expert_params=self._moe[1])

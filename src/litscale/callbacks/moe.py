@@ -29,8 +29,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from litscale.layout import TENSOR
 from litscale.loggers import is_logging_step, log_to_loggers
+from litscale.parallel.layout import TENSOR
 
 
 def summed_over_ranks(load: Tensor) -> Tensor:

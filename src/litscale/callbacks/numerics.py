@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from litscale.async_checkpoint import wait_for_checkpoints
+from litscale.checkpoint.background import wait_for_checkpoints
 from litscale.constraints import PositiveInt
 
 

@@ -34,8 +34,8 @@ from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from litscale.async_checkpoint import wait_for_checkpoints
-from litscale.checkpoints import newest_last_checkpoint
+from litscale.checkpoint.background import wait_for_checkpoints
+from litscale.checkpoint.resume import newest_last_checkpoint
 from litscale.constraints import PositiveInt
 from litscale.health.launcher import launcher_lost, launcher_pid
 

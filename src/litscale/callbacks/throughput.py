@@ -3,9 +3,9 @@
 Lightning's ``ThroughputMonitor`` is not used here: it reports a rolling window per logging
 step and multiplies by the world size, where litscale wants the whole run's steady-state
 average and counts data-parallel ranks only (tensor- and pipeline-parallel ranks share a
-batch). What remains is two timestamps and a division; FLOPs come from ``litscale.flops``.
+batch). What remains is two timestamps and a division; FLOPs come from ``litscale.measure.flops``.
 
-A CPU's peak is a probe's (``litscale.flops.cpu_peak``): where it was not probed on a quiet machine,
+A CPU's peak is a probe's (``litscale.measure.flops.cpu_peak``): where it was not probed on a quiet machine,
 or this run went faster than it, MFU is provisional and ``perf/mfu_provisional`` says why; where the
 run computes in 16 bits on a CPU whose 16-bit matmuls are slower than its fp32 ones (no bf16 units),
 ``perf/peak_vs_fp32`` says how much. The load average at the start and end of the timed steps
@@ -21,25 +21,20 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from litscale import flops
 from litscale.constraints import NonNegativeInt
-from litscale.flops import (
+from litscale.loggers import is_logging_step, log_to_loggers
+from litscale.measure import flops
+from litscale.measure.flops import (
     CpuPeak,
     corrected_cpu_peak,
     cpu_peak,
     flops_per_sample,
     peak_flops_per_device,
 )
-from litscale.loggers import is_logging_step, log_to_loggers
+from litscale.parallel.contract import data_parallel_size
 
 _COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
                    "16-mixed": torch.float16, "16-true": torch.float16}
-
-
-def data_parallel_size(trainer: Trainer) -> int:
-    """How many ranks consume distinct samples (1 for a single process)."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", 1))
 
 
 def ddp_communication_share(trainer: Trainer, step_time_s: float) -> dict[str, float]:
@@ -112,7 +107,7 @@ class ThroughputCallback(Callback):
     ) -> None:
         if not self._samples_per_step:
             micro_batch = len(batch[0])
-            self._samples_per_step = micro_batch * data_parallel_size(trainer) * trainer.accumulate_grad_batches
+            self._samples_per_step = micro_batch * data_parallel_size(trainer.strategy) * trainer.accumulate_grad_batches
             if self._net_for_flops is not None:
                 self._flops_per_sample = flops_per_sample(self._net_for_flops, batch[0],
                                                           self._tokens_per_sample)

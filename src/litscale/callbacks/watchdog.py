@@ -158,15 +158,6 @@ class HangWatchdog(Callback):
         self._mark(trainer, "checkpoint")
 
 
-def after_fit(trainer: Trainer, work: str, collective: str | None = None) -> None:
-    """Tell the run's callbacks that this rank does ``work`` after fit (``on_after_fit``: the
-    watchdog's phase, a fault injected there), waiting in ``collective`` where it does."""
-    for callback in trainer.callbacks:
-        hook = getattr(callback, "on_after_fit", None)
-        if hook is not None:
-            hook(trainer, work, collective)
-
-
 def end_watch(trainer: Trainer) -> None:
     """The run's work is over: close the heartbeat and the watchdog (a rank done on purpose)."""
     for callback in trainer.callbacks:

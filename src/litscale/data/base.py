@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
@@ -17,17 +18,58 @@ from litscale.data.partition import (
     partition_indices,
 )
 from litscale.data.resume import ResumableOrder, shared_position, skipped_line, unshared_position
+from litscale.data.token_batch import SampleKey, step_fractions
+from litscale.parallel.layout import replicas_around
 
 
 class ResumableSampler(ResumableOrder, DistributedSampler):
-    """A ``DistributedSampler`` that can start an epoch part-way, for resumes."""
+    """A ``DistributedSampler`` that can start an epoch part-way, for resumes, and that keys each
+    sample of a counted dataset (``count_steps``) with its global batch's counted fraction."""
 
-    def __iter__(self) -> Iterator[int]:
-        return self.resumed(self.rank_order())
+    #: Set by ``count_steps``: (samples per global batch, per micro batch).
+    _steps: tuple[int, int] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        order = self.resumed(self.rank_order())
+        return order if self._steps is None else self.keyed(order)
 
     def rank_order(self) -> Iterator[int]:
         """This rank's indices for the epoch: every ``num_replicas``-th of the permutation."""
         return DistributedSampler.__iter__(self)
+
+    def epoch_order(self, epoch: int | None = None) -> np.ndarray:
+        """The global order of data epoch ``epoch`` (default: the current one), every rank's
+        samples: the seeded permutation (the index order without ``shuffle``), cut to what the
+        ranks draw."""
+        if not self.shuffle:
+            return np.arange(self.total_size)
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + (self.epoch if epoch is None else epoch))
+        return torch.randperm(len(self.dataset), generator=generator).numpy()[:self.total_size]
+
+    def count_steps(self, *, global_batch: int, micro_batch: int) -> None:
+        """Hand each sample of the counted dataset (``counted_tokens(epoch)``, ``seq_len``) to it as
+        a ``SampleKey`` with the counted fraction of its global batch of ``global_batch``
+        samples: every rank computes the same fractions from the shared order, no message."""
+        self._steps = (global_batch, micro_batch)
+
+    def drawn_per_epoch(self) -> int:
+        """Samples of a whole epoch's order the ranks draw together (whole micro batches)."""
+        micro = self._steps[1] if self._steps else 1
+        return self.num_samples // micro * micro * self.num_replicas
+
+    def keyed(self, order: Iterator[int]) -> Iterator[SampleKey]:
+        global_batch, micro_batch = self._steps
+        per_rank = global_batch // self.num_replicas
+        start = self.skipped * self.num_replicas  # the global position this epoch's steps start at
+        # NOTE: the loader drops a short last micro batch: the last step trains whole ones only.
+        trained = (self.num_samples - self.skipped) // micro_batch * micro_batch * self.num_replicas
+        positions = self.epoch_order()[start:start + trained]
+        counted = np.asarray(self.dataset.counted_tokens(self.epoch))[positions]
+        fractions = step_fractions(counted, global_batch=global_batch, seq_len=self.dataset.seq_len)
+        for j, index in enumerate(order):
+            fraction = fractions[j // per_rank] if j // per_rank < len(fractions) else 0.0
+            yield SampleKey(int(index), self.epoch, float(fraction))
 
 
 class ContiguousBlockSampler(ResumableSampler):
@@ -44,9 +86,7 @@ class ContiguousBlockSampler(ResumableSampler):
         self.num_samples = self.total_size // self.num_replicas
 
     def rank_order(self) -> Iterator[int]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        order = self.epoch_order().tolist()
         step = self.block * self.num_replicas
         for start in range(0, self.total_size, step):
             yield from order[start + self.rank * self.block:start + (self.rank + 1) * self.block]
@@ -98,12 +138,15 @@ class ShardedDataModule(LightningDataModule):
     #: Set for ``determinism=layout_invariant``: the samples a rank takes per optimizer step
     #: (micro batch x accumulation), drawn as one contiguous block (``ContiguousBlockSampler``).
     rank_block: int | None = None
-    #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.fault_tolerance``).
+    #: ``(group, groups)`` under ``fault_tolerance=replicas`` (``litscale.reliability.replica_groups``).
     replica_group: tuple[int, int] = (0, 1)
     #: Set for a job whose data-parallel count changes between its starts on its own (``elastic=true``:
     #: Ray's ``min_workers``/``max_workers``, an elastic PyTorchJob): a resume whose position the new
     #: count cannot share out skips ahead to the next one it can, and says so, instead of raising.
     elastic: bool = False
+    #: False where the dataset's own index order is the training order (a mixture interleaves
+    #: its sources by weight, ``litscale.data.mixture``): the ranks then share it unshuffled.
+    shuffle_order: bool = True
 
     #: ``"causal_lm"`` (batches ``(x, y)`` of int64 ``[B, T]``, ``y`` = ``x`` shifted by one)
     #: or ``"classification"`` (``x`` float32 ``[B, C, H, W]``, ``y`` int64 ``[B]``).
@@ -152,7 +195,7 @@ class ShardedDataModule(LightningDataModule):
         data-parallel job of all their ranks reads (validation stays within each group)."""
         num_replicas, rank = self.replicas()
         group, groups = self.replica_group
-        return num_replicas * groups, group * num_replicas + rank
+        return replicas_around(num_replicas, rank, group=group, groups=groups)
 
     def _require(self, dataset: Dataset | None, split: str) -> Dataset:
         if dataset is None:
@@ -171,12 +214,13 @@ class ShardedDataModule(LightningDataModule):
         num_replicas, rank = self.train_replicas()
         dataset = self._require(self.train_dataset, "train")
         if self.rank_block is not None:
-            return ContiguousBlockSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
-                                          seed=self.seed, drop_last=True, block=self.rank_block)
+            return self._counting(ContiguousBlockSampler(dataset, num_replicas=num_replicas, rank=rank,
+                                                         shuffle=self.shuffle_order, seed=self.seed,
+                                                         drop_last=True, block=self.rank_block))
         labels = self.train_labels()
         if self.partition == "iid":
-            sampler = ResumableSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
-                                       seed=self.seed, drop_last=True)
+            sampler = self._counting(ResumableSampler(dataset, num_replicas=num_replicas, rank=rank,
+                                                      shuffle=self.shuffle_order, seed=self.seed, drop_last=True))
             # The IID split's label mix is reported where it is compared: federated clients.
             clients = getattr(getattr(self.trainer, "strategy", None), "simulates_clients", False)
             if clients and labels is not None and num_replicas > 1 and self.partition_facts is None:
@@ -194,6 +238,15 @@ class ShardedDataModule(LightningDataModule):
             self._record_partition(labels, parts)
         return ClientSampler(parts[rank], epoch_samples=len(dataset) // num_replicas, seed=self.seed,
                              client=rank)
+
+    def _counting(self, sampler: ResumableSampler) -> ResumableSampler:
+        """``sampler``, keying each sample with its global batch's counted fraction where the
+        dataset counts its targets (``counted_tokens``: ``litscale.data.token_batch``)."""
+        if hasattr(sampler.dataset, "counted_tokens"):
+            accumulation = int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1) if self.trainer else 1
+            sampler.count_steps(global_batch=self.batch_size * sampler.num_replicas * accumulation,
+                                micro_batch=self.batch_size)
+        return sampler
 
     def _record_partition(self, labels: Sequence[int], parts: list[list[int]]) -> None:
         """What each rank's client holds, by class: kept for summary.json and printed once."""
@@ -271,7 +324,7 @@ class ShardedDataModule(LightningDataModule):
                                 ranks=num_replicas, block=self.rank_block)
         if point.skipped:
             reason = unshared_position(epoch, samples, ranks=num_replicas, block=self.rank_block)
-            if not self.elastic:  # the app refuses it before launch (litscale.app.resume_checks)
+            if not self.elastic:  # the app refuses it before launch (litscale.app.checks.checkpoint)
                 raise ValueError(f"trainer.devices: {reason}; allowed: a count of data-parallel ranks that divides "
                                  f"it, elastic=true to skip ahead to sample {samples + point.skipped}, or start "
                                  "fresh with ckpt_path=null")

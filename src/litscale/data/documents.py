@@ -66,19 +66,35 @@ def _read_text(path: str, text_field: str) -> Iterator[tuple[str, int]]:
 
 
 def _read_jsonl(path: str, text_field: str) -> Iterator[tuple[str, int]]:
+    for record, size, where in read_records(path):
+        yield ("", size) if record is None else (_text_of(record, text_field, where), size)
+
+
+def _read_parquet(path: str, text_field: str) -> Iterator[tuple[str, int]]:
+    for record, size, where in read_records(path):
+        yield ("", size) if record is None else (_text_of(record, text_field, where), size)
+
+
+def read_records(path: str) -> Iterator[tuple[dict | None, int, str]]:
+    """``(record, bytes_read, where)`` for each line of a JSONL file or row of a Parquet file
+    (``where``: "line 3 of <path>"); a blank line, or the end of a Parquet file, is a None
+    record that still moves a progress bar by its bytes."""
+    if file_kind(path) == "parquet":
+        yield from _parquet_records(path)
+        return
     with open(path, "rb") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
-                yield "", len(line)
+                yield None, len(line), f"line {number} of {path}"
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"data.paths: line {number} of {path} is not JSON ({error.msg})") from None
-            yield _text_of(record, text_field, f"line {number} of {path}"), len(line)
+            yield record, len(line), f"line {number} of {path}"
 
 
-def _read_parquet(path: str, text_field: str) -> Iterator[tuple[str, int]]:
+def _parquet_records(path: str) -> Iterator[tuple[dict | None, int, str]]:
     try:
         import datasets  # an optional extra: imported only when a Parquet file is read
     except ImportError:
@@ -89,8 +105,8 @@ def _read_parquet(path: str, text_field: str) -> Iterator[tuple[str, int]]:
     # Streaming reads the local file row group by row group, with no copy in the datasets cache.
     rows = datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True)
     for number, row in enumerate(rows, start=1):
-        yield _text_of(row, text_field, f"row {number} of {path}"), 0
-    yield "", os.path.getsize(path)
+        yield row, 0, f"row {number} of {path}"
+    yield None, os.path.getsize(path), f"the end of {path}"
 
 
 def _text_of(record: object, text_field: str, where: str) -> str:

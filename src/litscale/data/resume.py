@@ -28,6 +28,8 @@ class ResumableOrder:
     _skip: tuple[int, int] | None = None  # (data epoch, samples of this rank's order to skip)
     _epoch_offset: int = 0
     _resuming: bool = False
+    #: Samples of this rank's order the current epoch skipped (a resume), once it began.
+    skipped: int = 0
     #: Called as ``on_epoch_start(data epoch, samples skipped)`` when an epoch's order begins.
     on_epoch_start: Callable[[int, int], None] | None = None
 
@@ -45,6 +47,7 @@ class ResumableOrder:
         """This epoch's ``order`` less the samples a resume skips (once: later epochs whole)."""
         skip, self._skip = self._skip, None
         skipped = skip[1] if skip and skip[0] == self.epoch else 0
+        self.skipped = skipped
         if self.on_epoch_start is not None:
             self.on_epoch_start(self.epoch, skipped)
         # NOTE: __len__ stays the whole epoch's: Lightning counts the resumed epoch's batches

@@ -36,9 +36,10 @@ class TextTokenizer(Protocol):
     name: str
     vocab_size: int  # one more than the largest token id: the model's embedding rows
     eos_id: int  # ends each document in the token stream
+    eos_token: str  # how a chat template writes it
     fingerprint: str  # changes whenever the tokens of some text would
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[np.ndarray]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -49,9 +50,10 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 257
     eos_id = 256
+    eos_token = END_OF_TEXT
     fingerprint = "byte:1"
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[np.ndarray]:
         return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -78,13 +80,14 @@ class SubwordTokenizer:
         # Added tokens may sit past the base vocabulary, with gaps: size by the largest id.
         self.vocab_size = max(vocab.values()) + 1
         eos = _end_of_text(name, path, vocab)
-        self.eos_id = vocab[eos]
+        self.eos_id, self.eos_token = vocab[eos], eos
         self.fingerprint = hashlib.sha256(content + eos.encode("utf-8")).hexdigest()
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[np.ndarray]:
         # The tokenizer's own special tokens stay (a Llama tokenizer starts each text with
-        # <|begin_of_text|>); the pipeline ends each document with eos_id.
-        encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=True)
+        # <|begin_of_text|>); the pipeline ends each document with eos_id. A chat template
+        # writes them itself (add_special_tokens=False).
+        encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
         return [np.asarray(encoding.ids, dtype=np.uint32) for encoding in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -3,6 +3,7 @@ default the Python standard library's source, tokenized once and packed into seq
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Literal
@@ -18,8 +19,10 @@ from litscale.data.byte_corpus import default_cache_dir
 from litscale.data.byte_windows import MemmapWindows, coalesce, held_out_cut
 from litscale.data.documents import corpus_files, missing_paths_error, read_documents
 from litscale.data.partition import ClientSampler, contiguous_source_clients
+from litscale.data.token_batch import SampleKey, TokenBatch, positions_after_ends, sample_key
 from litscale.data.token_cache import TokenCache, build_cache, cache_stem, is_complete, load_cache
 from litscale.data.tokenizer import load_tokenizer
+from litscale.data.tokenizer_directory import write_tokenizer_directory
 from litscale.user_paths import user_path
 
 __all__ = ["PackedSequences", "TokenDataModule", "missing_paths_error"]
@@ -69,6 +72,25 @@ class PackedSequences(MemmapWindows):
         return window[:-1], window[1:]
 
 
+class DocumentWindows(PackedSequences):
+    """``PackedSequences`` as ``TokenBatch`` rows (``data.document_mask=true``): each window's
+    positions restart after every end-of-text token, so a model that attends within documents
+    keeps each document to itself; every target counts."""
+
+    def __init__(self, path: str, dtype: np.dtype, ranges: list[tuple[int, int]], seq_len: int, end_id: int) -> None:
+        super().__init__(path, dtype, ranges, seq_len)
+        self.end_id = end_id
+
+    def counted_tokens(self, epoch: int = 0) -> np.ndarray:
+        return np.full(len(self), self.seq_len, dtype=np.int64)
+
+    def __getitem__(self, key: int | SampleKey) -> TokenBatch:
+        key = sample_key(key)
+        tokens, targets = super().__getitem__(key.index)
+        positions = torch.from_numpy(positions_after_ends(tokens.numpy(), self.end_id))
+        return TokenBatch(tokens, targets, positions, torch.tensor(key.counted_fraction, dtype=torch.float64))
+
+
 class TokenDataModule(ShardedDataModule):
     """Causal LM over a corpus tokenized once into a memory-mapped cache (``token_cache``).
 
@@ -100,10 +122,13 @@ class TokenDataModule(ShardedDataModule):
         partition: ``iid`` (one shared order), or ``source``: each rank (a federated client)
             trains on whole documents of its own source files (``contiguous_source_clients``);
             a sequence is packed within one client's documents.
+        document_mask: Batches are ``TokenBatch``es whose positions restart at each document,
+            so that attention never crosses from one document into the next packed beside it
+            (model=llama, moe or hf; ``litscale.models.documents``).
     """
 
     task = "causal_lm"
-    #: litscale.app.validation prepares and sets up the data before any rank starts.
+    #: litscale.app.checks.validation prepares and sets up the data before any rank starts.
     prepare_before_launch = True
 
     @checked_arguments("data")
@@ -121,6 +146,7 @@ class TokenDataModule(ShardedDataModule):
         num_workers: NonNegativeInt = 0,
         seed: int = 0,
         partition: Literal["iid", "source"] = "iid",
+        document_mask: bool = False,
     ) -> None:
         super().__init__(batch_size=batch_size, num_workers=num_workers, seed=seed, partition=partition)
         self.tokenizer = load_tokenizer(tokenizer)
@@ -135,6 +161,10 @@ class TokenDataModule(ShardedDataModule):
         self.seq_len = int(seq_len)
         self.val_fraction = float(val_fraction)
         self.cache_dir = user_path(cache_dir) if cache_dir else default_cache_dir()
+        if document_mask and partition != "iid":
+            raise ValueError(f"data.document_mask=true counts each global batch's tokens from the shared order, "
+                             f"which data.partition={partition} does not draw; allowed: data.partition=iid")
+        self.document_mask = bool(document_mask)
         self.split_by_document = True
         self.train_documents = self.val_documents = 0
         self.val_bytes_per_token = 1.0
@@ -142,6 +172,10 @@ class TokenDataModule(ShardedDataModule):
     @property
     def tokens_per_sample(self) -> int | None:
         return self.seq_len
+
+    def save_tokenizer(self, directory: str) -> list[str]:
+        """The tokenizer, as transformers reads it (an exported Hugging Face directory's)."""
+        return write_tokenizer_directory(self.tokenizer, None, directory)
 
     def _source(self) -> str:
         return f"data.paths={self.paths!r}" if self.paths is not None else "the standard library"
@@ -173,8 +207,10 @@ class TokenDataModule(ShardedDataModule):
         self._cache = cache
         self.val_bytes_per_token = _bytes_per_token(cache, val)
         self._val_bytes = (cache, val)
-        self.train_dataset = PackedSequences(cache.path, cache.dtype, train, self.seq_len)
-        self.val_dataset = PackedSequences(cache.path, cache.dtype, val, self.seq_len)
+        windows = (functools.partial(DocumentWindows, end_id=self.tokenizer.eos_id) if self.document_mask
+                   else PackedSequences)
+        self.train_dataset = windows(cache.path, cache.dtype, train, self.seq_len)
+        self.val_dataset = windows(cache.path, cache.dtype, val, self.seq_len)
         log.info("%d train and %d val sequences of %d tokens (%s)", len(self.train_dataset),
                  len(self.val_dataset), self.seq_len,
                  "split by document" if self.split_by_document else "split by position")

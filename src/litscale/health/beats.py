@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from typing import Any
 
 # The phases of one training step in the order a rank goes through them; ``data`` is the
 # wait for the next batch. Validation and checkpoint saves come after a step's optimizer.
@@ -47,3 +48,12 @@ class Beat:
     @classmethod
     def decode(cls, data: bytes) -> Beat:
         return cls(**json.loads(data))
+
+
+def after_fit(trainer: Any, work: str, collective: str | None = None) -> None:
+    """Tell the run's callbacks that this rank does ``work`` after fit (``on_after_fit``: the
+    watchdog's phase, a fault injected there), waiting in ``collective`` where it does."""
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_after_fit", None)
+        if hook is not None:
+            hook(trainer, work, collective)

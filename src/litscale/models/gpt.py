@@ -66,7 +66,7 @@ class CausalSelfAttention(nn.Module):
         self.out_proj = nn.Linear(d, d, bias=bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.mup), a plain run leaves it at 1.
+        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.optim.mup), a plain run leaves it at 1.
         self.score_multiplier = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ class GPT(nn.Module):
     tensor_parallel_plan = TENSOR_PARALLEL_PLAN
     pipeline_blocks = pipeline_blocks
     output_layers = ("lm_head",)  # the layer an optimizer of matrices (Muon) leaves to AdamW
-    output_multiplier = 1.0  # on the logits; µP sets it (litscale.mup)
+    output_multiplier = 1.0  # on the logits; µP sets it (litscale.optim.mup)
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -158,7 +158,7 @@ class GPT(nn.Module):
                 x = x * self.output_multiplier
         return x
 
-    # µP's declarations (litscale.mup): the width, and this model at another width.
+    # µP's declarations (litscale.optim.mup): the width, and this model at another width.
     def mup_width(self) -> int:
         return self.config.n_embd
 

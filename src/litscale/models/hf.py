@@ -9,10 +9,10 @@ an error, never a hub id.
 -> logits`` (causal, no KV cache), and the model-parallel declarations, derived from the
 model's own data (``hf_parallel.py``). Its children are the transformers model's, so its
 ``state_dict`` keys are the transformers checkpoint's (``model.layers.0.mlp.up_proj.weight``):
-``litscale.hf_export`` writes them out as they are.
+``litscale.models.hf_writing`` writes them out as they are.
 
 transformers is an optional extra (``pip install 'litscale[hf]'``); only this module and
-``litscale.hf_export`` import it, and nothing imports them unless ``model=hf`` or a Hugging
+``litscale.models.hf_writing`` import it, and nothing imports them unless ``model=hf`` or a Hugging
 Face export is asked for.
 """
 
@@ -108,6 +108,8 @@ class HFCausalLM(nn.Module):
     tensor_parallel_plan = tensor_parallel_plan
     tensor_parallel_sizes = tensor_parallel_sizes
     pipeline_blocks = pipeline_blocks
+    # forward takes ``positions`` of packed rows and keeps attention inside each document.
+    attends_within_documents = True
 
     def __init__(self, config: HFModelConfig) -> None:
         super().__init__()
@@ -121,23 +123,27 @@ class HFCausalLM(nn.Module):
         object.__setattr__(self, "transformers_model", model)
         self.runs_layer_by_layer = model.config.model_type in LAYER_BY_LAYER_FAMILIES
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions`` ``[batch, seq]`` of packed rows: transformers' own position ids, from
+        which its masks keep attention inside each document (a run of consecutive positions)."""
         if self.runs_layer_by_layer:
-            return self._forward_by_layer(tokens)
-        return self.transformers_model(input_ids=tokens, use_cache=False).logits
+            return self._forward_by_layer(tokens, positions)
+        return self.transformers_model(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
-    def _forward_by_layer(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _forward_by_layer(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The Llama family's own forward (transformers' ``LlamaModel.forward`` without the
         cache), written out unit by unit so that a pipeline stage skips the units it does not
         own (``None``): token ids (or hidden states) -> logits (or hidden states)."""
         base = self.model
         x = tokens if base.embed_tokens is None else base.embed_tokens(tokens)
         positions = torch.arange(x.shape[1], device=x.device)
+        if position_ids is None:
+            position_ids = positions[None]
         kinds = [attention_type(layer, base.config) for layer in base.layers]
-        masks = attention_masks(base.config, x, positions, set(kinds))
-        rotary = base.rotary_emb(x, positions[None])
+        masks = attention_masks(base.config, x, positions, set(kinds), position_ids)
+        rotary = base.rotary_emb(x, position_ids)
         for layer, kind in zip(base.layers, kinds, strict=True):
-            x = layer(x, attention_mask=masks[kind], position_ids=positions[None], cache_position=positions,
+            x = layer(x, attention_mask=masks[kind], position_ids=position_ids, cache_position=positions,
                       position_embeddings=rotary)
         if base.norm is not None:
             x = base.norm(x)
@@ -177,14 +183,16 @@ def attention_type(layer: nn.Module, config: PretrainedConfig) -> str:
 
 
 def attention_masks(config: PretrainedConfig, hidden: torch.Tensor, positions: torch.Tensor,
-                    kinds: set[str]) -> dict:
+                    kinds: set[str], position_ids: torch.Tensor | None = None) -> dict:
     """transformers' own mask of each attention type in ``kinds``, for a batch without padding
-    (``None`` where the attention kernel applies causality itself)."""
+    (``None`` where the attention kernel applies causality itself); with ``position_ids`` of
+    packed rows, transformers adds each document's block to it."""
+    position_ids = positions[None] if position_ids is None else position_ids
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     return {kind: builders[kind](config=config, input_embeds=hidden, attention_mask=None,
-                                 cache_position=positions, past_key_values=None, position_ids=positions[None])
+                                 cache_position=positions, past_key_values=None, position_ids=position_ids)
             for kind in kinds}
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveFloat, PositiveInt
+from litscale.models.documents import Documents
 from litscale.models.hf_reading import refuse_architecture_with_checkpoint
 from litscale.models.llama_parallel import (
     context_parallel_attention,
@@ -120,19 +121,21 @@ def rope_frequencies(config: LlamaConfig, device: torch.device | None = None) ->
 
 def rope_tables(config: LlamaConfig, seq_len: int, device: torch.device, *,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` of the angles at positions ``0 .. seq_len - 1`` (or at ``positions``, a
-    context-parallel rank's), each ``[seq_len, head_dim / 2]`` (float32)."""
+    """``(cos, sin)`` of the angles at positions ``0 .. seq_len - 1`` (or at ``positions``: a
+    context-parallel rank's, or ``[batch, seq_len]`` of packed rows), each ``[..., seq_len,
+    head_dim / 2]`` (float32)."""
     if positions is None:
         positions = torch.arange(seq_len, device=device)
-    angles = positions.to(device, torch.float32)[:, None] * rope_frequencies(config, device)[None, :]
+    angles = positions.to(device, torch.float32)[..., None] * rope_frequencies(config, device)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[batch, seq, heads, head_dim]``: feature ``i`` of the first half and
-    feature ``i`` of the second half form one pair (complex number), turned by its angle."""
+    feature ``i`` of the second half form one pair (complex number), turned by its angle
+    (``cos``, ``sin``: ``[seq, head_dim / 2]``, or ``[batch, seq, head_dim / 2]`` for packed rows)."""
     first, second = x.float().chunk(2, dim=-1)  # in float32, as Meta's reference does
-    cos, sin = cos[:, None, :], sin[:, None, :]  # the same angles for every head
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # the same angles for every head
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1).type_as(x)
 
 
@@ -148,8 +151,12 @@ class WholeSequence:
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
         return torch.arange(length, device=device)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention on ``[batch, heads, seq, head_dim]`` (fewer key/value heads: GQA)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Documents | None = None) -> torch.Tensor:
+        """Causal attention on ``[batch, heads, seq, head_dim]`` (fewer key/value heads: GQA),
+        within each document of packed rows (``documents``)."""
+        if documents is not None:
+            return documents.attend(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def sum_over_sequence(self, counts: torch.Tensor) -> torch.Tensor:
@@ -176,14 +183,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_head * head_dim, d, bias=False)
         self.q_norm = nn.RMSNorm(head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=config.norm_eps) if config.qk_norm else None
-        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.mup), a plain run leaves it at 1.
+        # On the scores' 1/sqrt(head_dim); µP sets it (litscale.optim.mup), a plain run leaves it at 1.
         self.score_multiplier = 1.0
 
     @property
     def head_dim(self) -> int:
         return self.config.head_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # NOTE: heads are counted from each projection's output width, not from the config,
         # so a tensor-parallel shard holding n_head / tp query and n_kv_heads / tp key/value
@@ -192,11 +199,12 @@ class Attention(nn.Module):
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope_tables(self.config, seq, x.device, positions=self.sequence.positions(seq, x.device))
+        positions = documents.positions if documents is not None else self.sequence.positions(seq, x.device)
+        cos, sin = rope_tables(self.config, seq, x.device, positions=positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.score_multiplier != 1.0:
             q = q * self.score_multiplier
-        y = self.sequence.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        y = self.sequence.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents)
         return self.o_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -226,8 +234,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = mlp if mlp is not None else SwiGLU(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), documents=documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -239,7 +247,9 @@ class Llama(nn.Module):
     pipeline_blocks = pipeline_blocks
     context_parallel_attention = context_parallel_attention
     output_layers = ("lm_head",)  # the layer an optimizer of matrices (Muon) leaves to AdamW
-    output_multiplier = 1.0  # on the logits; µP sets it (litscale.mup)
+    output_multiplier = 1.0  # on the logits; µP sets it (litscale.optim.mup)
+    # forward takes ``positions`` of packed rows and keeps attention inside each document.
+    attends_within_documents = True
 
     # Parameters that write into the residual stream (their init is scaled by 1/sqrt(2 n_layer)).
     residual_writers: tuple[str, ...] = ("o_proj.weight", "down_proj.weight")
@@ -271,13 +281,16 @@ class Llama(nn.Module):
         """Layer ``index``'s MLP; None is the SwiGLU (the MoE decoder puts experts in some)."""
         return None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (or, on a later pipeline stage, hidden states) -> logits (or hidden states).
+        ``positions`` ``[batch, seq]``: each token's position in its document, for packed rows
+        (``litscale.models.documents``); None: one causal sequence per row."""
         x = tokens
         if self.embed_tokens is not None:
             x = self.embed_tokens(tokens)
+        documents = Documents(positions) if positions is not None else None
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, documents=documents)
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is not None:
@@ -286,7 +299,7 @@ class Llama(nn.Module):
                 x = x * self.output_multiplier
         return x
 
-    # µP's declarations (litscale.mup): the width, and this model at another width.
+    # µP's declarations (litscale.optim.mup): the width, and this model at another width.
     def mup_width(self) -> int:
         return self.config.n_embd
 
@@ -363,7 +376,7 @@ def build_llama(
     return Llama(config)
 
 
-# --- a transformers Llama / Qwen3 config as litscale's (model.net.from_hf, litscale.hf_export) ---
+# --- a transformers Llama / Qwen3 config as litscale's (model.net.from_hf, litscale.models.hf_writing) ---
 
 
 def llama_config_of_hf(config: Any, source: str = "the config") -> LlamaConfig:

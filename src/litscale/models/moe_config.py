@@ -67,7 +67,7 @@ PRESETS: dict[str, MoEConfig] = {
 }
 
 
-# --- a transformers Qwen3-MoE config as litscale's (model.net.from_hf, litscale.hf_export) ---
+# --- a transformers Qwen3-MoE config as litscale's (model.net.from_hf, litscale.models.hf_writing) ---
 
 
 def moe_layout_of(sparse: list[int], n_layer: int, source: str = "the config") -> tuple[int, int]:

@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils import flop_counter
 
+from litscale.measure.tensor_bytes import shapes_only
 from litscale.models.llama import WHOLE_SEQUENCE, SwiGLU
 from litscale.models.moe_config import MoEConfig
-from litscale.tensor_bytes import shapes_only
 
 # --- grouped matmul --------------------------------------------------------------------------
 
@@ -291,7 +291,7 @@ class MoELayer(nn.Module):
 
     def counted_load(self) -> Tensor | None:
         """The counts ``take_statistics`` will hand back (assignments per expert, then dropped
-        ones), not reset: replica groups (``litscale.fault_tolerance``) sum them over the groups
+        ones), not reset: replica groups (``litscale.reliability.replica_groups``) sum them over the groups
         in place before the step's bias update reads them."""
         return self._load
 

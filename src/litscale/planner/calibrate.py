@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from litscale import flops
 from litscale.constraints import Fraction, NonNegativeFloat
-from litscale.flops import probe_matmul_flops
+from litscale.measure import flops
+from litscale.measure.flops import probe_matmul_flops
 from litscale.planner import machine
 from litscale.planner.cluster import Cluster, Link
 
@@ -177,7 +177,7 @@ def measure_contention(ranks: int, link: Link) -> float:
 
     import torch.multiprocessing as mp
 
-    from litscale.layout import MeshSizes
+    from litscale.parallel.layout import MeshSizes
     from litscale.planner.cost import Plan, collectives
     from litscale.planner.model_facts import model_facts
 

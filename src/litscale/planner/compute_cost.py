@@ -26,7 +26,7 @@ def profile_key(plan: Plan) -> str:
     the codec's time and ratio), under FSDP2 sharded over its data x context ranks (``fsdp<n>``),
     or plain (a pipeline's stage too)."""
     mesh, sharding = plan.mesh, plan.sharding
-    shards = mesh.data_shard * mesh.context
+    shards = mesh.fsdp
     if mesh.pipeline > 1:
         return "plain"
     if mesh.tensor > 1:
@@ -90,5 +90,5 @@ def timed_forward_backward_s(plan: Plan, facts: ModelFacts) -> float | None:
         return timed.forward_backward_s[micro] / plan.mesh.context
     plain = facts.profiles.get("plain")
     if plain is not None and micro in plain.forward_backward_s:
-        return plain.forward_backward_s[micro] / (plan.mesh.tensor * plan.mesh.context)
+        return plain.forward_backward_s[micro] / plan.mesh.sample_split
     return None

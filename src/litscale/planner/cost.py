@@ -1,7 +1,7 @@
 """One plan's prediction: memory per rank, the collectives of a step, and the step time.
 
 Memory: parameters, gradients and optimizer state per strategy (the ZeRO paper's formulas on
-what each strategy states of itself, ``litscale.sharding``, from which the memory callback
+what each strategy states of itself, ``litscale.parallel.sharding``, from which the memory callback
 estimates every run beside its measurement), plus activations traced on the meta device, scaled by activation
 checkpointing, tensor parallel and the micro-batches a pipeline stage holds in flight.
 Communication: bytes of each collective of a step (ring algorithms), timed with the
@@ -16,13 +16,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from litscale.parallel.layout import PIPELINE
+from litscale.parallel.sharding import Sharding, state_bytes_per_rank
 from litscale.planner.cluster import Cluster
 from litscale.planner.compute_cost import compute_s, profile_key
 from litscale.planner.model_facts import ModelFacts
 from litscale.planner.moe_cost import all_to_all, data_sharded_params, expert_fsdp_collectives
 from litscale.planner.pipeline_cost import rank_activation_bytes, rank_param_shares
 from litscale.planner.plan import Plan
-from litscale.sharding import Sharding, state_bytes_per_rank
 
 # Bytes per element by dtype name. (Optimizer state per parameter: ModelFacts'.)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -133,7 +134,7 @@ def rank_params(plan: Plan, facts: ModelFacts) -> float:
     routed experts split over the expert-parallel ranks)."""
     mesh, moe = plan.mesh, facts.moe
     if moe is None:
-        return facts.num_params / (mesh.tensor * mesh.pipeline)
+        return facts.num_params / mesh.model_split
     dense = facts.num_params - moe.layer_params
     return (dense / mesh.tensor + moe.layer_params - moe.expert_params + moe.expert_params / mesh.expert) / mesh.pipeline
 
@@ -148,7 +149,7 @@ def fsdp_gathered_bytes(plan: Plan, facts: ModelFacts) -> float:
     sharding, mesh = plan.sharding, plan.mesh
     if sharding.zero_stage != 3 or sharding.fp32_master_copy or mesh.fsdp == 1 and not sharding.whole_parameters_in_step:
         return 0.0  # not FSDP2 (DeepSpeed's ZeRO-3 keeps its own buffers: reduce_buffers)
-    split = mesh.tensor * mesh.pipeline
+    split = mesh.model_split
     if sharding.whole_parameters_in_step:  # the shards at fp32 (DTYPE_BYTES of the parameters)
         return facts.num_params / split / mesh.fsdp * DTYPE_BYTES[plan.param_dtype]
     experts = facts.moe.expert_params if facts.moe else 0
@@ -313,13 +314,13 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     them (ring algorithms: an all-reduce sends 2 (n-1)/n of the buffer, an all-gather or a
     reduce-scatter (n-1)/n), timed with one latency per ring message."""
     mesh, found = plan.mesh, []
-    share = 1 / (mesh.tensor * mesh.pipeline)
+    share = 1 / mesh.model_split
     sharded, _ = data_sharded_params(plan, facts)  # a mixture of experts' routed experts apart (moe_cost.py)
     grad_bytes = sharded * 4  # gradients reduced in fp32
     param_bytes = sharded * DTYPE_BYTES[plan.param_dtype]
     # FSDP shards over data x context: context-parallel ranks hold the same parameters.
-    shards = mesh.data_shard * mesh.context
-    data_link = cluster.link_for(mesh.data * mesh.context, mesh.tensor)
+    shards = mesh.fsdp
+    data_link = cluster.link_for(mesh.loss, mesh.stride("loss"))
     units = facts.layers  # FSDP / ZeRO-3 gather and scatter one sharding unit per call
 
     def ring(name: str, nbytes: float, calls: int, group: int, link, factor: int) -> None:
@@ -397,7 +398,7 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
         # schedule's middle two, on one rank at 2 ranks: one fewer again). With tensor
         # parallel a stage sends its slice of the sequence. Then the last stage broadcasts
         # the loss (fp32), once per training step.
-        link = cluster.link_for(mesh.pipeline, mesh.data * mesh.tensor)
+        link = cluster.link_for(mesh.pipeline, mesh.stride(PIPELINE))
         ends = 0 if mesh.pipeline > 2 else 1 + (plan.schedule in ("zbv_zero_bubble", "dualpipev"))
         calls = runs * (2 * plan.virtual_stages - ends)
         sent = calls * activation / mesh.tensor
@@ -429,7 +430,7 @@ def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) ->
 def newton_schulz_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
     """Muon's orthogonalisation on one rank: every hidden matrix it holds whole or gathers (a
     sharded matrix's update is gathered and orthogonalised on every rank of its shards,
-    ``litscale.muon``), a pipeline rank its stages' matrices, a ZeRO rank those of its partition
+    ``litscale.optim.muon``), a pipeline rank its stages' matrices, a ZeRO rank those of its partition
     (DeepSpeed's ZeRO Muon); FLOPs over the cluster's achieved throughput in its dtype, slowed
     by the node's contention as the forward-backward is."""
     share = 1 / plan.mesh.pipeline

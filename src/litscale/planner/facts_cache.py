@@ -28,7 +28,8 @@ from litscale.planner.profile_cache import code_identity, file_name, write_atomi
 NOT_STORED = ("net", "profiles")  # the network (built again), and the profiles (profile_cache's)
 
 
-def identity(net_config: dict, *, seq_len: int, vocab_size: int, compute_dtype: str, param_dtype: str) -> dict | None:
+def identity(net_config: dict, *, seq_len: int, vocab_size: int, compute_dtype: str, param_dtype: str,
+             packed_documents: bool = False) -> dict | None:
     """What a trace of ``net_config``'s network depends on; None where it cannot be cached."""
     if net_config.get("path") or net_config.get("from_hf") or isinstance(net_config.get("config"), str):
         return None
@@ -38,7 +39,7 @@ def identity(net_config: dict, *, seq_len: int, vocab_size: int, compute_dtype: 
         transformers = None
     code = code_identity()
     return {"net": net_config, "seq_len": seq_len, "vocab_size": vocab_size, "compute_dtype": compute_dtype,
-            "param_dtype": param_dtype, "litscale": code["litscale"], "code": code["code"], "torch": code["torch"],
+            "param_dtype": param_dtype, "packed_documents": packed_documents, "litscale": code["litscale"], "code": code["code"], "torch": code["torch"],
             "transformers": transformers}
 
 

@@ -1,5 +1,5 @@
 """This machine as a timing depends on it: which machine it is (``fingerprint``), and how busy
-it was (``litscale.flops.busy``, which the CPU peak below MFU obeys too).
+it was (``litscale.measure.flops.busy``, which the CPU peak below MFU obeys too).
 
 A calibration or a profile timed on one machine, or under another program's load, describes
 that machine and that moment: read back on another host sharing the cache directory, or taken
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import platform
 
-from litscale import flops
+from litscale.measure import flops
 
 
 def fingerprint() -> dict:

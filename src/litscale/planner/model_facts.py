@@ -134,6 +134,9 @@ class ModelFacts:
     matrix_tensors: int = 0
     newton_schulz_flops: float = 0.0
     newton_schulz_dtype: str = "float32"
+    # Traced and timed on packed rows (``data.pack``, ``data.document_mask``): attention kept
+    # inside each document by a mask, whose kernel keeps more for backward than a causal one.
+    packed_documents: bool = False
     # Of ``flops_per_token``, those of the layers precision=fp8 runs in float8 (its Linear layers
     # but the head: ``litscale.precision.converts_to_float8``).
     float8_flops_per_token: float = 0.0
@@ -197,11 +200,12 @@ class TracedStep:
 
 
 def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: bool = False,
-                      backward: bool = True, units: list[list[str]] | None = None) -> TracedStep:
+                      backward: bool = True, units: list[list[str]] | None = None,
+                      positions: torch.Tensor | None = None) -> TracedStep:
     """The bytes autograd saves in one forward (``saved``, as ``saved_activation_bytes``), the
     high-water mark of the forward and backward above the parameters and the gradients backward
     ends with (``step``, 0 without ``backward``), as torch's MemTracker counts the tensors alive
-    (litscale.step_memory: what a run's ``callbacks.memory.measure_peak`` measures), and of the
+    (litscale.measure.step_memory: what a run's ``callbacks.memory.measure_peak`` measures), and of the
     saved bytes those saved inside a mixture of experts' MoE layers. Gradients start as None, as
     each training step finds them.
 
@@ -214,13 +218,16 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
     activations stay (1F1B's first stages), where a whole model's backward has freed the
     later layers' first.
 
+    ``positions``: the rows are packed documents, passed to the net beside the tokens (its
+    attention then takes the masked kernel: ``litscale.models.documents``).
+
     NOTE: traced as CPU tensors under ``FakeTensorMode``, not on the meta device: there attention
     takes the math path and keeps every T x T score matrix (8 GiB per layer for Llama-3 8B at
     8,192 tokens), where the fused kernels of CPUs and GPUs keep only their output and log-sum-exp."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from litscale.declarations import find_moe_layers
-    from litscale.step_memory import TOTAL, total_only_tracker
+    from litscale.measure.step_memory import TOTAL, total_only_tracker
+    from litscale.parallel.declarations import find_moe_layers
 
     fake_net = copy.deepcopy(net)
     in_moe: list[bool] = [False]
@@ -236,6 +243,7 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake_net.to_empty(device="cpu")
         inputs = torch.empty_like(inputs, device="cpu")
+        arguments = (inputs,) if positions is None else (inputs, torch.empty_like(positions, device="cpu"))
         weights = {p.untyped_storage()._cdata for p in fake_net.parameters()}
         seen: dict[int, int] = {}
         seen_in_moe: dict[int, int] = {}
@@ -256,7 +264,7 @@ def traced_step_bytes(net: nn.Module, inputs: torch.Tensor, *, next_token_loss: 
         with tracker:
             start = tracker.get_tracker_snapshot()[cpu][TOTAL]
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                output = fake_net(inputs)
+                output = fake_net(*arguments)
                 # in fp32, as litscale's modules take it (``modules.next_token_loss``): under autocast
                 # the same, with 16-bit weights twice the log-probabilities' bytes of a 16-bit loss
                 loss = F.cross_entropy(output.flatten(0, 1).float(), inputs.flatten()) if next_token_loss \
@@ -317,6 +325,20 @@ class _BackwardWindows:
         self._open = None
 
 
+# The documents of a packed row as the planner traces and times one: the masked kernels of
+# CPUs (SDPA with a boolean mask) keep the same bytes and do the same work whatever the lengths.
+TRACED_DOCUMENTS = 4
+
+
+def packed_positions(rows: int, seq_len: int, device: str = "meta") -> torch.Tensor:
+    """``[rows, seq_len]`` positions of rows packed with ``TRACED_DOCUMENTS`` documents of
+    equal length (``litscale.data.token_batch``)."""
+    from litscale.data.token_batch import document_positions
+
+    lengths = [seq_len // TRACED_DOCUMENTS] * (TRACED_DOCUMENTS - 1)
+    return torch.as_tensor(document_positions(lengths, seq_len), device=device).expand(rows, seq_len)
+
+
 # The micro batches traced: forward at both, forward and backward at the larger (below a few
 # samples the gradients, not the activations, set a step's peak).
 TRACED_BATCHES = (2, 4)
@@ -342,24 +364,25 @@ def traced_precision(net: nn.Module, compute_dtype: str, param_dtype: str) -> It
 
 
 def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype: str = "float32",
-                param_dtype: str = "float32") -> ModelFacts:
-    """Facts of a zoo network (GPT, Llama, Hugging Face) built on the meta device."""
+                param_dtype: str = "float32", packed_documents: bool = False) -> ModelFacts:
+    """Facts of a zoo network (GPT, Llama, Hugging Face) built on the meta device; with
+    ``packed_documents``, traced on packed rows (``packed_positions``)."""
     config = getattr(net, "config", None)
     units = list(net.sharding_units()) if hasattr(net, "sharding_units") else [net]
     in_units = sum(p.numel() for unit in units for p in unit.parameters())
     hidden = _first(config, ("n_embd", "dim", "hidden_size"), 0)
     heads = _first(config, ("n_head", "n_heads", "num_attention_heads"), 1)
     blocks = pipeline_block_names(net)
-    traced, moe_per_sample = traced_activations(net, seq_len, compute_dtype, param_dtype, blocks)
+    traced, moe_per_sample = traced_activations(net, seq_len, compute_dtype, param_dtype, blocks, packed_documents)
     # Mixed precision runs two ways: under autocast (DDP, one process: fp32 weights, the residual
     # stream and the norms in fp32) or with the weights gathered in 16 bits and no autocast
     # (FSDP2's policy, DeepSpeed's engine: every activation 16-bit). Both are traced.
-    sixteen_bit = traced_activations(net, seq_len, compute_dtype, compute_dtype, blocks)[0] \
+    sixteen_bit = traced_activations(net, seq_len, compute_dtype, compute_dtype, blocks, packed_documents)[0] \
         if traced["traced_under_autocast"] else {}
     num_params = sum(p.numel() for p in net.parameters())
     norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
     return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
-                      float8_flops_per_token=float8_flops_per_token(net),
+                      float8_flops_per_token=float8_flops_per_token(net), packed_documents=packed_documents,
                       float8_linears=tuple((m.in_features, m.out_features) for name, m in net.named_modules()
                                            if converts_to_float8(m, name)),
                       layers=len(units), hidden=hidden, heads=heads, **traced, weights_in_compute_dtype=sixteen_bit,
@@ -373,15 +396,19 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype:
 
 
 def traced_activations(net: nn.Module, seq_len: int, compute_dtype: str, param_dtype: str,
-                       blocks: list[list[str]]) -> tuple[dict, float]:
+                       blocks: list[list[str]], packed_documents: bool = False) -> tuple[dict, float]:
     """``ModelFacts``' activation fields, traced at two micro batches in the given precision (see
-    ``traced_precision``), and the bytes the MoE layers save per sample."""
+    ``traced_precision``), on packed rows with ``packed_documents``, and the bytes the MoE
+    layers save per sample."""
     small, large = TRACED_BATCHES
+
+    def rows(batch: int) -> dict:
+        tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+        return {"inputs": tokens, "positions": packed_positions(batch, seq_len) if packed_documents else None}
+
     with traced_precision(net, compute_dtype, param_dtype) as (traced_net, traced_dtype):
-        at_small = traced_step_bytes(traced_net, torch.zeros(small, seq_len, dtype=torch.long, device="meta"),
-                                     next_token_loss=True, backward=False, units=blocks)
-        at_large = traced_step_bytes(traced_net, torch.zeros(large, seq_len, dtype=torch.long, device="meta"),
-                                     next_token_loss=True, units=blocks)
+        at_small = traced_step_bytes(traced_net, **rows(small), next_token_loss=True, backward=False, units=blocks)
+        at_large = traced_step_bytes(traced_net, **rows(large), next_token_loss=True, units=blocks)
     saved_small, saved_large, step_large = at_small.saved, at_large.saved, at_large.step
     per_sample = (saved_large - saved_small) / (large - small)
     block_per_sample = [(b - a) / (large - small) for a, b in zip(at_small.saved_by_unit, at_large.saved_by_unit, strict=True)]
@@ -415,7 +442,7 @@ def moe_facts(net: nn.Module, saved_per_sample: float = 0.0) -> MoEFacts | None:
     its modules: each declared module's parent is its MoE layer (router, experts, shared
     experts); None for a dense network. ``saved_per_sample``: the traced bytes its MoE layers
     save for backward, per sample."""
-    from litscale.declarations import find_expert_modules, moe_parameter_counts
+    from litscale.parallel.declarations import find_expert_modules, moe_parameter_counts
 
     experts = find_expert_modules(net)
     config = getattr(net, "config", None)
@@ -441,9 +468,11 @@ def _first(config, names: tuple[str, ...], default: int) -> int:
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), default)
 
 
-def profile(net: nn.Module, *, seq_len: int, micro_batches: set[int], vocab_size: int, repeats: int = 3) -> Profile:
+def profile(net: nn.Module, *, seq_len: int, micro_batches: set[int], vocab_size: int, repeats: int = 3,
+            packed_documents: bool = False) -> Profile:
     """``net`` (real weights, on the CPU; sharded or not) timed at each micro batch: the median
-    of ``repeats`` forward-backwards after one untimed, on one thread; and one AdamW step."""
+    of ``repeats`` forward-backwards after one untimed, on one thread (on packed rows with
+    ``packed_documents``); and one AdamW step."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
@@ -451,7 +480,8 @@ def profile(net: nn.Module, *, seq_len: int, micro_batches: set[int], vocab_size
         timed = {}
         for micro in sorted(micro_batches):
             tokens = torch.randint(vocab_size, (micro, seq_len + 1), generator=generator)
-            timed[micro] = _median_seconds(lambda t=tokens: forward_backward(net, t), repeats)
+            positions = packed_positions(micro, seq_len, device="cpu") if packed_documents else None
+            timed[micro] = _median_seconds(lambda t=tokens, p=positions: forward_backward(net, t, p), repeats)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-6)
         step_s = _median_seconds(optimizer.step, repeats)
         net.zero_grad(set_to_none=True)
@@ -460,9 +490,10 @@ def profile(net: nn.Module, *, seq_len: int, micro_batches: set[int], vocab_size
     return Profile(timed, step_s)
 
 
-def forward_backward(net: nn.Module, tokens: torch.Tensor) -> None:
-    """One training step's forward and backward: next-token cross-entropy over ``tokens``."""
-    logits = net(tokens[:, :-1])
+def forward_backward(net: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+    """One training step's forward and backward: next-token cross-entropy over ``tokens``, the
+    rows packed documents at ``positions`` where given."""
+    logits = net(tokens[:, :-1]) if positions is None else net(tokens[:, :-1], positions)
     if hasattr(logits, "full_tensor"):  # a DTensor (tensor parallel): the loss on the whole logits
         logits = logits.full_tensor()
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from litscale.parallel.layout import MeshAxis
 from litscale.planner.cluster import Cluster
 from litscale.planner.model_facts import ModelFacts
 
@@ -42,10 +43,10 @@ def data_sharded_params(plan, facts: ModelFacts) -> tuple[float, float]:
     routed experts FSDP shards over its expert-data ranks, per expert-parallel rank)."""
     mesh, moe = plan.mesh, facts.moe
     if moe is None:
-        return facts.num_params / (mesh.tensor * mesh.pipeline), 0.0
+        return facts.num_params / mesh.model_split, 0.0
     experts = moe.expert_params if mesh.expert > 1 else 0
-    dense = (facts.num_params - moe.layer_params) / (mesh.tensor * mesh.pipeline)
-    return dense + (moe.layer_params - experts) / mesh.pipeline, experts / (mesh.pipeline * mesh.expert)
+    dense = (facts.num_params - moe.layer_params) / mesh.model_split
+    return dense + (moe.layer_params - experts) / mesh.pipeline, experts / mesh.expert_split
 
 
 def flops_per_token_per_rank(plan, facts: ModelFacts) -> float:
@@ -106,8 +107,8 @@ def expert_fsdp_collectives(plan, facts: ModelFacts, cluster: Cluster, ring: Rin
     _, experts = data_sharded_params(plan, facts)
     if not experts:
         return
-    group, acc = mesh.data * mesh.context // mesh.expert, plan.accumulation
-    link = cluster.link_for(group, mesh.tensor * mesh.expert)
+    group, acc = mesh.expert_data, plan.accumulation
+    link = cluster.link_for(group, mesh.stride(MeshAxis.EXPERT_DATA))
     ring("expert parameter all-gather", acc * 2 * experts * dtype_bytes, acc * 2 * moe.layers, group, link, 1)
     ring("expert gradient reduce-scatter", acc * experts * 4, acc * moe.layers, group, link, 1)
 

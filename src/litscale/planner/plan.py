@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
+from litscale.parallel.sharding import Sharding
 from litscale.planner.strategies import built, registered, takes
-from litscale.sharding import Sharding
 
 # The strategies' keywords for mesh sizes: ``describe`` shows them as the mesh (pp, dp, cp, tp, ep).
 MESH_KEYWORDS = frozenset({"replicate_size", "data_parallel_size", "context_parallel_size", "tensor_parallel_size",
@@ -87,8 +87,8 @@ class Plan:
     @property
     def sharding(self) -> Sharding:
         """How the plan's strategy, built with its options, holds a rank's share
-        (``litscale.sharding``; a pipeline keeps its stage gathered through the step), or the
-        published run's framework's (``Framework.held``)."""
+        (``litscale.parallel.sharding``; a pipeline keeps its stage gathered through the step), or
+        the published run's framework's (``Framework.held``)."""
         if self.framework is not None and self.framework.held is not None:
             return self.framework.held
         return built(self.strategy, self.strategy_options()).sharding

@@ -28,7 +28,7 @@ from litscale.planner.model_facts import Profile
 
 # What a profile runs, relative to the package: the networks, how strategies shard and split
 # them, the compression hooks, and the timing itself.
-TIMED_CODE = ("models", "strategies", "compression", "sharding.py", "precision.py", "planner/model_facts.py",
+TIMED_CODE = ("models", "strategies", "compression", "parallel", "precision.py", "planner/model_facts.py",
               "app/plan/profile.py")
 # A run's measured step this many times off its prediction (either way) contradicts it.
 CONTRADICTION_FACTOR = 2.0

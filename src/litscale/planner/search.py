@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from litscale.layout import MeshSizes
+from litscale.parallel.layout import MeshSizes
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction, predict
 from litscale.planner.model_facts import ModelFacts
@@ -57,7 +57,7 @@ def candidates(cluster: Cluster, facts: ModelFacts) -> Iterator[tuple[str, dict[
             if facts.moe is None or not takes(cls, "expert_parallel_size"):
                 yield name, options, mesh
                 continue
-            for experts in divisors(mesh.data * mesh.context):
+            for experts in divisors(mesh.expert_borrowed):
                 yield name, {**options, "expert_parallel_size": experts}, dataclasses.replace(mesh, expert=experts)
 
 

@@ -1,4 +1,4 @@
-"""The strategies as the planner asks them (``litscale.contract``): which there are, each built
+"""The strategies as the planner asks them (``litscale.parallel.contract``): which there are, each built
 for a plan as a run builds it, and why one refuses a plan, in its own one line.
 
 The planner keeps no table of strategy names and restates none of their rules: the strategies
@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from litscale.contract import (
+from litscale.parallel.contract import (
     Option,
     contract_value,
     missing_requirement,
@@ -25,7 +25,7 @@ from litscale.contract import (
     why_not,
     why_not_with,
 )
-from litscale.layout import MeshSizes, mesh_of
+from litscale.parallel.layout import MeshSizes, mesh_of
 
 if TYPE_CHECKING:
     from torch import nn
@@ -97,7 +97,7 @@ class Refusals:
         """``run_options``: the contract's options the run chose that no plan changes (Muon, the
         determinism mode, ...: all but precision and compression), each as typed; ``settings``:
         the run's ``optimizer.<key>`` and ``trainer.<key>`` values a strategy may refuse them
-        with (``litscale.contract.why_not_with``)."""
+        with (``litscale.parallel.contract.why_not_with``)."""
         if net is None:
             raise ValueError("the planner asks each strategy to check the model, so the model's facts must carry "
                              "its network (litscale.planner.model_facts.model_facts sets it)")

@@ -1,4 +1,9 @@
-"""Lightning Strategy subclasses, usable in any Lightning script.
+"""Lightning Strategy subclasses, usable in any Lightning script: thin, each listing the
+contract (``litscale.parallel.contract``) and the checkpointing mixin
+(``litscale.checkpoint.strategy_checkpointing``). FSDP, tensor and pipeline parallel share one
+base (``mesh_strategy``: their ``ParallelMesh`` and the hooks they would otherwise repeat) and
+one ``parallelize`` function (TP -> CP -> EP -> activation checkpointing -> FSDP), which each
+pipeline stage calls too.
 
 Importing this package registers each under a ``litscale_*`` name in Lightning's
 ``StrategyRegistry``, so ``Trainer(strategy="litscale_ddp")`` works.

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from litscale.declarations import declared, find_moe_layers
+from litscale.models.documents import Documents
+from litscale.parallel.declarations import declared, find_moe_layers
 from litscale.strategies.context_attention import causal_attention_of_chunks
 
 if TYPE_CHECKING:
@@ -78,11 +79,19 @@ class SequenceShard:
         return torch.cat([torch.arange(g * chunk, (g + 1) * chunk, device=device)
                           for g in chunks_of(self.rank, self.size)])
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               documents: Documents | None = None) -> torch.Tensor:
         """Causal attention on ``[batch, heads, local seq, head_dim]``: each of this rank's two
-        query chunks over the gathered key/value chunks up to and including its own."""
+        query chunks over the gathered key/value chunks up to and including its own; with packed
+        rows (``documents``, of this rank's tokens), only over keys of the query's document."""
         keys, values = self.gather_in_sequence_order(k), self.gather_in_sequence_order(v)
-        return causal_attention_of_chunks(q, keys, values, chunks_of(self.rank, self.size))
+        if documents is None:
+            return causal_attention_of_chunks(q, keys, values, chunks_of(self.rank, self.size))
+        # The documents of the whole sequence, from every rank's positions: gathered once per forward.
+        whole = documents.kept("whole sequence", lambda: Documents(self.gather_in_sequence_order(
+            documents.positions[:, None], dim=2)[:, 0]))
+        rows = self.positions(q.shape[2], q.device)  # where this rank's tokens sit in the sequence
+        return whole.attend(q, keys, values, query_rows=rows)
 
     def sum_over_sequence(self, counts: torch.Tensor) -> torch.Tensor:
         """``counts`` (no gradient) of this rank's tokens summed with its peers': the whole
@@ -91,11 +100,11 @@ class SequenceShard:
         torch.distributed.all_reduce(summed, group=self.mesh.get_group())
         return summed
 
-    def gather_in_sequence_order(self, tensor: torch.Tensor) -> torch.Tensor:
+    def gather_in_sequence_order(self, tensor: torch.Tensor, dim: int = 2) -> torch.Tensor:
         """Every rank's share of ``[batch, heads, local seq, head_dim]``, as the whole sequence."""
         from torch.distributed._functional_collectives import all_gather_single
 
-        return in_sequence_order(all_gather_single(tensor.contiguous(), 2, self.mesh), self.size)
+        return in_sequence_order(all_gather_single(tensor.contiguous(), dim, self.mesh), self.size)
 
 
 def in_sequence_order(gathered: torch.Tensor, size: int) -> torch.Tensor:
@@ -144,13 +153,3 @@ def apply_context_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
     shard = SequenceShard(mesh)
     for user in [*(attention_modules(module) or ()), *find_moe_layers(module)]:
         user.sequence = shard
-
-
-def data_context_mesh(mesh: DeviceMesh, data: tuple[str, ...], context: str) -> DeviceMesh:
-    """The mesh FSDP shards over when the sequence is split: the data dimensions with the
-    context one folded into the innermost (context-parallel ranks hold the same parameters
-    and see parts of the same samples, so they share the sharding and the gradient mean)."""
-    *outer, inner = data
-    name = f"{inner}_{context}"
-    mesh[(inner, context)]._flatten(name)
-    return mesh[(*outer, name)]

@@ -9,15 +9,15 @@ from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.compression import CommHook
 from litscale.constraints import PositiveFloat, PositiveInt
-from litscale.contract import StrategyContract
-from litscale.sharding import REPLICATED, Sharding
+from litscale.parallel.contract import StrategyContract
+from litscale.parallel.layout import MeshSizes
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
-from litscale.strategies.mesh import MeshSizes
 
 
-class DDPStrategy(StrategyContract, LightningDDPStrategy):
+class DDPStrategy(StrategyContract, StrategyCheckpointing, LightningDDPStrategy):
     """Lightning's DDP, plus gradient-compression hooks on CPU/gloo and a clean exit.
 
     Lightning attaches ``ddp_comm_hook`` only when the device is CUDA; torch's DDP runs comm
@@ -51,7 +51,6 @@ class DDPStrategy(StrategyContract, LightningDDPStrategy):
         )
         self.compression = compression
 
-    sharding: Sharding = REPLICATED  # litscale.sharding.LaidOut: what the memory figures read
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """Every rank holds a full replica and sees distinct samples."""

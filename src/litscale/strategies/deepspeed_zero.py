@@ -28,16 +28,17 @@ from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import PositiveInt
-from litscale.contract import Option, SettingRefusal, StrategyContract, refusal_line
-from litscale.declarations import declared
 from litscale.extras import DEEPSPEED
-from litscale.muon import Muon
+from litscale.optim.muon import Muon
+from litscale.parallel.contract import Option, SettingRefusal, StrategyContract, refusal_line
+from litscale.parallel.declarations import declared
+from litscale.parallel.layout import MeshSizes
+from litscale.parallel.sharding import Sharding
 from litscale.precision import PrecisionDtypes
-from litscale.sharding import Sharding
 from litscale.strategies.fully_shard import norms_with_running_statistics
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
-from litscale.strategies.mesh import MeshSizes
 from litscale.strategies.zero_muon import MUON_CONDITIONS, deepspeed_muon, why_not_muon
 
 _DEEPSPEED_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -98,7 +99,7 @@ def zero_sharding(stage: int, *, contiguous_gradients: bool = True, overlap_comm
                     reduce_bucket_elements=reduce_bucket_size, reduce_buffer_bytes=4 if stage == 1 else 0)
 
 
-class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
+class DeepSpeedZeroStrategy(StrategyContract, StrategyCheckpointing, LightningDeepSpeedStrategy):
     """ZeRO-1 (optimizer state sharded), ZeRO-2 (+ gradients) or ZeRO-3 (+ parameters).
 
     Precision comes from the Trainer's ``precision`` (Lightning writes DeepSpeed's
@@ -262,27 +263,6 @@ class DeepSpeedZeroStrategy(StrategyContract, LightningDeepSpeedStrategy):
         return result
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """DeepSpeed's own directory through its engine when it was saved on as many ranks in
-        this stage's partition format; anything else (another strategy's file or sharded
-        directory, a DeepSpeed checkpoint of another world size or of ZeRO-3 against 1/2) read
-        whole and written into the built ZeRO engine (``litscale.deepspeed_moves.load_into_zero``)."""
-        from litscale.checkpoint_moves import read_as_file
-        from litscale.deepspeed_moves import (
-            deepspeed_as_file_checkpoint,
-            is_deepspeed_checkpoint,
-            load_into_zero,
-            reads_as_saved,
-        )
-
-        path = str(self.broadcast(str(checkpoint_path)))
-        if not is_deepspeed_checkpoint(path):
-            return load_into_zero(read_as_file(path), self.lightning_module, self.deepspeed_engine)
-        if reads_as_saved(path, self.stage, self.world_size):
-            return LightningDeepSpeedStrategy.load_checkpoint(self, checkpoint_path, weights_only)
-        return load_into_zero(deepspeed_as_file_checkpoint(path), self.lightning_module, self.deepspeed_engine)
-
-    @override
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
         """Lightning's call, with a device rank DeepSpeed accepts on CPU (a CPU device has no
         index; DeepSpeed compares it with 0)."""
@@ -388,7 +368,7 @@ def zero_memory_bytes(engine: Any, stage: int) -> dict[str, int]:
     partition is ``ds_tensor``. Gradients are the module's ``.grad`` (stage 1 keeps them
     whole until the step) plus the reduced partitions; the optimizer holds the fp32 master
     partition and the wrapped optimizer's state."""
-    from litscale.tensor_bytes import optimizer_state_tensors, storage_bytes
+    from litscale.measure.tensor_bytes import optimizer_state_tensors, storage_bytes
 
     zero = engine.optimizer
     params = list(engine.module.parameters())

@@ -22,7 +22,7 @@ index first, whose forward takes rows sorted by expert and the count of rows per
 
 The expert ranks are borrowed from the innermost data (x context) ranks: the mesh's data
 dimensions flattened, then unflattened as ``expert data x expert`` (both sharing the
-strategy's root mesh, as FSDP2's EP path asks). The other parameters are sharded by the
+strategy's root mesh, as FSDP2's EP path asks; ``litscale.parallel.mesh`` builds them). The other parameters are sharded by the
 strategy over all data ranks afterwards; FSDP2 leaves the experts, already sharded, alone.
 """
 
@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from litscale.declarations import find_expert_modules
-from litscale.layout import MeshAxis
-from litscale.tensor_bytes import shapes_only
+from litscale.measure.tensor_bytes import shapes_only
+from litscale.parallel.declarations import find_expert_modules
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -69,16 +68,6 @@ def check_expert_parallel_sizes(expert_parallel_size: int, n_experts: int | None
     if n_experts % expert_parallel_size:
         raise ValueError(f"strategy.expert_parallel_size={expert_parallel_size} does not divide "
                          f"model.net.n_experts={n_experts}; allowed: a divisor of {n_experts}")
-
-
-def expert_meshes(mesh: DeviceMesh, borrowed_dims: tuple[str, ...], expert_parallel_size: int
-                  ) -> tuple[DeviceMesh, DeviceMesh]:
-    """(expert mesh, expert-data mesh): ``mesh``'s ``borrowed_dims`` (data, then context)
-    flattened and split as ``expert data x expert``, the expert ranks innermost."""
-    borrowed = mesh[borrowed_dims]._flatten() if len(borrowed_dims) > 1 else mesh[borrowed_dims[0]]
-    expert_data = borrowed.size() // expert_parallel_size
-    split = borrowed._unflatten(0, (expert_data, expert_parallel_size), (MeshAxis.EXPERT_DATA, MeshAxis.EXPERT))
-    return split[MeshAxis.EXPERT], split[MeshAxis.EXPERT_DATA]
 
 
 class TokenExchange:
@@ -142,30 +131,29 @@ def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(module: nn.Module, mesh: DeviceMesh, *, expert_parallel_size: int,
-                          borrowed_dims: tuple[str, ...], reshard_after_forward: bool = True,
+def apply_expert_parallel(module: nn.Module, expert_mesh: DeviceMesh, expert_data_mesh: DeviceMesh, *,
+                          divide_factor: int, reshard_after_forward: bool = True,
                           mp_policy: MixedPrecisionPolicy | None = None) -> None:
-    """Shard ``module``'s declared experts over ``expert_parallel_size`` of ``mesh``'s
-    ``borrowed_dims`` ranks, wrap them with the token exchange and FSDP2 them over the rest
-    (module docstring). Call before the strategy's own FSDP of the other parameters."""
+    """Shard ``module``'s declared experts over ``expert_mesh`` (the expert ranks borrowed from
+    the data x context ranks: ``ParallelMesh``'s ``expert``), wrap them with the token exchange
+    and FSDP2 them over ``expert_data_mesh`` (the rest of those ranks), their gradients divided by
+    ``divide_factor`` (every borrowed rank's samples) (module docstring). Call before the
+    strategy's own FSDP of the other parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import distribute_module
 
     experts = find_expert_modules(module)
-    if expert_parallel_size == 1 or not experts:
+    if not experts:
         return
-    expert_mesh, expert_data_mesh = expert_meshes(mesh, borrowed_dims, expert_parallel_size)
-    data_ranks = expert_mesh.size() * expert_data_mesh.size()
     for experts_module in experts:
         exchange = TokenExchange()
         distribute_module(experts_module, expert_mesh, _shard_experts,
                           input_fn=exchange.dispatch, output_fn=exchange.combine)
         fully_shard(experts_module, mesh=expert_data_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp_policy or MixedPrecisionPolicy())
-        experts_module.set_gradient_divide_factor(data_ranks)
+        experts_module.set_gradient_divide_factor(divide_factor)
         if expert_data_mesh.device_type == "cpu" and expert_data_mesh.size() > 1:
             # NOTE: a divide factor makes FSDP reduce with NCCL's PREMUL_SUM, which gloo refuses;
             # a plain sum with the division after it is the same arithmetic. Not on a mesh of one
             # rank: there torch 2.13 divides by the factor with no reduction, then again after it.
             experts_module.set_force_sum_reduction_for_comms(True)
-

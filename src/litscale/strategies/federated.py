@@ -33,10 +33,10 @@ from typing_extensions import override
 from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.constraints import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt
-from litscale.contract import Option
+from litscale.parallel.contract import Option
+from litscale.parallel.layout import MeshSizes
 from litscale.strategies.ddp import DDPStrategy
 from litscale.strategies.local_sgd_state import LocalSGDState, OuterOptimizer, local_sgd_hook
-from litscale.strategies.mesh import MeshSizes
 
 
 def sampled_clients(round_index: int, clients: int, per_round: int | None, seed: int) -> list[int]:

@@ -21,38 +21,28 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
-from litscale.layout import CONTEXT, MeshAxis
 from litscale.lightning_private import materialize_distributed_module
+from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option
+from litscale.parallel.gradient_norm import clip_by_norm_across_mesh
+from litscale.parallel.layout import MeshSizes, data_shards_left
+from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.precision import PrecisionDtypes
-from litscale.sharding import Sharding, fsdp2_sharding
-from litscale.strategies.context_parallel import (
-    check_context_parallel_fits,
-    check_sequence_splits,
-    shard_batch,
-)
+from litscale.strategies.context_parallel import check_context_parallel_fits, check_sequence_splits
 from litscale.strategies.expert_parallel import check_expert_parallel_fits
 from litscale.strategies.fully_shard import find_sharding_units, mixed_precision_policy
-from litscale.strategies.mesh import (
-    MeshSizes,
-    ShapeAndNames,
-    clip_by_norm_across_mesh,
-    is_parallelized,
-    sampler_kwargs,
-    setup_parallel_module,
-    start_mesh,
-)
+from litscale.strategies.mesh_strategy import MeshStrategy, is_parallelized, setup_parallel_module
 from litscale.strategies.parallelize import ParallelOptions, parallelize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.distributed.device_mesh import DeviceMesh
+
+    from litscale.parallel.mesh import ParallelMesh
+
 
 class _NoAutocast(MixedPrecision):
     """Lightning's mixed precision without autocast: FSDP's policy already runs the forward in
@@ -64,18 +54,7 @@ class _NoAutocast(MixedPrecision):
         return nullcontext()
 
 
-def fsdp_mesh_layout(sizes: MeshSizes) -> ShapeAndNames:
-    """FSDP's mesh: ``shard``, or ``replicate x shard`` (HSDP) with replicas; ``x context``
-    where the sequence is split."""
-    shape, names = (sizes.data_shard,), (MeshAxis.SHARD,)
-    if sizes.data_replicate > 1:
-        shape, names = (sizes.data_replicate, *shape), (MeshAxis.REPLICATE, *names)
-    if sizes.context > 1:
-        shape, names = (*shape, sizes.context), (*names, CONTEXT)
-    return shape, names
-
-
-class FSDPStrategy(StrategyContract, ModelParallelStrategy):
+class FSDPStrategy(MeshStrategy):
     """FSDP2 as a Lightning strategy: sharding units from the model, mixed precision from the
     ``precision`` group, DCP sharded checkpoints that resume at any world size.
 
@@ -88,7 +67,6 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
     # reduced within its group, are averaged with the same rank's in the other groups.
     averages_across_replica_groups = True
     phase_collectives = {"forward": "parameter all-gather", "backward": "all-gather / gradient reduce-scatter"}
-    mesh_layout = staticmethod(fsdp_mesh_layout)
 
     @checked_arguments("strategy")
     def __init__(
@@ -123,24 +101,19 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
         """Every rank a shard, each sequence split over each of ``context_sizes`` that divides
         the world; across nodes, also HSDP: a replica per node, sharded within it (the planner's
         layouts)."""
-        found = [({"context_parallel_size": size}, MeshSizes(data_shard=world_size // size, context=size))
-                 for size in context_sizes if world_size % size == 0]
+        found = [({"context_parallel_size": size}, mesh) for size in context_sizes
+                 if (mesh := MeshSizes.with_data_rest(world_size, context=size))]
         if nodes > 1:
-            found.append(({"replicate_size": nodes}, MeshSizes(data_replicate=nodes, data_shard=world_size // nodes)))
+            found.append(({"replicate_size": nodes}, MeshSizes.with_data_rest(world_size, data_replicate=nodes)))
         return found
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         """``replicate_size`` replicas of ``world_size / (replicate_size x context_parallel_size)``
         shards, each sample's sequence split over ``context_parallel_size`` ranks."""
-        for key, size in (("replicate_size", self.replicate_size),
-                          ("context_parallel_size", self.context_parallel_size),
-                          ("replicate_size x context_parallel_size", self.replicate_size * self.context_parallel_size)):
-            if world_size % size:
-                raise ValueError(f"strategy.{key}={size} must divide the world size ({world_size}); "
-                                 f"allowed: a divisor of {world_size}")
+        shards = data_shards_left(world_size, replicate_size=self.replicate_size,
+                                  context_parallel_size=self.context_parallel_size)
         return MeshSizes(data_replicate=self.replicate_size, context=self.context_parallel_size,
-                         data_shard=world_size // (self.replicate_size * self.context_parallel_size),
-                         expert=self.expert_parallel_size)
+                         data_shard=shards, expert=self.expert_parallel_size)
 
     def validate_setup(self, *, world_size: int, net: nn.Module, seq_len: int | None = None,
                        micro_batch: int | None = None) -> None:
@@ -161,20 +134,6 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
         return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @override
-    def setup_environment(self) -> None:
-        start_mesh(self, self.mesh_layout)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
-
-    @override
-    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(batch, self.device_mesh[CONTEXT]) if self.context_parallel_size > 1 else batch
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if type(self.precision_plugin) is MixedPrecision:
             plugin = self.precision_plugin
@@ -184,18 +143,16 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
         if self.expert_parallel_size > 1:
             # The experts' gradients live on the expert mesh, the others on FSDP's: torch's
             # clip_grad_norm_ cannot stack norms of two meshes.
-            clip_by_norm_across_mesh(self.precision_plugin, self.resolve_mesh(self.world_size))
+            clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
-    def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
-        """Shard ``module`` (the LightningModule) on ``mesh`` (laid out by ``mesh_layout``) as
-        this strategy does; its parameters stay where they are (the meta device, in a dry run).
-        Returns the modules this rank runs besides ``module``: none."""
-        data = (MeshAxis.REPLICATE, MeshAxis.SHARD) if self.replicate_size > 1 else (MeshAxis.SHARD,)
-        parallelize(module, mesh, self.resolve_mesh(mesh.size()), data, ParallelOptions(
+    def split(self, module: nn.Module, mesh: ParallelMesh) -> list[nn.Module]:
+        """Shard ``module`` (the LightningModule) on ``mesh`` as this strategy does; its
+        parameters stay where they are (the meta device, in a dry run). Returns the modules this
+        rank runs besides ``module``: none."""
+        return parallelize(module, mesh, ParallelOptions(
             sharding_units=self.sharding_unit_patterns, reshard_after_forward=self.reshard_after_forward,
             mp_policy=mixed_precision_policy(self.precision_dtypes), cpu_offload=self.cpu_offload,
             activation_checkpointing=self.activation_checkpointing, shard_single_rank=True))
-        return []
 
     @property
     def offloads(self) -> bool:
@@ -203,6 +160,6 @@ class FSDPStrategy(StrategyContract, ModelParallelStrategy):
         return self.cpu_offload and self.root_device.type == "cuda"
 
     def _shard(self, module: nn.Module) -> None:
-        self.split(module, self.device_mesh)
+        self.split(module, self.parallel_mesh)
         # after meta-device init; an offloaded shard lives on the CPU
         materialize_distributed_module(module, torch.device("cpu") if self.offloads else self.root_device)

@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) applied to a module from what it declares: its sharding units,
-the roots that take the rest, the mixed-precision policy. What the FSDP strategy, the tensor-
-parallel strategy's data dimension, each pipeline stage and the one parallelize function share
-(torchtitan style: a reusable function, not a strategy)."""
+the roots that take the rest, the mixed-precision policy. What the one parallelize function
+applies for the FSDP strategy, the tensor-parallel strategy's data dimension and each pipeline
+stage (``shard_stage``) (torchtitan style: a reusable function, not a strategy)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from litscale.declarations import declared, name_matches
+from litscale.parallel.declarations import declared, name_matches
 from litscale.precision import PrecisionDtypes
 
 if TYPE_CHECKING:
@@ -147,3 +147,16 @@ def apply_fsdp(
         # NOTE: a root is resharded after forward only when it is not the last to run; keeping
         # it gathered (False) avoids an all-gather at the start of backward, as torchtitan does.
         fully_shard(root, reshard_after_forward=False if units else reshard_after_forward, **options)
+
+
+def shard_stage(stage: nn.Module, mesh: DeviceMesh, *, reshard_after_forward: bool,
+                mp_policy: MixedPrecisionPolicy | None = None) -> None:
+    """FSDP2 on a pipeline stage: its sharding units (GPT: its blocks), then the stage itself as
+    the root for the rest. (Not ``apply_fsdp``: its roots are a LightningModule's children; a
+    stage's root is the stage, which the schedule calls, and it is always kept gathered after
+    forward, as the last module of the stage to run.)"""
+    from torch.distributed.fsdp import fully_shard
+
+    options = fsdp_options(mesh, mp_policy=mp_policy)
+    shard_units(find_sharding_units(stage), reshard_after_forward=reshard_after_forward, **options)
+    fully_shard(stage, reshard_after_forward=False, **options)

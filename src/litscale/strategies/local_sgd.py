@@ -24,7 +24,7 @@ from litscale.arguments import checked_arguments
 from litscale.compression import CommHook
 from litscale.compression.outer_quantization import OuterDtype
 from litscale.constraints import Fraction, NonNegativeInt, PositiveFloat, PositiveInt
-from litscale.contract import Option
+from litscale.parallel.contract import Option
 from litscale.strategies.ddp import DDPStrategy
 from litscale.strategies.local_sgd_state import OuterOptimizer, local_sgd_hook
 

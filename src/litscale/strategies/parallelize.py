@@ -1,28 +1,32 @@
 """One parallelize function, in torchtitan's order: tensor parallel -> context parallel ->
-expert parallel -> activation checkpointing -> FSDP2.
+expert parallel -> (the pipeline's cut) -> activation checkpointing -> FSDP2.
 
-The FSDP and tensor-parallel strategies both call it on a LightningModule (its declarations:
-a tensor-parallel plan, attention that splits its sequence, expert modules, sharding units),
-so the order is written once. The pipeline strategy applies the same tensor-parallel plan to
-the whole model before it keeps its stages, then shards each stage with the stage itself as
-FSDP's root (``PipelineParallelStrategy._shard_stage``): its roots differ, not its order.
+The FSDP, tensor-parallel and pipeline strategies all call it, on a LightningModule (its
+declarations: a tensor-parallel plan, attention that splits its sequence, expert modules,
+sharding units) and one ``ParallelMesh``, so the order is written once. The pipeline hands in
+its cut (``keep_stages``): the tensor-parallel plan goes on the whole model, so that its
+patterns all match, then only this rank's stages are kept, and each is sharded with the stage
+itself as FSDP's root (the schedule calls the stage).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from litscale.layout import CONTEXT, TENSOR, MeshSizes
-from litscale.strategies.context_parallel import apply_context_parallel, data_context_mesh
+from litscale.parallel.layout import CONTEXT, TENSOR, MeshAxis
+from litscale.strategies.context_parallel import apply_context_parallel
 from litscale.strategies.expert_parallel import apply_expert_parallel
-from litscale.strategies.fully_shard import apply_fsdp, find_sharding_units
+from litscale.strategies.fully_shard import apply_fsdp, find_sharding_units, shard_stage
 from litscale.strategies.tensor_plan import apply_declared_plan
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from litscale.parallel.mesh import ParallelMesh
 
 
 @dataclass(frozen=True)
@@ -42,23 +46,40 @@ class ParallelOptions:
     shard_single_rank: bool = False
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, sizes: MeshSizes, data_dims: tuple[str, ...],
-                options: ParallelOptions) -> None:
-    """Split ``module`` in place on ``mesh`` (``sizes``' mesh; ``data_dims`` its data
-    dimensions, outermost first: ``(replicate, shard)`` for HSDP)."""
+def parallelize(module: nn.Module, mesh: ParallelMesh, options: ParallelOptions, *,
+                keep_stages: Callable[[nn.Module], list[nn.Module]] | None = None) -> list[nn.Module]:
+    """Split ``module`` in place on ``mesh``; with ``keep_stages`` (the pipeline's cut of the
+    model into this rank's stages), shard each stage it keeps and return them ([] otherwise)."""
+    sizes = mesh.sizes
     if sizes.tensor > 1:
-        apply_declared_plan(module, mesh[TENSOR], options.tensor_plan,
+        apply_declared_plan(module, mesh.get(TENSOR), options.tensor_plan,
                             sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)
-    data_mesh = mesh[data_dims]
     if sizes.context > 1:
-        apply_context_parallel(module, mesh[CONTEXT])
-        data_mesh = data_context_mesh(mesh, data_dims, CONTEXT)
-    apply_expert_parallel(module, data_mesh, expert_parallel_size=sizes.expert,
-                          borrowed_dims=tuple(data_mesh.mesh_dim_names),
-                          reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy)
-    if data_mesh.size() > 1 or options.shard_single_rank:
-        # activation checkpointing is applied per sharding unit, inside FSDP's wrapping
-        apply_fsdp(module, data_mesh, units=find_sharding_units(module, options.sharding_units),
-                   reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy,
-                   cpu_offload=options.cpu_offload and data_mesh.device_type == "cuda",
-                   activation_checkpointing=options.activation_checkpointing)
+        apply_context_parallel(module, mesh.get(CONTEXT))
+    if sizes.expert > 1:
+        apply_expert_parallel(module, mesh.get(MeshAxis.EXPERT), mesh.get(MeshAxis.EXPERT_DATA),
+                              divide_factor=sizes.expert_borrowed, reshard_after_forward=options.reshard_after_forward,
+                              mp_policy=options.mp_policy)
+    stages = keep_stages(module) if keep_stages is not None else []
+    data_mesh = _data_mesh(mesh)
+    if data_mesh.size() == 1 and not options.shard_single_rank:
+        return stages
+    # activation checkpointing is applied per sharding unit, inside FSDP's wrapping
+    if keep_stages is not None:
+        for stage in stages:
+            shard_stage(stage, data_mesh, reshard_after_forward=options.reshard_after_forward,
+                        mp_policy=options.mp_policy)
+        return stages
+    apply_fsdp(module, data_mesh, units=find_sharding_units(module, options.sharding_units),
+               reshard_after_forward=options.reshard_after_forward, mp_policy=options.mp_policy,
+               cpu_offload=options.cpu_offload and data_mesh.device_type == "cuda",
+               activation_checkpointing=options.activation_checkpointing)
+    return stages
+
+
+def _data_mesh(mesh: ParallelMesh) -> DeviceMesh:
+    """The mesh FSDP2 is given: the shard x context ranks, with the replicas as its outer
+    dimension where there are some (HSDP)."""
+    if mesh.sizes.data_replicate > 1:
+        return mesh.get(MeshAxis.REPLICATE, MeshAxis.FSDP)
+    return mesh.get(MeshAxis.FSDP)

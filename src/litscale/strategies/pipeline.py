@@ -5,14 +5,15 @@ Lightning has no pipeline strategy (Lightning #17180). Here the model declares t
 units a pipeline may cut between (``GPT.pipeline_blocks``); ``stages.py`` cuts them into
 stages (balanced by parameter count, or at ``split_points``) and keeps on each rank only what
 its stages own; this module runs a torch schedule (GPipe, 1F1B, interleaved, zero-bubble) per
-step. Tensor parallel and FSDP2 are the same functions the sibling strategies apply
-(``apply_declared_plan`` on the whole model, then ``fully_shard.shard_units`` per stage).
+step. Tensor parallel and FSDP2 come from the one parallelize function the sibling strategies
+call (``parallelize.py``: the plan on the whole model, then this rank's stages kept, then FSDP2
+per stage).
 
 In the fit loop: ``training_step`` runs ``schedule.step`` (forward and backward of every
 micro-batch), broadcasts the last stage's mean loss to the pipeline group, and lets the
 LightningModule log it through its own ``training_step``; ``backward`` only hands the
 gradients back (see ``_take_gradients``); Lightning's optimizer step, LR schedulers and
-gradient clipping (a norm across stages, ``mesh.clip_grad_norm_across_mesh``) run as usual.
+gradient clipping (a norm across stages, ``parallel.gradient_norm``) run as usual.
 Validation runs forward-only through the stages (``schedule.eval``). Checkpoints are DCP
 directories in which each stage writes its own parameters.
 """
@@ -23,42 +24,24 @@ import functools
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
-from litscale.checkpoint_moves import load_file_into_sharded
-from litscale.checkpoint_reading import is_deepspeed_checkpoint
 from litscale.constraints import PositiveInt
-from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
-from litscale.deepspeed_moves import deepspeed_as_file_checkpoint
-from litscale.lightning_private import CHECKPOINT_METADATA_FILENAME, distributed_checkpoint_load
+from litscale.data.token_batch import IGNORE_INDEX, TokenBatch, model_inputs
+from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option
+from litscale.parallel.gradient_norm import clip_by_norm_across_mesh
+from litscale.parallel.layout import PIPELINE, MeshSizes, resolve_mesh_sizes
+from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.precision import PrecisionDtypes
-from litscale.sharding import Sharding, fsdp2_sharding
-from litscale.strategies.fully_shard import (
-    find_sharding_units,
-    fsdp_options,
-    mixed_precision_policy,
-    shard_units,
-)
-from litscale.strategies.mesh import (
-    DATA,
-    PIPELINE,
-    TENSOR,
-    MeshSizes,
-    clip_by_norm_across_mesh,
-    resolve_mesh_sizes,
-    sampler_kwargs,
-    setup_parallel_module,
-    start_mesh,
-    sum_partial_gradients_after,
-)
+from litscale.strategies.fully_shard import mixed_precision_policy
+from litscale.strategies.mesh_strategy import MeshStrategy, setup_parallel_module
+from litscale.strategies.parallelize import ParallelOptions, parallelize
 from litscale.strategies.stages import (
     Units,
     check_enough_blocks,
@@ -66,15 +49,12 @@ from litscale.strategies.stages import (
     keep_stages,
     plan_stages,
 )
-from litscale.strategies.tensor_plan import (
-    StyleName,
-    apply_declared_plan,
-    check_tensor_parallel_setup,
-)
+from litscale.strategies.tensor_plan import StyleName, check_tensor_parallel_setup
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.distributed.device_mesh import DeviceMesh
+
+    from litscale.parallel.mesh import ParallelMesh
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                        "zbv_zero_bubble", "dualpipev"]
@@ -127,7 +107,7 @@ def check_microbatches(microbatches: int, micro_batch: int | None) -> None:
             f"{', '.join(map(str, divisors))} (or a data.batch_size that is a multiple of {microbatches})")
 
 
-class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
+class PipelineParallelStrategy(MeshStrategy):
     """Pipeline x data x tensor parallel as a Lightning strategy; stages from the model's blocks.
 
     ``Trainer(strategy=PipelineParallelStrategy(schedule="1f1b", microbatches=4),
@@ -143,7 +123,6 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
     conditions = {Option.MIXTURE_OF_EXPERTS: WITHOUT_AUXILIARY_LOSS}
     untraced = "its stages' send/recv pairs are not traced"
     phase_collectives = {"forward": "pipeline send/recv", "optimizer": "gradient reduction"}
-    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
 
     @checked_arguments("strategy")
     def __init__(
@@ -183,13 +162,12 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
         self.split_points, self.blocks, self.loss_fn = split_points, blocks, loss_fn
         self.sequence_parallel, self.plan = sequence_parallel, plan
         self.precision_dtypes, self.reshard_after_forward = precision_dtypes, reshard_after_forward
-        self.mesh_sizes: MeshSizes | None = None
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._stage_modules: dict[int, nn.Module] = {}
 
     @property
     def sharding(self) -> Sharding:
-        """FSDP2 over the data dimension (litscale.sharding.LaidOut), on each rank's share."""
+        """FSDP2 over the data dimension, on each rank's share."""
         return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @classmethod
@@ -197,11 +175,11 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
                          context_sizes: Sequence[int]) -> list[tuple[dict[str, Any], MeshSizes]]:
         """Each pipeline size above 1 that divides the world, each tensor-parallel size that
         divides the rest, and data parallel over what remains (the planner's layouts)."""
-        return [({"pipeline_parallel_size": pipeline, "data_parallel_size": world_size // (pipeline * tensor),
-                  "tensor_parallel_size": tensor},
-                 MeshSizes(pipeline=pipeline, data_shard=world_size // (pipeline * tensor), tensor=tensor))
+        return [({"pipeline_parallel_size": pipeline, "data_parallel_size": mesh.data_shard, "tensor_parallel_size": tensor},
+                 mesh)
                 for pipeline in range(2, world_size + 1) if world_size % pipeline == 0
-                for tensor in range(1, world_size // pipeline + 1) if (world_size // pipeline) % tensor == 0]
+                for tensor in range(1, world_size + 1)
+                if (mesh := MeshSizes.with_data_rest(world_size, pipeline=pipeline, tensor=tensor))]
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         return resolve_mesh_sizes(world_size, pipeline=self.pipeline_parallel_size,
@@ -230,103 +208,50 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
         self._layout(*find_blocks(net, self.blocks), sizes)
 
     @override
-    def setup_environment(self) -> None:
-        self.mesh_sizes = start_mesh(self, self.mesh_layout)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        return super().optimizer_step(optimizer, sum_partial_gradients_after(closure, self.model), model, **kwargs)
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
         setup_parallel_module(self, trainer, self._cut_into_stages, parallelized=bool(self._stage_modules))
         clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
     def _cut_into_stages(self, module: nn.Module) -> None:
-        self._stage_modules, self._stage_rank = self._split(module, self.device_mesh)
+        self._stage_modules, self._stage_rank = self._split(module, self.parallel_mesh)
         self._num_stages = len(self._stage_rank)
 
-    def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
-        """Cut ``module`` (the LightningModule) into stages on ``mesh`` (laid out by
-        ``mesh_layout``) as this strategy does; return the stages this rank runs."""
+    def split(self, module: nn.Module, mesh: ParallelMesh) -> list[nn.Module]:
+        """Cut ``module`` (the LightningModule) into stages on ``mesh`` as this strategy does;
+        return the stages this rank runs."""
         return list(self._split(module, mesh)[0].values())
 
-    def _split(self, module: nn.Module, mesh: DeviceMesh) -> tuple[dict[int, nn.Module], list[int]]:
-        """Tensor parallel on the whole model, then keep this rank's stages, then FSDP2 per stage;
-        returns (this rank's stages by index, the pipeline rank of every stage)."""
-        sizes = self.resolve_mesh(mesh.size())
+    def _split(self, module: nn.Module, mesh: ParallelMesh) -> tuple[dict[int, nn.Module], list[int]]:
+        """The one parallelize function with this rank's cut: tensor parallel on the whole
+        model, then this rank's stages kept, then FSDP2 per stage; returns (this rank's stages by
+        index, the pipeline rank of every stage)."""
         owner, units = find_blocks(module, self.blocks)
-        cuts, ranks = self._layout(owner, units, sizes)
-        if sizes.tensor > 1:  # on the whole model, so the plan's patterns all match
-            apply_declared_plan(module, mesh[TENSOR], self.plan, sequence_parallel=self.sequence_parallel)
-        stages = keep_stages(owner, units, cuts, ranks, mesh[PIPELINE].get_local_rank())
-        if sizes.data > 1:
-            for view in stages.values():
-                self._shard_stage(view, mesh[DATA])
+        cuts, ranks = self._layout(owner, units, mesh.sizes)
+        stages: dict[int, nn.Module] = {}
+
+        def keep(whole: nn.Module) -> list[nn.Module]:
+            stages.update(keep_stages(owner, units, cuts, ranks, mesh.get(PIPELINE).get_local_rank()))
+            return list(stages.values())
+
+        parallelize(module, mesh, ParallelOptions(
+            tensor_plan=self.plan, sequence_parallel=self.sequence_parallel,
+            reshard_after_forward=self.reshard_after_forward, mp_policy=mixed_precision_policy(self.precision_dtypes)),
+            keep_stages=keep)
         return stages, ranks
 
-    def _shard_stage(self, view: nn.Module, data_mesh: DeviceMesh) -> None:
-        """FSDP2 on the data dimension: the stage's sharding units (GPT: its blocks), then the
-        stage itself as the root for the rest. (Not ``fully_shard.apply_fsdp``: its roots are a
-        LightningModule's children; a stage's root is the stage, which the schedule calls, and
-        it is always kept gathered after forward, as the last module of the stage to run.)"""
-        from torch.distributed.fsdp import fully_shard
-
-        options = fsdp_options(data_mesh, mp_policy=mixed_precision_policy(self.precision_dtypes))
-        shard_units(find_sharding_units(view), reshard_after_forward=self.reshard_after_forward, **options)
-        fully_shard(view, reshard_after_forward=False, **options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Each stage loads its own parameters and optimizer state from the DCP directory (or
-        from a file checkpoint, ``litscale.checkpoint_moves``).
-
-        Mirrors the sharded branch of Lightning's loader, which finds "the distributed model"
-        by its DTensor parameters and so refuses a pure pipeline stage (plain tensors)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(self.broadcast(checkpoint_path))
-        if path.is_file() or is_deepspeed_checkpoint(str(path)):  # read whole: each stage takes its own layers
-            whole = deepspeed_as_file_checkpoint(str(path)) if path.is_dir() else str(path)
-            return load_file_into_sharded(whole, self.model, self.optimizers,
-                                          strict=self.lightning_module.strict_loading)
-        model_state = {"state_dict": get_model_state_dict(self.model)}
-        distributed_checkpoint_load(model_state, path)
-        self.model.load_state_dict(model_state["state_dict"], strict=self.lightning_module.strict_loading)
-        for index, optimizer in enumerate(self.optimizers):
-            # NOTE: DCP saves the non-tensor param_groups once, from rank 0, which lists only its
-            # stage's parameters: each group's hyperparameters (the learning rate the scheduler
-            # had set) are read from it, its parameters are this stage's own.
-            key, current = f"optimizer_{index}", get_optimizer_state_dict(self.model, optimizer)
-            hyperparameters = [{k: v for k, v in group.items() if k != "params"} for group in current["param_groups"]]
-            loaded = {key: {"state": current["state"], "param_groups": hyperparameters}}
-            distributed_checkpoint_load(loaded, path)
-            groups = [{**saved, "params": group["params"]}
-                      for saved, group in zip(loaded[key]["param_groups"], current["param_groups"], strict=True)]
-            set_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=True),
-                                     optim_state_dict={"state": loaded[key]["state"], "param_groups": groups})
-        return torch.load(path / CHECKPOINT_METADATA_FILENAME, weights_only=weights_only)
-
-    def _schedule(self, batch_size: int, training: bool):
+    def _schedule(self, batch_size: int, training: bool, with_positions: bool = False):
         """The torch schedule for this micro-batch shape (stages infer shapes once, so a
-        different batch size, e.g. a short last validation batch, gets its own)."""
-        key = (batch_size, training)
+        different batch size, e.g. a short last validation batch, gets its own); with the
+        positions of packed rows, each stage takes them and hands them on (``CarryingPositions``)."""
+        key = (batch_size, training, with_positions)
         if key not in self._schedules:
             import torch.distributed.pipelining as pipelining
 
-            group = self.device_mesh[PIPELINE].get_group()
+            group = self.parallel_mesh.get(PIPELINE).get_group()
+            views = {stage: CarryingPositions(view, last=stage == self._num_stages - 1) if with_positions else view
+                     for stage, view in self._stage_modules.items()}
             stages = [pipelining.PipelineStage(view, stage, self._num_stages, self.root_device, group=group)
-                      for stage, view in sorted(self._stage_modules.items())]
+                      for stage, view in sorted(views.items())]
             cls = getattr(pipelining, SCHEDULES[self.schedule_name][0])
             stage_arg = stages[0] if SCHEDULES[self.schedule_name][1] == "single" else stages
             self._schedules[key] = cls(stage_arg, n_microbatches=self.microbatches, loss_fn=self._loss_fn())
@@ -340,48 +265,57 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
         return loss_fn
 
     def _run_pipeline(self, batch: Any, *, training: bool) -> torch.Tensor:
-        """Mean loss over the micro-batches of ``batch``, the same on every pipeline rank."""
-        inputs, targets = batch
+        """Mean loss over the micro-batches of ``batch``, the same on every pipeline rank. A
+        ``TokenBatch``'s positions travel with each micro batch through the stages, and each
+        micro batch's loss counts its tokens as ``litscale.data.token_batch`` says (in
+        validation, as a share of the batch's own counted tokens: the mean is then over them)."""
+        inputs, targets = batch[0], batch[1]
         if len(inputs) % self.microbatches:
             raise ValueError(f"strategy.microbatches={self.microbatches} does not divide the micro "
                              f"batch of {len(inputs)} samples per data-parallel rank (data.batch_size)")
+        inputs, loss_kwargs = pipeline_inputs(self._network(), batch, training=training)
         has_first, has_last = 0 in self._stage_modules, self._num_stages - 1 in self._stage_modules
-        args, losses = (inputs,) if has_first else (), []
+        args, losses = inputs if has_first else (), []
         if training or SCHEDULES[self.schedule_name][1] != "v":
-            schedule = self._schedule(len(inputs), training)
+            schedule = self._schedule(len(batch[0]), training, with_positions=len(inputs) > 1)
             run = schedule.step if training else schedule.eval
-            run(*args, target=targets if has_last else None, losses=losses)
+            run(*args, target=targets if has_last else None, losses=losses, loss_kwargs=loss_kwargs)
         else:
-            losses = self._forward_in_order(inputs, targets)
+            losses = self._forward_in_order(inputs, targets, loss_kwargs)
         # float32 on every rank: the last stage's loss comes out of the loss function in its own
         # dtype, and under bf16_true the others' zeros would be bfloat16 (Lightning's default
         # dtype inside the step): gloo aborted the job on the sizes' mismatch (4 vs 2 bytes).
         loss = (torch.stack(losses).mean().detach().float() if has_last
                 else torch.zeros((), dtype=torch.float32, device=self.root_device))
-        group = self.device_mesh[PIPELINE].get_group()
+        group = self.parallel_mesh.get(PIPELINE).get_group()
         dist.broadcast(loss, src=dist.get_global_rank(group, self._stage_rank[-1]), group=group)
         return loss
 
+    def _network(self) -> nn.Module:
+        module = self.lightning_module
+        return getattr(module, "net", module)
+
     @torch.no_grad()
-    def _forward_in_order(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    def _forward_in_order(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                          loss_kwargs: dict[str, Any]) -> list[torch.Tensor]:
         """Forward-only pass through the stages one after the other, whole batch at once.
 
         Written by hand for the V-shaped schedules only: torch's ``schedule.eval`` fails for them
         (their lowered actions read backward inputs even when backward is off, torch 2.13).
         """
-        group = self.device_mesh[PIPELINE].get_group()
+        group = self.parallel_mesh.get(PIPELINE).get_group()
         peer = functools.partial(dist.get_global_rank, group)
-        here = self.device_mesh[PIPELINE].get_local_rank()
-        x = inputs
+        here = self.parallel_mesh.get(PIPELINE).get_local_rank()
+        x, *positions = inputs  # every rank loads the batch: the positions need no sending
         for stage, rank in enumerate(self._stage_rank):
             previous = self._stage_rank[stage - 1] if stage else rank
             if rank == here:
                 if previous != here:
                     x = _receive(peer(previous), group, self.root_device)
-                x = self._stage_modules[stage](x)
+                x = self._stage_modules[stage](x, *positions)
             elif previous == here:
                 _send(x, peer(rank), group)
-        return [self._loss_fn()(x, targets)] if self._num_stages - 1 in self._stage_modules else []
+        return [self._loss_fn()(x, targets, **loss_kwargs)] if self._num_stages - 1 in self._stage_modules else []
 
     @contextmanager
     def _module_loss(self, loss: torch.Tensor):
@@ -438,6 +372,34 @@ class PipelineParallelStrategy(StrategyContract, ModelParallelStrategy):
             param.grad = grad if param.grad is None else param.grad + grad
         self._stashed = []
         return closure_loss
+
+
+def pipeline_inputs(net: nn.Module, batch: Any, *, training: bool) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """(the first stage's arguments, the loss function's keywords) for ``batch``: the tokens,
+    and for a ``TokenBatch`` the positions of a net that attends within documents and the
+    counted fraction each micro batch's loss divides by (in validation, the batch's own share
+    of counted targets: the mean of the micro batches' losses is then over its counted tokens)."""
+    if not isinstance(batch, TokenBatch):
+        return (batch[0],), {}
+    fraction = batch.counted_fraction
+    if not training:
+        counted = (batch.targets != IGNORE_INDEX).sum().clamp(min=1)
+        fraction = (counted.to(torch.float64) / batch.targets.numel()).reshape(1)
+    return model_inputs(net, batch), {"counted_fraction": fraction}
+
+
+class CarryingPositions(nn.Module):
+    """A stage of a net that attends within documents: runs on (tokens or hidden states,
+    positions), and hands the positions on beside its output to the next stage (the last
+    stage's output alone goes to the loss). Positions are a tensor the schedule sends like any."""
+
+    def __init__(self, stage: nn.Module, *, last: bool) -> None:
+        super().__init__()
+        self.stage, self.last = stage, last
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor):
+        out = self.stage(x, positions)
+        return out if self.last else (out, positions)
 
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.long)

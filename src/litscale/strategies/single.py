@@ -11,13 +11,13 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
+from litscale.checkpoint.strategy_checkpointing import StrategyCheckpointing
 from litscale.constraints import NonNegativeInt
-from litscale.contract import StrategyContract
-from litscale.sharding import REPLICATED, Sharding
-from litscale.strategies.mesh import MeshSizes
+from litscale.parallel.contract import StrategyContract
+from litscale.parallel.layout import MeshSizes
 
 
-class SingleStrategy(StrategyContract, SingleDeviceStrategy):
+class SingleStrategy(StrategyContract, StrategyCheckpointing, SingleDeviceStrategy):
     """Lightning's single-device strategy, with the device taken from the accelerator.
 
     Lightning's class needs the device at construction, before the Trainer has chosen the
@@ -39,7 +39,6 @@ class SingleStrategy(StrategyContract, SingleDeviceStrategy):
             return torch.device("cuda", self.device_index)
         return self._root_device
 
-    sharding: Sharding = REPLICATED  # litscale.sharding.LaidOut: what the memory figures read
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from litscale.declarations import declared
+from litscale.parallel.declarations import declared
 
 Units = list[list[str]]
 

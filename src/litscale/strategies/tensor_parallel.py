@@ -13,47 +13,35 @@ load: a run saved at TP=2 loads at TP=1 or into the plain network.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
 from litscale.arguments import checked_arguments
 from litscale.constraints import PositiveInt
-from litscale.contract import NO_SHARDED_LOSS_SCALER, Option, StrategyContract
+from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option
+from litscale.parallel.gradient_norm import clip_by_norm_across_mesh
+from litscale.parallel.layout import MeshSizes, resolve_mesh_sizes
+from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.precision import PrecisionDtypes
-from litscale.sharding import Sharding, fsdp2_sharding
-from litscale.strategies.context_parallel import (
-    check_context_parallel_fits,
-    check_sequence_splits,
-    shard_batch,
-)
+from litscale.strategies.context_parallel import check_context_parallel_fits, check_sequence_splits
 from litscale.strategies.expert_parallel import check_expert_parallel_fits
 from litscale.strategies.fully_shard import mixed_precision_policy
-from litscale.strategies.mesh import (
-    CONTEXT,
-    DATA,
-    MeshSizes,
-    clip_by_norm_across_mesh,
-    is_parallelized,
-    resolve_mesh_sizes,
-    sampler_kwargs,
-    setup_parallel_module,
-    start_mesh,
-    sum_partial_gradients_after,
-)
+from litscale.strategies.mesh_strategy import MeshStrategy, is_parallelized, setup_parallel_module
 from litscale.strategies.parallelize import ParallelOptions, parallelize
 from litscale.strategies.tensor_plan import StyleName, check_plan, check_tensor_parallel_setup
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from torch.distributed.device_mesh import DeviceMesh
 
-class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
+    from litscale.parallel.mesh import ParallelMesh
+
+
+class TensorParallelStrategy(MeshStrategy):
     """Tensor parallel x FSDP2 (2D) as a Lightning strategy; the plan comes from the model.
 
     ``Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu",
@@ -65,7 +53,6 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
     refuses = {Option.FP16_MIXED: NO_SHARDED_LOSS_SCALER,
                Option.LAYOUT_INVARIANT: "tensor and pipeline parallel change the reductions inside a matmul"}
     phase_collectives = {"forward": "tensor-parallel collectives", "backward": "tensor-parallel collectives / gradient reduce-scatter"}
-    mesh_layout = staticmethod(MeshSizes.shape_and_names)  # pipeline x data x tensor, sizes of 1 kept
 
     @checked_arguments("strategy")
     def __init__(
@@ -96,11 +83,10 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         self.plan, self.precision_dtypes = plan, precision_dtypes
         self.reshard_after_forward = reshard_after_forward
-        self.mesh_sizes: MeshSizes | None = None
 
     @property
     def sharding(self) -> Sharding:
-        """FSDP2 over the data dimension (litscale.sharding.LaidOut), on each rank's share."""
+        """FSDP2 over the data dimension, on each rank's share."""
         return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @classmethod
@@ -109,11 +95,10 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
         """Each tensor-parallel size above 1 that divides the world, each sequence split of
         ``context_sizes`` that divides the rest, and data parallel over what remains (the
         planner's layouts)."""
-        return [({"tensor_parallel_size": tensor, "data_parallel_size": world_size // (tensor * context),
-                  "context_parallel_size": context},
-                 MeshSizes(data_shard=world_size // (tensor * context), tensor=tensor, context=context))
+        return [({"tensor_parallel_size": tensor, "data_parallel_size": mesh.data_shard, "context_parallel_size": context},
+                 mesh)
                 for tensor in range(2, world_size + 1) if world_size % tensor == 0
-                for context in context_sizes if (world_size // tensor) % context == 0]
+                for context in context_sizes if (mesh := MeshSizes.with_data_rest(world_size, tensor=tensor, context=context))]
 
     def resolve_mesh(self, world_size: int) -> MeshSizes:
         sizes = resolve_mesh_sizes(world_size, pipeline=1, data=self.data_parallel_size,
@@ -130,37 +115,18 @@ class TensorParallelStrategy(StrategyContract, ModelParallelStrategy):
         check_expert_parallel_fits(net, self.expert_parallel_size, self.context_parallel_size)
 
     @override
-    def setup_environment(self) -> None:
-        self.mesh_sizes = start_mesh(self, self.mesh_layout)
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return sampler_kwargs(self.resolve_mesh(self.world_size), self.global_rank)
-
-    @override
-    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        return shard_batch(batch, self.device_mesh[CONTEXT]) if self.context_parallel_size > 1 else batch
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        return super().optimizer_step(optimizer, sum_partial_gradients_after(closure, self.model), model, **kwargs)
-
-    @override
     def setup(self, trainer: pl.Trainer) -> None:
-        setup_parallel_module(self, trainer, lambda module: self.split(module, self.device_mesh),
+        setup_parallel_module(self, trainer, lambda module: self.split(module, self.parallel_mesh),
                               parallelized=is_parallelized(self.model))
         clip_by_norm_across_mesh(self.precision_plugin, self.mesh_sizes)
 
-    def split(self, module: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
-        """TP on the tensor dimension of ``mesh`` (laid out by ``mesh_layout``), the sequence
-        split on its context dimension, then FSDP2 on its data (x context) dimension
-        (torchtitan's order). Returns the modules this rank runs besides ``module``: none."""
-        parallelize(module, mesh, self.resolve_mesh(mesh.size()), (DATA,), ParallelOptions(
+    def split(self, module: nn.Module, mesh: ParallelMesh) -> list[nn.Module]:
+        """TP on the tensor dimension of ``mesh``, the sequence split on its context dimension,
+        then FSDP2 on its data (x context) ranks (torchtitan's order). Returns the modules this
+        rank runs besides ``module``: none."""
+        return parallelize(module, mesh, ParallelOptions(
             tensor_plan=self.plan, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel,
             reshard_after_forward=self.reshard_after_forward, mp_policy=mixed_precision_policy(self.precision_dtypes)))
-        return []
 
     @contextmanager
     def _loss_context(self):

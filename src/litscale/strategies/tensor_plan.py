@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
-from litscale.declarations import declared, name_matches
-from litscale.strategies.mesh import check_tensor_parallel_fits
+from litscale.parallel.declarations import declared, name_matches
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -89,6 +88,30 @@ def find_plan(module: nn.Module, plan: dict[str, str] | None = None) -> tuple[nn
         f"{type(module).__name__} declares no tensor-parallel plan; declare "
         "`tensor_parallel_plan = {'pattern': 'colwise', ...}` on the LightningModule or its `net`, "
         "or pass strategy.plan (module-name pattern -> style)")
+
+
+def tensor_parallel_sizes(net: nn.Module) -> dict[str, int]:
+    """The sizes a tensor-parallel split divides, each under the key a user sets it by: what the
+    model declares (``tensor_parallel_sizes``: a transformers model names its config's fields),
+    else the zoo's config fields (heads, key/value heads, width, and the vocabulary, which the
+    embedding splits)."""
+    found = declared(net, "tensor_parallel_sizes")
+    if found is not None:
+        return dict(found[1])
+    config = getattr(net, "config", None)
+    return {f"model.net.{field}": value for field in ("n_head", "n_kv_heads", "n_embd", "vocab_size")
+            if isinstance(value := getattr(config, field, None), int)}
+
+
+def check_tensor_parallel_fits(net: nn.Module, tensor_parallel_size: int) -> None:
+    """Every size the split divides (``tensor_parallel_sizes``) divides by the TP size."""
+    if tensor_parallel_size == 1:
+        return
+    for key, value in tensor_parallel_sizes(net).items():
+        if value % tensor_parallel_size:
+            raise ValueError(
+                f"strategy.tensor_parallel_size={tensor_parallel_size} does not divide "
+                f"{key}={value}; allowed: a divisor of {value}")
 
 
 def check_tensor_parallel_setup(net: nn.Module, tensor_parallel_size: int, plan: dict[str, str] | None) -> None:

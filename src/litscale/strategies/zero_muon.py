@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from litscale.contract import SettingRefusal
-from litscale.muon import MATRIX, Muon, state_bytes_per_param
+from litscale.optim.muon import MATRIX, Muon, state_bytes_per_param
+from litscale.parallel.contract import SettingRefusal
 
 # DeepSpeed's ZeRO Muon calls its update with these (``muon_update``'s defaults).
 DEEPSPEED_NS_STEPS = 5

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
+
+    from litscale.parallel.mesh import ParallelMesh
 
 DEEPSPEED_SKIPPED = ("DeepSpeed is not built on a fake process group: its engine flattens the "
                      "parameters into buffers on its device, which a meta-device network does not have")
@@ -76,15 +77,15 @@ def built_in_this_process(run_config: dict, world_size: int) -> dict[str, Any]:
     from torch import nn
 
     from litscale.app.build import build_strategy
-    from litscale.app.validation import meta_net
-    from litscale.sharding import sharding_of
+    from litscale.app.checks.validation import meta_net
+    from litscale.parallel.contract import contract_value
 
     cfg = OmegaConf.create(run_config)
     strategy = build_strategy(cfg)
     # As the strategies see it: the LightningModule, whose network is `net`, converted first
     # (bf16-true stores the shards in bf16).
     holder = nn.ModuleDict({"net": meta_net(cfg).to(getattr(torch, cfg.precision.param_dtype))})
-    if sharding_of(strategy).zero_stage == 0:  # replicated, as the strategy states: nothing to split
+    if contract_value(strategy, "sharding").zero_stage == 0:  # replicated, as the strategy states: nothing to split
         return with_step({"params_bytes": held_bytes([holder]), "mesh": REPLICATED_MESH, "ranks": world_size},
                          cfg, strategy, holder, [])
     if not hasattr(strategy, "split"):
@@ -96,7 +97,7 @@ def _split_on_fake_group(holder: nn.Module, strategy: Any, world_size: int, cfg:
     with fake_group(world_size):
         mesh = strategy_mesh(strategy, world_size)
         stages = strategy.split(holder, mesh)
-        return with_step({"params_bytes": held_bytes([holder, *stages]), "mesh": describe(mesh), "ranks": world_size},
+        return with_step({"params_bytes": held_bytes([holder, *stages]), "mesh": mesh.describe(), "ranks": world_size},
                          cfg, strategy, holder, stages)
 
 
@@ -118,17 +119,11 @@ def with_step(built: dict[str, Any], cfg: Any, strategy: Any, holder: nn.Module,
     return built
 
 
-def strategy_mesh(strategy: Any, world_size: int) -> DeviceMesh:
-    """The device mesh ``strategy`` lays out at ``world_size`` ranks, on the fake group."""
-    from torch.distributed.device_mesh import init_device_mesh
+def strategy_mesh(strategy: Any, world_size: int) -> ParallelMesh:
+    """The mesh ``strategy`` lays out at ``world_size`` ranks, on the fake group."""
+    from litscale.parallel.mesh import ParallelMesh
 
-    shape, names = strategy.mesh_layout(strategy.resolve_mesh(world_size))
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-def describe(mesh: DeviceMesh) -> str:
-    """``replicate 2 x shard 128``: each dimension's name and size, outermost first."""
-    return " x ".join(f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+    return ParallelMesh.build(strategy.resolve_mesh(world_size), "cpu")
 
 
 def held_bytes(modules: list[nn.Module]) -> int:

@@ -32,7 +32,7 @@ OWN_AVERAGING = "the strategy averages its ranks' models on its own schedule, wh
 
 def why_not(cfg: Any, strategy: Any, holder: nn.Module, stages: list) -> str | None:
     """Why one step of this run cannot run on the fake process group; None: it can."""
-    from litscale.contract import contract_value
+    from litscale.parallel.contract import contract_value
 
     if not contract_value(strategy, "plannable"):
         return OWN_AVERAGING
@@ -82,8 +82,8 @@ def peak_of_one_step(cfg: Any, holder: nn.Module, strategy: Any = None) -> int:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from litscale.app.build import build, trusted_targets
+    from litscale.measure.step_memory import TOTAL, total_only_tracker
     from litscale.modules import next_token_loss, optimizer_groups
-    from litscale.step_memory import TOTAL, total_only_tracker
 
     net, precision = holder["net"], cfg.precision
     mixed = precision.compute_dtype != precision.param_dtype and precision.compute_dtype != "float32"

@@ -24,15 +24,16 @@ MAX_WARMUP_STEPS = 40
 
 
 def profiles_in_child(net_config: dict, *, keys: dict[str, set[int]], seq_len: int, vocab_size: int,
-                      compression: dict | None = None) -> dict[str, Profile]:
+                      compression: dict | None = None, packed_documents: bool = False) -> dict[str, Profile]:
     """``keys``: profile key (``litscale.planner.cost.profile_key``) -> micro batches to time;
-    ``compression``: the ``compression`` config a ``ddp<n>-<name>`` key runs."""
+    ``compression``: the ``compression`` config a ``ddp<n>-<name>`` key runs;
+    ``packed_documents``: timed on packed rows (``model_facts.packed_positions``)."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_profiles, net_config, keys, seq_len, vocab_size, compression).result()
+        return pool.submit(_profiles, net_config, keys, seq_len, vocab_size, compression, packed_documents).result()
 
 
 def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_size: int,
-              compression: dict | None) -> dict[str, Profile]:
+              compression: dict | None, packed_documents: bool) -> dict[str, Profile]:
     import dataclasses
     import warnings
 
@@ -52,7 +53,7 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
     # forty per plan): the user's own DeepSpeed run shows them, a plan need not.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     found = _deepspeed_profiles(net_config, {k: v for k, v in keys.items() if k.startswith("zero")}, seq_len,
-                                vocab_size)
+                                vocab_size, packed_documents)
     for key, micro_batches in sorted(keys.items()):
         if key in found:
             continue
@@ -77,7 +78,8 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
                 hook = instantiate(compression, _convert_="all")
                 hook.register(net)
                 ratio = _steady_ratio(net, hook.state, seq_len, vocab_size, min(micro_batches))
-            timed = profile(net, seq_len=seq_len, micro_batches=micro_batches, vocab_size=vocab_size)
+            timed = profile(net, seq_len=seq_len, micro_batches=micro_batches, vocab_size=vocab_size,
+                            packed_documents=packed_documents)
             found[key] = dataclasses.replace(timed, bytes_ratio=ratio)
         finally:
             if dist.is_initialized():
@@ -86,7 +88,7 @@ def _profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int, vocab_s
 
 
 def _deepspeed_profiles(net_config: dict, keys: dict[str, set[int]], seq_len: int,
-                        vocab_size: int) -> dict[str, Profile]:
+                        vocab_size: int, packed_documents: bool = False) -> dict[str, Profile]:
     """Each ``zero<s>`` key's network timed inside DeepSpeed's engine, on one real gloo rank
     (the engine asks its group for real buffers). NOTE: one group for every stage: DeepSpeed
     keeps the group it first saw, and refuses a new one after it is destroyed."""
@@ -104,7 +106,7 @@ def _deepspeed_profiles(net_config: dict, keys: dict[str, set[int]], seq_len: in
             net = instantiate(net_config, _convert_="all")
             try:
                 found[key] = _deepspeed_profile(net, _parse(key)[1], seq_len=seq_len, micro_batches=micro_batches,
-                                                vocab_size=vocab_size)
+                                                vocab_size=vocab_size, packed_documents=packed_documents)
             except RuntimeError as error:
                 # NOTE: a network DeepSpeed's engine cannot run (ZeRO-3 on the MoE decoder's
                 # stacked experts: a released parameter in backward) must not stop the plan:
@@ -126,7 +128,7 @@ def _parse(key: str) -> tuple[str, int]:
 
 
 def _deepspeed_profile(net, stage: int, *, seq_len: int, micro_batches: set[int], vocab_size: int,
-                       repeats: int = 3):
+                       repeats: int = 3, packed_documents: bool = False):
     """``net`` inside DeepSpeed's ZeRO engine of ``stage`` (the strategy's own config), on this
     one rank: the median forward-backward (``engine.backward``: its hooks, buckets and
     partition copies) by micro batch, and the median ``engine.step``.
@@ -141,7 +143,7 @@ def _deepspeed_profile(net, stage: int, *, seq_len: int, micro_batches: set[int]
     import torch
     from torch.nn import functional as F
 
-    from litscale.planner.model_facts import Profile
+    from litscale.planner.model_facts import Profile, packed_positions
     from litscale.strategies.deepspeed_zero import (
         DeepSpeedZeroStrategy,
         skip_shared_memory_all_reduce_build,
@@ -168,10 +170,11 @@ def _deepspeed_profile(net, stage: int, *, seq_len: int, micro_batches: set[int]
     try:
         for micro in sorted(micro_batches):
             tokens = torch.randint(vocab_size, (micro, seq_len + 1), generator=generator)
+            inputs = (tokens[:, :-1], packed_positions(micro, seq_len, "cpu")) if packed_documents else (tokens[:, :-1],)
             samples = []
             for repeat in range(repeats + 1):  # the first allocates
                 start = time.perf_counter()
-                logits = engine(tokens[:, :-1])
+                logits = engine(*inputs)
                 engine.backward(F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
                 middle = time.perf_counter()
                 engine.step()

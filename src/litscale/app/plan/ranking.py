@@ -10,11 +10,11 @@ from typing import NamedTuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from litscale.app.contract_checks import chosen_options, run_settings
+from litscale.app.checks.contract import chosen_options, run_settings
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
 from litscale.app.plan.verify import aligned
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, Prediction
 from litscale.planner.model_facts import ModelFacts
@@ -124,7 +124,7 @@ def pick_layout(cfg: DictConfig, choices: dict[str, str]) -> tuple[list[str], st
     taken where the trial's model group ranks its plans as measured (``litscale.planner.trust``)
     or where the given layout would not fit the device's memory (by the formula: no strategy is
     built here, as ``plan=show`` builds one, to keep each trial's planning to the cost model)."""
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
     from litscale.planner.cost import predict
 
     layout = validate(cfg, choices=choices, this_machine=False)
@@ -172,7 +172,7 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     at the configured world, and the predicted memory per rank; return why it does not fit when
     that memory, with the parameters as built, exceeds the device's (None: it fits): ``plan=show``
     refuses it before any process starts, ``plan=auto`` writes a plan that fits instead."""
-    from litscale.lr_scaling import scaled_lr
+    from litscale.optim.lr_scaling import scaled_lr
     from litscale.planner.cost import predict
 
     _say(f"as configured: {layout.describe()}")
@@ -238,7 +238,7 @@ def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayo
     ``built``: the bytes of parameters rank 0 holds. NOTE: each rank's step runs here for real,
     one after the other, so a what-if at hundreds of ranks or of a model larger than this
     machine is not traced (``preflight.collectives=true`` traces any run that starts here)."""
-    from litscale.app.collective_check import check_collectives, not_traced_reason
+    from litscale.app.checks.collectives import check_collectives, not_traced_reason
 
     strategy = choices.get("strategy", "")
     reason = not_traced_reason(strategy, cfg) if layout.world_size > 1 else None
@@ -257,8 +257,8 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     What an earlier plan timed for this model and cluster file is read back, not timed again;
     what is new is timed in a child process and cached, unless the machine was busy then
     (``flops.busy``: used for this plan only, and said)."""
-    from litscale import flops
     from litscale.app.plan.profile import profiles_in_child
+    from litscale.measure import flops
     from litscale.planner import profile_cache
     from litscale.planner.compute_cost import profile_key
 
@@ -276,7 +276,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     if todo:
         load = flops.load_average()  # before the child adds to it
         timed = profiles_in_child(identity["net"], keys=todo, seq_len=facts.seq_len, vocab_size=identity["vocab_size"],
-                                  compression=identity["compression"])
+                                  compression=identity["compression"], packed_documents=identity["packed_documents"])
         timed = {key: dataclasses.replace(profile, load_average=round(load, 2)) for key, profile in timed.items()}
         profiles = profile_cache.merged(profiles, timed)
         busy = flops.busy(load)
@@ -305,7 +305,7 @@ def _verify(cfg: DictConfig, cluster: Cluster, choices: dict[str, str], top: lis
     """Measure ``top`` here, each written as ``<plan_dir>/experiment/verify_<i>.yaml``; return the
     plan measured fastest (None when none could be measured), after saying where the predicted
     order was wrong."""
-    from litscale.app.devices import resolve_accelerator
+    from litscale.app.checks.devices import resolve_accelerator
     from litscale.app.plan.verify import check_verifiable, order_mistakes, table, verify
 
     reason = check_verifiable(cluster)
@@ -342,7 +342,7 @@ def table(ranked: list[Prediction], cluster: Cluster) -> str:
 def overrides(plan: Plan, cluster: Cluster) -> list[str]:
     """The command-line overrides that run ``plan``: its strategy with the options it was
     planned with (each one, so the run does not depend on the option file's defaults)."""
-    from litscale.layout import mesh_of
+    from litscale.parallel.layout import mesh_of
     from litscale.planner.strategies import built
 
     laid_out = mesh_of(built(plan.strategy, plan.strategy_options()), plan.mesh.world_size)

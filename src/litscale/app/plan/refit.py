@@ -27,8 +27,8 @@ from collections import Counter
 
 from omegaconf import DictConfig, OmegaConf
 
+from litscale.app.checks.validation import calibrate_from_paths
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
-from litscale.app.validation import calibrate_from_paths
 from litscale.errors import ConfigError
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan, predict
@@ -104,7 +104,7 @@ def _sample(summary: dict, cluster_choice: str, cluster: Cluster, facts_cache: d
             allowed_targets: list[str]) -> Sample | str:
     """``summary``'s run as a ``Sample``, or why it cannot be one."""
     from litscale.app import resolvers  # noqa: F401  (the config's own interpolations)
-    from litscale.app.validation import validate
+    from litscale.app.checks.validation import validate
     from litscale.planner import profile_cache
 
     run_dir, choices = summary["run_dir"], summary.get("choices") or {}

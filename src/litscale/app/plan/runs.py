@@ -1,15 +1,17 @@
 """The planner's view of one run as configured: its plan, its model's facts, and the
-prediction its summary prints beside what it measured."""
+prediction ``train()`` makes before launch (``litscale.app.prediction``) for the summary to
+hold beside what the run measured."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from litscale.app.prediction import RunPrediction
+from litscale.data.token_batch import packs_documents
 from litscale.errors import ConfigError
-from litscale.layout import RunLayout
+from litscale.parallel.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import ModelFacts, model_facts
@@ -19,7 +21,7 @@ from litscale.user_paths import user_path
 def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
     """The run as configured, as the planner's ``Plan``; None where its strategy is not one the
     planner costs (not a registered litscale strategy, or not ``plannable``)."""
-    from litscale.contract import contract_value
+    from litscale.parallel.contract import contract_value
     from litscale.planner.strategies import registered, takes
     from litscale.strategies.pipeline import default_virtual_stages
 
@@ -50,18 +52,14 @@ def configured_options(cfg: DictConfig, cls: type, layout: RunLayout) -> dict:
             and isinstance(value, (bool, int, float, str)) and (key in stated or value != defaults[key])}
 
 
-def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout,
-                      measured_step_s: float | None = None) -> dict:
-    """The planner's prediction for the run as configured, for its summary beside what it
-    measured; {} where ``plan.predict_run`` is off, the strategy is not modelled, or the cluster
-    is this machine and has no calibration of it. Nothing is timed here (a run pays nothing after ``fit`` for it): the
-    forward-backward is the one ``plan=show|auto`` timed for this model and cluster file where
-    it did (``plan/compute_source``: ``timed``), else FLOPs at the cluster's throughput.
-
-    On this machine, a ``measured_step_s`` more than ``CONTRADICTION_FACTOR`` off the
-    prediction either way contradicts it (``plan/off_by``): that model and layout get no
-    prediction (``plan/withheld``) until ``plan=show|auto`` times them again (``plan/dropped``).
-    Elsewhere the cluster file is the user's: the line says how far off it was."""
+def predict_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> RunPrediction:
+    """The planner's prediction for the run as configured, made once in ``train()`` before
+    launch and carried to rank 0's summary (no figures where ``plan.predict_run`` is off, the
+    strategy is not modelled, or the cluster is this machine and has no calibration of it).
+    Nothing is timed here: the forward-backward is the one ``plan=show|auto`` timed for this
+    model and cluster file where it did (``plan/compute_source``: ``timed``), else FLOPs at the
+    cluster's throughput. A model and layout whose prediction a run on this machine
+    contradicted get none (``plan/withheld``) until ``plan=show|auto`` times them again."""
     from litscale.app.build import build, trusted_targets
     from litscale.planner import profile_cache
     from litscale.planner.calibrate import calibrated_figures
@@ -72,37 +70,49 @@ def predicted_for_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayou
     cluster_node = cfg.get("cluster")
     if not cfg.plan.get("predict_run", True) or plan is None or cluster_node is None or "_target_" not in cluster_node or (
             cluster_node._target_.endswith(".local_cpu") and calibrated_figures() is None):
-        return {}
+        return RunPrediction()
     cluster = build(cluster_node, trusted=trusted_targets(cfg))
     facts = facts_of(cfg)
     identity = profile_identity(cfg, cluster) if cluster.is_this_machine else None
     if identity is not None:
         earlier = profile_cache.contradiction(identity, plan.describe())
         if earlier is not None:
-            return {"plan/cluster": cluster.name, "plan/withheld": earlier}
+            return RunPrediction(figures={"plan/cluster": cluster.name, "plan/withheld": earlier})
         facts = dataclasses.replace(facts, profiles=profile_cache.load(identity))
     prediction = predict(plan, facts, cluster)
-    result = {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
-              "plan/compute_source": "flops" if timed_forward_backward_s(plan, facts) is None else "timed",
-              "plan/predicted_peak_bytes": prediction.peak_bytes,
-              "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
-    if measured_step_s:
-        off_by = max(measured_step_s / prediction.step_s, prediction.step_s / measured_step_s)
-        if off_by > profile_cache.CONTRADICTION_FACTOR:
-            result["plan/off_by"] = off_by
-            if identity is not None:
-                result["plan/dropped"] = True
-                profile_cache.contradict(identity, plan.describe(), {
-                    "predicted_step_s": prediction.step_s, "measured_step_s": measured_step_s,
-                    "profile_key": profile_key(plan), "compute_source": result["plan/compute_source"],
-                    "run": os.path.abspath(cfg.paths.output_dir)})
-    return result
+    figures = {"plan/cluster": cluster.name, "plan/predicted_step_s": prediction.step_s,
+               "plan/compute_source": "flops" if timed_forward_backward_s(plan, facts) is None else "timed",
+               "plan/predicted_peak_bytes": prediction.peak_bytes,
+               "plan/predicted_states_bytes": sum(prediction.memory[k] for k in ("params", "grads", "optimizer"))}
+    cached_as = None if identity is None else {"identity": identity, "layout": plan.describe(),
+                                               "profile_key": profile_key(plan)}
+    return RunPrediction(figures=figures, contradiction_factor=profile_cache.CONTRADICTION_FACTOR, cached_as=cached_as)
+
+
+def record_contradiction(prediction: RunPrediction, summary: dict) -> None:
+    """Once the ranks are done (``train()``): where rank 0's ``summary`` says the run contradicted
+    a prediction made on this machine (``plan/dropped``), that model and layout get no
+    prediction until ``plan=show|auto`` times them again (``profile_cache.contradict``)."""
+    from litscale.planner import profile_cache
+
+    if not summary.get("plan/dropped") or prediction.cached_as is None:
+        return
+    key = prediction.cached_as
+    profile_cache.contradict(key["identity"], key["layout"], {
+        "predicted_step_s": summary["plan/predicted_step_s"], "measured_step_s": summary["perf/step_time_s"],
+        "profile_key": key["profile_key"], "compute_source": summary["plan/compute_source"],
+        "run": summary["output_dir"]})
 
 
 def with_muon(facts: ModelFacts, *, ns_steps: int = 5, ns_dtype: str = "float32") -> ModelFacts:
     """``facts`` of a run that Muon steps: its state, its hidden matrices (their parameters and
     tensors) and the Newton-Schulz iterations' FLOPs over them."""
-    from litscale.muon import MATRIX, newton_schulz_flops, parameter_roles, state_bytes_per_param
+    from litscale.optim.muon import (
+        MATRIX,
+        newton_schulz_flops,
+        parameter_roles,
+        state_bytes_per_param,
+    )
 
     groups = parameter_roles(facts.net, 0.0)
     matrices = [p for group in groups if group["role"] == MATRIX for p in group["params"]]
@@ -117,13 +127,14 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     ``planner.facts_cache``); a mixture of experts' load
     imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
     of the run whose ``summary.json`` ``plan.moe_load_from`` names."""
-    from litscale.app.safety import locate_target
-    from litscale.app.validation import meta_net
-    from litscale.muon import wants_parameter_roles
+    from litscale.app.checks.safety import locate_target
+    from litscale.app.checks.validation import meta_net
+    from litscale.optim.muon import wants_parameter_roles
     from litscale.planner import facts_cache
 
     shape = {"seq_len": int(cfg.data.seq_len), "vocab_size": int(cfg.data.vocab_size),
-             "compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype}
+             "compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype,
+             "packed_documents": packs_documents(cfg.data) is not None}
     key = facts_cache.identity(OmegaConf.to_container(cfg.model.net, resolve=True), **shape)
     net = meta_net(cfg)
     facts = facts_cache.load(key, net)
@@ -165,5 +176,6 @@ def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
 
     compression = cfg.get("compression") or {}
     return {"net": OmegaConf.to_container(cfg.model.net, resolve=True), "seq_len": int(cfg.data.seq_len),
-            "vocab_size": int(cfg.data.vocab_size), "cluster": cluster.source, **code_identity(),
+            "vocab_size": int(cfg.data.vocab_size), "packed_documents": packs_documents(cfg.data) is not None,
+            "cluster": cluster.source, **code_identity(),
             "compression": OmegaConf.to_container(compression, resolve=True) if "_target_" in compression else None}

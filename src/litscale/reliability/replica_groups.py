@@ -1,0 +1,430 @@
+"""``fault_tolerance=replicas``: replica groups that keep training when one of them dies.
+
+The job's ranks form ``groups`` replica groups of ``trainer.devices`` ranks each. Inside a
+group the strategy (``single``, ``ddp`` or ``fsdp``) works as ever; across groups, torchft's
+``Manager`` averages each step's gradients over the groups that are alive (rank ``r`` of a group
+with rank ``r`` of the others: with FSDP, the groups are HSDP's outer replicate axis), and a group that died is
+started again by its own elastic agent (``litscale.app.replica_launch``) and rejoins at the
+next step boundary with a live group's weights, optimizer and scheduler state, sent over
+torchft's HTTP transport: no checkpoint is read, and nobody else restarts.
+
+Per step (``ReplicaFaultTolerance``, a callback):
+
+- before the step's first micro batch: a quorum with the lighthouse (the groups alive now);
+  a group that is behind (a restarted one) receives a live group's state then, before its
+  first batch is drawn, and skips the samples of the steps it missed;
+- after backward, before clipping: the gradients, in one flat buffer, averaged over the
+  groups in the quorum (torchft's fault-tolerant all-reduce: a peer lost mid-step fails the
+  step instead of hanging it); then, in a second sum, what each group counted on its own share
+  of the batch made the global batch's: the loss the module logs, a mixture of experts' router
+  load (the bias update after the step reads it) and BatchNorm's running statistics (the first
+  group's, as DDP keeps rank 0's);
+- the optimizer steps only if every group of the quorum says the step is good
+  (``Manager.should_commit``); a failed step is dropped and retried with the next batch, so
+  Lightning's step counter follows the steps committed.
+
+What a lost group costs: its share of each global batch until it is back (the step's batch
+shrinks from ``groups`` to the live groups' share; the learning rate stays the full batch's),
+the step in flight when it died, and the survivors' wait for the lighthouse to drop it (2 s
+after its last heartbeat, ``replica_launch.HEARTBEAT_TIMEOUT_MS``). A rejoining group reads
+on from the step it rejoins at; a group that falls out of one quorum while alive (later than
+``fault_tolerance.straggler_timeout_s``) heals in the middle of its epoch and reads on from its
+own place in the order, which the sampler cannot move once an epoch is under way. Each group writes one line per step to
+``<run dir>/replicas/<group>/steps.jsonl`` (step, time, groups in the quorum, committed) and
+one per start: the record the job's summary, the tests and
+``experiments/reliability/replica_loss.py`` read.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from litscale.constraints import AtLeastTwo, NonNegativeInt, PositiveFloat, PositiveInt
+from litscale.extras import TORCHFT, Requirement
+from litscale.reliability.determinism import running_statistics
+
+# Written beside the groups' dirs once a group has finished the run.
+FINISHED_MARKER = "finished"
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicaGroups:
+    """``fault_tolerance=replicas``, the group's ``_target_``: how many replica groups train
+    together and how long they wait for each other, typed once and read as one object by the
+    launcher (``litscale.app.replica_launch``) and by each rank's ``ReplicaFaultTolerance``."""
+
+    requires: ClassVar[tuple[Requirement, ...]] = (TORCHFT,)  # the lighthouse, manager and cross-group all-reduce
+
+    groups: AtLeastTwo = 3
+    """Replica groups of ``trainer.devices`` ranks each; the global batch is micro x devices x groups x accumulation."""
+    min_replicas: PositiveInt = 1
+    """Fewest groups a step commits with."""
+    max_restarts: NonNegativeInt = 3
+    """Times each group is started again after one of its ranks dies."""
+    lighthouse: str | None = None
+    """``host:port`` of a running torchft lighthouse; None: the job's process hosts one."""
+    timeout_s: PositiveFloat = 10.0
+    """A cross-group all-reduce, commit vote or state transfer (a peer lost mid-step fails it)."""
+    straggler_timeout_s: PositiveFloat = 30.0
+    """A step's wait for a group that is alive (heartbeating) but late; a dead one is left out after 2 s."""
+    quorum_timeout_s: PositiveFloat = 60.0
+    """How long a (re)starting group waits for the others to agree on a quorum."""
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """Which replica group a rank is of, and where the job's groups meet: handed to each
+    group's ranks by the launcher (in the run spec), never read from the environment."""
+
+    group: int
+    groups: int
+    lighthouse: str  # host:port of the torchft lighthouse
+    start_store: str  # host:port of the store where the groups' first start meets (``_wait_for_every_group``)
+
+
+def steps_log_path(group_dir: str) -> str:
+    """A group's step record: one line per step (and one per start), in the group's own dir."""
+    return os.path.join(group_dir, "steps.jsonl")
+
+
+def finished_marker(group_dir: str) -> str:
+    """The file a group writes when it has finished the run (a group started again after it
+    then stops before its first step)."""
+    return os.path.join(os.path.dirname(group_dir), FINISHED_MARKER)
+
+
+class ReplicaFaultTolerance(Callback):
+    """Averages gradients over the live replica groups and heals a group that rejoins.
+
+    Args:
+        run_dir: The group's own dir, ``<run dir>/replicas/<group>`` (its step record goes there).
+        replicas: The job's ``fault_tolerance=replicas`` settings.
+        group: This rank's group and where the groups meet (the launcher's ``ReplicaGroup``);
+            None outside a replica launch (its set-up then refuses to fit).
+    """
+
+    def __init__(self, *, run_dir: str, replicas: ReplicaGroups | None = None,
+                 group: ReplicaGroup | None = None) -> None:
+        replicas = replicas or ReplicaGroups()
+        self.identity = group
+        self.group, self.groups = (group.group, group.groups) if group is not None else (0, 1)
+        self.run_dir = run_dir
+        self.min_replicas = replicas.min_replicas
+        self.timeout = timedelta(seconds=replicas.timeout_s)
+        self.quorum_timeout = timedelta(seconds=replicas.quorum_timeout_s)
+        self.manager: Any = None
+        self.participants = self.groups
+        self.committed = True
+        self._record: Any = None
+        self._step_open = False  # a quorum was held for the step now running
+        self._stepped = False  # the optimizer was asked to step in this batch (commit or not)
+        self._healed_at: int | None = None  # the step a heal just set, until it is announced
+
+    # -- set-up -------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.identity is None:
+            raise RuntimeError("ReplicaFaultTolerance runs on ranks the replica launcher started (no group handed in)")
+        if not pl_module.automatic_optimization:
+            raise ValueError("fault_tolerance=replicas gates the optimizer step of automatic optimization; "
+                             f"{type(pl_module).__name__} optimizes manually")
+        from torchft import Manager, ProcessGroupGloo
+
+        _quiet_torchft()
+
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=self.timeout),
+            load_state_dict=lambda state: self._load(trainer, pl_module, state),
+            state_dict=lambda: self._state(trainer, pl_module),
+            min_replica_size=self.min_replicas,
+            # NOTE: synchronous quorums: a rejoining group takes its peer's state before it
+            # draws its first batch, so it trains on the samples of the step it rejoins at.
+            use_async_quorum=False,
+            timeout=self.timeout,
+            quorum_timeout=self.quorum_timeout,
+            connect_timeout=self.quorum_timeout,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=self.identity.lighthouse,
+            replica_id=f"group_{self.group}",
+        )
+        if trainer.global_rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self._record = open(steps_log_path(self.run_dir), "a", buffering=1)  # noqa: SIM115
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            _gate_step(optimizer, self)
+        _gate_schedule(pl_module, self)
+        if os.path.exists(finished_marker(self.run_dir)):  # started again after another group finished the run
+            trainer.should_stop = True
+            self._write(step=trainer.global_step, started=True, stopped_as_finished=True)
+            return
+        if trainer.global_step:  # resumed from a checkpoint (ckpt_path): every group resumes the same one
+            self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and trainer.global_rank == 0:
+            self._wait_for_every_group()
+        # The first quorum before the first batch is drawn: a restarted group heals here and
+        # starts its sampler where the live groups are.
+        self._quorum(trainer, before_first_batch=True)
+        self._write(step=trainer.global_step, started=True, groups=self.participants)
+
+    # -- each step ------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self._step_open:
+            self._quorum(trainer)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        if grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            self.manager.allreduce(flat).wait()  # the mean over the quorum's groups
+            for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+                grad.copy_(averaged)
+        self._share_statistics(pl_module)
+
+    def _share_statistics(self, pl_module: LightningModule) -> None:
+        """What each group counted on its own share of the global batch, made the global batch's
+        by one sum over the quorum's groups (in float32, whatever the gradients' dtype: counts
+        stay exact), inside the step, so that a peer lost now drops the step as it does for the
+        gradients:
+
+        - the micro batches' losses the module logs at this step (``TaskModule.window_losses``):
+          averaged, so ``train/loss`` is the global batch's, as under DDP;
+        - a mixture of experts' router load (``MoELayer.counted_load``): summed, so the bias
+          update after the step reads the load of the global batch, as one process counts it;
+        - BatchNorm's running statistics: the first group's of the quorum (group 0 while it is
+          alive), as DDP broadcasts rank 0's buffers before each step's forward (the forward
+          normalises each group's own micro batch, as DDP's does each rank's): every group holds
+          the same statistics, those of DDP over all the groups' ranks.
+
+        A sum that failed leaves each group its own (the step is dropped, and a group's own
+        statistics are overwritten by the next step's)."""
+        from torch.distributed import ReduceOp
+
+        losses = getattr(pl_module, "window_losses", [])
+        loads = [load for module in pl_module.modules()
+                 if (load := getattr(module, "counted_load", _nothing)()) is not None]
+        norms = list(running_statistics(pl_module).values())
+        if not losses and not loads and not norms:
+            return
+        first = self.manager.participating_rank() == 0
+        flat = torch.cat([*(t.detach().float().flatten() for t in (*losses, *loads)),
+                          *(t.detach().float().flatten() if first else torch.zeros(t.numel(), device=t.device)
+                            for t in norms)])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return
+        summed = torch._utils._unflatten_dense_tensors(flat, [*losses, *loads, *norms])
+        losses[:] = [total / self.manager.num_participants() for total in summed[:len(losses)]]
+        with torch.no_grad():
+            for tensor, total in zip((*loads, *norms), summed[len(losses):], strict=True):
+                tensor.copy_(total)
+
+    def commit(self) -> bool:
+        """Whether the optimizer may step (every group of the quorum agrees); called by the
+        gated ``optimizer.step``."""
+        self.committed = self.manager.should_commit()
+        self._stepped = True
+        return self.committed
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._stepped:
+            return  # inside an accumulation: the step is not over
+        self._stepped = self._step_open = False
+        _set_global_step(trainer, self.manager.current_step())
+        if not self.committed:  # the routers' counts of a dropped step go with it (no bias update)
+            for module in pl_module.modules():
+                getattr(module, "take_statistics", _nothing)()
+        pl_module.log_dict({"fault_tolerance/groups": float(self.participants),
+                            "fault_tolerance/committed": float(self.committed)}, on_step=True)
+        self._write(step=trainer.global_step, groups=self.participants, committed=self.committed)
+
+    def _write(self, **row: Any) -> None:
+        if self._record is not None:
+            self._record.write(json.dumps({**row, "time": time.time()}) + "\n")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+        if self._record is not None:
+            self._record.close()
+            self._record = None
+
+    def _wait_for_every_group(self) -> None:
+        """At the job's start, every group before the first quorum.
+
+        NOTE: the lighthouse forms a first quorum from the groups that heartbeat by then, and the
+        groups' processes start seconds apart (a group still importing has not begun to): the
+        first steps would run with fewer groups, then heal the latecomers."""
+        from torch.distributed import TCPStore
+
+        host, port = self.identity.start_store.rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=self.quorum_timeout)
+        store.add("started", 1)
+        deadline = time.monotonic() + self.quorum_timeout.total_seconds()
+        while store.add("started", 0) < self.groups and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    # -- quorum and healing ---------------------------------------------------------------------
+    def _quorum(self, trainer: Trainer, *, before_first_batch: bool = False) -> None:
+        before = self.participants
+        self.manager.start_quorum()  # a group that is behind loads a live group's state in it
+        self.participants = self.manager.num_participants()
+        self._step_open = True
+        healed, self._healed_at = self._healed_at, None
+        if healed:
+            if before_first_batch:
+                _skip_samples(trainer, healed)
+            # NOTE: a heal later in a run (a failed transfer retried) cannot move the sampler,
+            # whose epoch is under way: that group reads on from its own position.
+            rank_zero_info(f"litscale: fault tolerance: replica group {self.group} rejoined at step {healed} "
+                           f"with a live group's state ({self.participants} of {self.groups} groups stepping)")
+        elif self.participants != before:
+            rank_zero_info(f"litscale: fault tolerance: replica group {self.group}, step {trainer.global_step}: "
+                           f"{self.participants} of {self.groups} groups stepping (global batch "
+                           f"{self.participants}/{self.groups} of the configured one)")
+
+    def _state(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        """What a rejoining group's rank takes from the same rank of a live group: this rank's
+        shards as plain tensors (the groups share one layout, so shards match rank for rank)."""
+        return {"module": {name: _local(tensor) for name, tensor in pl_module.state_dict().items()},
+                "optimizers": [_local_tree(optimizer.state_dict()) for optimizer in trainer.optimizers],
+                "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
+
+    def _load(self, trainer: Trainer, pl_module: LightningModule, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, tensor in pl_module.state_dict().items():  # into the parameters' own storage
+                _local(tensor).copy_(state["module"][name])
+        for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(_as_parameters_are(optimizer, saved))
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        step = self.manager.current_step()
+        _set_global_step(trainer, step)
+        self._healed_at = step
+
+
+def _nothing() -> None:
+    """What a module without router counts answers (``getattr``'s default above)."""
+    return None
+
+
+def _local(tensor: Any) -> Any:
+    """A DTensor's shard on this rank (FSDP's parameters and gradients); any other value as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_tree(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _local_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_local_tree(item) for item in value]
+    return _local(value)
+
+
+def _as_parameters_are(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """A received optimizer state with each state tensor shaped like its parameter's shard made
+    a DTensor like the parameter again (the optimizer steps DTensor parameters with DTensor state)."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, entries in saved["state"].items():
+        parameter = parameters[int(index)]
+        if isinstance(parameter, DTensor):
+            entries = {key: DTensor.from_local(value, parameter.device_mesh, parameter.placements, run_check=False,
+                                               shape=parameter.shape, stride=parameter.stride())
+                       if torch.is_tensor(value) and value.shape == parameter.to_local().shape else value
+                       for key, value in entries.items()}
+        state[index] = entries
+    return {**saved, "state": state}
+
+
+def _quiet_torchft() -> None:
+    """torchft logs every failed collective with its traceback, its state server every request,
+    and torch warns about every state received; what these mean for the run is said in one
+    line instead (``ReplicaFaultTolerance._quorum``)."""
+    import http.server
+    import warnings
+
+    logging.getLogger("torchft").setLevel(logging.CRITICAL)
+    http.server.BaseHTTPRequestHandler.log_request = lambda *args, **kwargs: None  # errors still logged
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def _gate_step(optimizer: torch.optim.Optimizer, replicas: ReplicaFaultTolerance) -> None:
+    """``optimizer.step`` runs Lightning's closure (forward, backward, the cross-group average,
+    clipping) and then steps only if the step commits.
+
+    NOTE: patched on the instance, around whatever ``step`` is there (an LR scheduler wraps
+    it too): Lightning offers no hook between its closure and the optimizer's update."""
+    wrapped = optimizer.step
+
+    @functools.wraps(wrapped)  # keeps the LR scheduler's mark on it (no warning at its step)
+    def step(closure: Any = None, **kwargs: Any) -> Any:
+        loss = closure() if closure is not None else None
+        if replicas.commit():
+            wrapped(**kwargs)
+        return loss
+
+    optimizer.step = step  # type: ignore[method-assign]
+
+
+def _gate_schedule(pl_module: LightningModule, replicas: ReplicaFaultTolerance) -> None:
+    """The LR schedule advances with the steps committed, as the optimizer does.
+
+    NOTE: patched on the module (Lightning steps every scheduler through
+    ``LightningModule.lr_scheduler_step``), not on the scheduler, whose ``state_dict`` is its
+    ``__dict__`` and would carry the patch into checkpoints."""
+    wrapped = pl_module.lr_scheduler_step
+
+    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+        if replicas.committed:
+            wrapped(scheduler, metric)
+
+    pl_module.lr_scheduler_step = lr_scheduler_step
+
+
+def _set_global_step(trainer: Trainer, step: int) -> None:
+    """Lightning's step counter set to the steps committed (a dropped step does not count)."""
+    loop = trainer.fit_loop.epoch_loop
+    progress = loop.automatic_optimization.optim_progress.optimizer.step
+    progress.total.ready = progress.total.completed = step
+    loop._batches_that_stepped = step
+
+
+def _skip_samples(trainer: Trainer, steps: int) -> None:
+    """A rejoining group's sampler starts where the live groups are: ``steps`` optimizer steps in.
+
+    NOTE: an epoch whose batches do not fill its last accumulation window still steps on what
+    it has (Lightning steps at an epoch's last batch), so an epoch is ``ceil(batches /
+    accumulation)`` steps, not ``batches // accumulation``: counting whole windows put a group
+    that rejoined past such an epoch on another step's samples."""
+    loader = trainer.train_dataloader
+    sampler = getattr(loader, "sampler", None)
+    if not hasattr(sampler, "resume_at"):
+        return
+    accumulation = trainer.accumulate_grad_batches
+    steps_per_epoch = math.ceil(trainer.num_training_batches / accumulation)
+    epoch, into = divmod(steps, steps_per_epoch)
+    sampler.resume_at(epoch, into * accumulation * loader.batch_size)
