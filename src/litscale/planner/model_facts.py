@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from litscale.precision import float8_flops_per_token
+from litscale.precision import converts_to_float8, float8_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,9 @@ class ModelFacts:
     # Of ``flops_per_token``, those of the layers precision=fp8 runs in float8 (its Linear layers
     # but the head: ``litscale.precision.converts_to_float8``).
     float8_flops_per_token: float = 0.0
+    # Those layers' (input, output) features, one pair per layer: what precision=fp8 casts
+    # (``float8_cost``).
+    float8_linears: tuple[tuple[int, int], ...] = ()
     # Under mixed precision (traced under autocast), the activation fields above traced again with
     # the weights in the compute dtype and no autocast, as FSDP2's policy and DeepSpeed's 16-bit
     # engine run the model (``with_weights_in_compute_dtype``); {} otherwise.
@@ -380,6 +383,8 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype:
     norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
     return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
                       float8_flops_per_token=float8_flops_per_token(net), packed_documents=packed_documents,
+                      float8_linears=tuple((m.in_features, m.out_features) for name, m in net.named_modules()
+                                           if converts_to_float8(m, name)),
                       layers=len(units), hidden=hidden, heads=heads, **traced, weights_in_compute_dtype=sixteen_bit,
                       root_params=num_params - in_units,
                       vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),

@@ -63,7 +63,8 @@ def predict_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> 
     from litscale.app.build import build, trusted_targets
     from litscale.planner import profile_cache
     from litscale.planner.calibrate import calibrated_figures
-    from litscale.planner.cost import predict, profile_key, timed_forward_backward_s
+    from litscale.planner.compute_cost import profile_key, timed_forward_backward_s
+    from litscale.planner.cost import predict
 
     plan = configured_plan(cfg, choices, layout)
     cluster_node = cfg.get("cluster")
