@@ -1,8 +1,8 @@
 """Checkpoint save and load against the disk's own rate, measured in the same run.
 
 GPT-2 small (the zoo's ``gpt`` preset ``small``, 124M parameters) with AdamW's state, after one
-optimizer step, on 1, 2 and 4 gloo ranks (CPU), saved and loaded by litscale's strategies as a
-run does it:
+optimizer step, on 1, 2 and 4 gloo ranks (CPU; each rank its share of the cores' threads, as a
+run gives it), saved and loaded by litscale's strategies as a run does it:
 
 - ``file``: one ``torch.save`` file (``strategy=single`` on 1 rank, ``strategy=ddp`` on more);
 - ``dcp``: a ``torch.distributed.checkpoint`` directory of shards (``strategy=fsdp``).
@@ -185,7 +185,7 @@ def _rank(local_rank: int, world_size: int, port: int, kind: str, preset: str, r
           out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # each rank's share, as a run gives it
     import lightning as L
 
     from litscale.data.synthetic import SyntheticDataModule
