@@ -5,7 +5,11 @@ every token of one document leaves the other documents' logits bit-identical (te
 2-stage pipeline whose stages hand the positions on, context parallel's gathered documents; one
 process for Llama, the MoE decoder and model=hf is in ``test_token_batch.py``); and the same
 global batches of packed conversations log the same loss, the mean over their answers' tokens,
-on 1 rank, 2 ranks and 2 ranks with accumulation 2."""
+on 1 rank, 2 ranks and 2 ranks with accumulation 2; and packed rows with loss masks train 3
+optimizer steps under DeepSpeed ZeRO-2 and ZeRO-3, tensor parallel 2, a 2-stage pipeline,
+context parallel 2 (FSDP) and expert parallel 2 (FSDP, the MoE decoder) to the losses, gradient
+norms, gradients (where ``.grad`` holds them) and final weights of one process's plain loop
+(``make test-full``: the six in one rank-pool run)."""
 
 from __future__ import annotations
 
