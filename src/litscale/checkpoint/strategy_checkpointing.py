@@ -143,13 +143,12 @@ class StrategyCheckpointing:
         """Lightning's ``Strategy.checkpoint_io`` with litscale's ``FileCheckpointIO`` where the
         user gave none (under a wrapping one of theirs too): it writes straight to the staging
         path, which the publish makes atomic, and loads memory-mapped (``litscale.checkpoint.file_io``)."""
-        from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-
         from litscale.checkpoint.file_io import FileCheckpointIO
+        from litscale.lightning_private import WrappingCheckpointIO
 
         if self._checkpoint_io is None:
             self._checkpoint_io = FileCheckpointIO()
-        elif isinstance(self._checkpoint_io, _WrappingCheckpointIO):
+        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
             self._checkpoint_io.checkpoint_io = FileCheckpointIO()  # kept where the user set one
         return self._checkpoint_io
 
