@@ -28,14 +28,20 @@ CATALOG = _load("litscale_mutant_catalog_under_test", TESTS / "mutants" / "catal
 RUNNER = _load("litscale_mutant_runner_under_test", TESTS / "mutants" / "run.py")
 
 
-@pytest.mark.parametrize("mutant", CATALOG.MUTANTS.values(), ids=lambda mutant: mutant.name)
-def test_each_row_replaces_a_function_that_exists(mutant):
+def _target_of(mutant) -> object:
+    """What the row's target names, as its class or module holds it (a staticmethod unwrapped
+    by the caller)."""
     module_name, qualname = mutant.target.split(":")
     holder = importlib.import_module(module_name)
     *owners, attribute = qualname.split(".")
     for owner in owners:
         holder = getattr(holder, owner)
-    found = inspect.getattr_static(holder, attribute)
+    return inspect.getattr_static(holder, attribute)
+
+
+@pytest.mark.parametrize("mutant", CATALOG.MUTANTS.values(), ids=lambda mutant: mutant.name)
+def test_each_row_replaces_a_function_that_exists(mutant):
+    found = _target_of(mutant)
     function = found.__func__ if isinstance(found, staticmethod | classmethod) else found
     assert inspect.isfunction(function), f"{mutant.target} is a {type(found).__name__}, not a function"
     assert callable(mutant.wrap(function))
@@ -76,12 +82,7 @@ def test_each_row_replaces_its_function_with_one_its_callers_can_call(mutant):
     """The replacement takes the arguments the function does: a signature that drifted (a
     parameter added or dropped in ``src``) raises TypeError where the defect should act, which
     fails the row's tests for the wrong reason and reads as caught."""
-    module_name, qualname = mutant.target.split(":")
-    holder = importlib.import_module(module_name)
-    *owners, attribute = qualname.split(".")
-    for owner in owners:
-        holder = getattr(holder, owner)
-    found = inspect.getattr_static(holder, attribute)
+    found = _target_of(mutant)
     original = found.__func__ if isinstance(found, staticmethod | classmethod) else found
     positional, keywords = _arguments_of(original)
     try:

@@ -148,8 +148,11 @@ class StrategyCheckpointing:
 
         if self._checkpoint_io is None:
             self._checkpoint_io = FileCheckpointIO()
-        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
-            self._checkpoint_io.checkpoint_io = FileCheckpointIO()  # kept where the user set one
+        elif isinstance(self._checkpoint_io, WrappingCheckpointIO) and (
+                self._checkpoint_io.checkpoint_io is None
+                or isinstance(self._checkpoint_io.checkpoint_io, WrappingCheckpointIO)):
+            # the wrapper's setter keeps a base the user set; built only where it may take one
+            self._checkpoint_io.checkpoint_io = FileCheckpointIO()
         return self._checkpoint_io
 
     @checkpoint_io.setter
