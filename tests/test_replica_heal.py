@@ -205,3 +205,123 @@ def test_a_group_healing_during_the_others_forward_takes_their_state_at_the_step
     assert [callback.committed for callback in callbacks] == [True, True]
     assert [module.exports_in_forward for module in modules] == [0, 0]
     assert [trainer.fit_loop.epoch_loop._batches_that_stepped for trainer in trainers] == [3, 3]
+
+
+class ResumeRecorder:
+    """A sampler that records where ``_skip_samples`` puts it."""
+
+    def __init__(self) -> None:
+        self.resumed_at: list[tuple[int, int]] = []
+
+    def resume_at(self, epoch: int, position: int) -> None:
+        self.resumed_at.append((epoch, position))
+
+
+def test_a_restarted_group_rejoins_beside_a_live_group_and_both_count_the_same_groups(tmp_path, monkeypatch):
+    """Group 0 trains alone (SGD with momentum, so the optimizer's state travels too); group 1
+    starts later, from other weights, as a restarted group does: its first quorum, waited for,
+    heals it from group 0 and moves its sampler to the step it rejoins at, ``r``, while group 0's
+    quorums run beside its steps. At ``r`` group 1 sits out (torchft counts only the groups at
+    the newest step, group 0 alone, in both groups), then both train together: each step of
+    both equals plain SGD with momentum over the groups stepping. On the old first quorum
+    (torchft's synchronous mode) group 1 counted 2 groups where group 0 counted 1, summed its
+    own gradient in, and the two groups' weights parted at ``r``."""
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    from litscale.reliability.replica_groups import (
+        ReplicaFaultTolerance,
+        ReplicaGroup,
+        ReplicaGroups,
+    )
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # neither waits for the other at its start
+    torch.manual_seed(0)
+    starts = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)]  # a restarted group's own fresh weights
+
+    def batch_of(group: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(1000 * group + step)
+        return torch.randn(4, 3, generator=generator), torch.randn(4, 2, generator=generator)
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, quorum_tick_ms=5)
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(2)]
+    settings = ReplicaGroups(groups=2, min_replicas=1, timeout_s=30.0, quorum_timeout_s=60.0)
+    modules = [GatedLinear(start) for start in starts]
+    optimizers = [torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9) for module in modules]
+    trainers = [trainer_of(optimizer) for optimizer in optimizers]
+    samplers = [ResumeRecorder(), ResumeRecorder()]
+    for trainer, sampler in zip(trainers, samplers, strict=True):
+        trainer.train_dataloader = SimpleNamespace(sampler=sampler, batch_size=4)
+    callbacks = [ReplicaFaultTolerance(run_dir=str(tmp_path / str(group)), replicas=settings,
+                                       group=ReplicaGroup(group=group, groups=2, lighthouse=lighthouse.address(),
+                                                          start_store="unused:0"))
+                 for group in range(2)]
+    group_0_stepped, rejoined, record = threading.Event(), threading.Event(), {}
+
+    def one_step(group: int, step: int) -> None:
+        callback, module, optimizer, trainer = callbacks[group], modules[group], optimizers[group], trainers[group]
+        batch = batch_of(group, step)
+        callback.on_train_batch_start(trainer, module, batch, step)
+
+        def closure() -> torch.Tensor:
+            loss = loss_of(module, batch)
+            loss.backward()
+            callback.on_before_optimizer_step(trainer, module, optimizer)
+            return loss
+
+        optimizer.step(closure)
+        callback.on_train_batch_end(trainer, module, None, batch, step)
+        optimizer.zero_grad()
+        record[group, step] = (flat(module), callback.participants, callback.committed)
+
+    def train(group: int) -> None:
+        callback, module, trainer = callbacks[group], modules[group], trainers[group]
+        if group == 1:
+            assert group_0_stepped.wait(WAIT_S), "group 0 trained 2 steps alone"
+        callback.start_manager(trainer, module, store_addr="127.0.0.1", store_port=stores[group].port)
+        try:
+            callback.on_train_start(trainer, module)
+            if group == 1:
+                record["rejoined at"] = callback.manager.current_step()
+                rejoined.set()
+                for step in range(record["rejoined at"], record["rejoined at"] + 2):
+                    one_step(1, step)
+                return
+            step = 0
+            while not (rejoined.is_set() and step >= record["rejoined at"] + 2):
+                assert step < 200, "group 1 never rejoined"
+                one_step(0, step)
+                step += 1
+                if step == 2:
+                    group_0_stepped.set()
+        finally:
+            callback.teardown(trainer, module, "fit")
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(train, (0, 1)))
+    finally:
+        lighthouse.shutdown()
+
+    rejoined_at = record["rejoined at"]
+    assert rejoined_at >= 2
+    assert samplers[1].resumed_at == [(0, 4 * rejoined_at)]  # group 1 reads on from step r's samples
+    # Plain SGD with momentum: group 0 alone up to and with step r, both groups after it.
+    linear = copy.deepcopy(starts[0])
+    optimizer = torch.optim.SGD(linear.parameters(), lr=LR, momentum=0.9)
+    for step in range(rejoined_at + 2):
+        stepping = (0,) if step <= rejoined_at else (0, 1)
+        grads = []
+        for group in stepping:
+            linear.zero_grad()
+            loss_of(linear, batch_of(group, step)).backward()
+            grads.append([p.grad.clone() for p in linear.parameters()])
+        for index, param in enumerate(linear.parameters()):
+            param.grad = sum(g[index] for g in grads) / len(grads)
+        optimizer.step()
+        expected = flat(linear)
+        torch.testing.assert_close(record[0, step][0], expected, rtol=1.3e-6, atol=1e-5)
+        assert record[0, step][1:] == (len(stepping), True), (step, record[0, step][1:])
+        if step >= rejoined_at:
+            torch.testing.assert_close(record[1, step][0], expected, rtol=1.3e-6, atol=1e-5)
+            assert record[1, step][1:] == (len(stepping), True), (step, record[1, step][1:])

@@ -29,8 +29,8 @@ Per step (``ReplicaFaultTolerance``, a callback), nothing of it in the step's wa
   counter follows the steps committed.
 
 The first quorum alone is waited for, before the first batch is drawn: a group that starts
-again heals then and starts its sampler where the live groups are (and at a job's start every
-group takes group 0's weights in it, torchft's ``init_sync``).
+again heals then and starts its sampler where the live groups are, and sits that one step out
+(and at a job's start every group takes group 0's weights in it, torchft's ``init_sync``).
 
 What a lost group costs: its share of each global batch until it is back (the step's batch
 shrinks from ``groups`` to the live groups' share; the learning rate stays the full batch's),
@@ -332,13 +332,13 @@ class ReplicaFaultTolerance(Callback):
     # -- quorum and healing ---------------------------------------------------------------------
     def _quorum_before_first_batch(self, trainer: Trainer) -> None:
         """The first quorum, waited for: a group that is behind (a restarted one) takes a live
-        group's state in it and starts its sampler where the live groups are, and so trains on
-        the samples of the step it rejoins at, with the others.
+        group's state in it and starts its sampler where the live groups are; it sits that step
+        out (torchft counts only the groups at the newest step) and steps with the others' mean,
+        so its share of that one step is not trained on, and no sample is trained twice.
 
         NOTE: waited for because the sampler must move before the first batch is drawn, and at a
-        job's start every group takes group 0's weights here (torchft's ``init_sync``): an
-        asynchronous first quorum would sit every group but one out of the first step. Once per
-        start, so its cost is not a step's."""
+        job's start every group takes group 0's weights here (torchft's ``init_sync``), all at
+        step 0 and so all stepping. Once per start, so its cost is not a step's."""
         _quorum_now(self.manager)
         self.participants = self.manager.num_participants()
         if self._healed_at:
@@ -397,20 +397,25 @@ class ReplicaFaultTolerance(Callback):
 
 
 def _quorum_now(manager: Any) -> None:
-    """A quorum waited for, its heal applied before this returns, on a manager whose quorums
-    otherwise run in its thread.
+    """A quorum waited for, with the state of a heal applied before this returns (on the
+    training thread, before any batch), on a manager whose quorums run in its thread.
 
-    NOTE: torchft reads the mode back from ``Manager._use_async_quorum`` at each
-    ``start_quorum`` and has no public switch for one quorum (waiting for the first one is
-    proposed upstream, meta-pytorch/torchft#112)."""
-    if not hasattr(manager, "_use_async_quorum"):
-        raise RuntimeError("torchft's Manager no longer has _use_async_quorum: litscale's replica groups "
-                           "cannot wait for their first quorum with this torchft")
-    manager._use_async_quorum = False
-    try:
-        manager.start_quorum()
-    finally:
-        manager._use_async_quorum = True
+    NOTE: torchft applies the heal of an asynchronous quorum in ``should_commit``. Its
+    synchronous mode applies it at once, through the same two private calls as here
+    (``Manager.start_quorum``), but then also counts a group that is behind as stepping, where
+    groups whose quorums are asynchronous count only the groups at the newest step: a group
+    restarted beside two live ones divided the step's sum by 3 and they by 2, and their weights
+    parted. The quorum stays asynchronous here (every group counts the same groups) and only its
+    heal is applied at once; torchft has no public call for that."""
+    for name in ("_healing", "_apply_pending_state_dict"):
+        if not hasattr(manager, name):
+            raise RuntimeError(f"torchft's Manager no longer has {name}: litscale's replica groups cannot apply "
+                               "a heal before their first batch with this torchft")
+    manager.start_quorum()
+    manager.wait_quorum()
+    if manager._healing:
+        manager._apply_pending_state_dict()
+        manager._healing = False
 
 
 def _sum_over_groups(manager: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
