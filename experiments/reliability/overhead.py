@@ -23,7 +23,7 @@ The per-step latencies of fault tolerance, two ways:
   vote, for each G; the fit of the quorum's time against G is what ``docs/reliability.md``
   extrapolates to 8, 64 and 1,024 groups.
 
-    python experiments/reliability/overhead.py            # record: about 30 min on 2 idle cores
+    python experiments/reliability/overhead.py            # record: about 25 min on 2 idle cores
     python experiments/reliability/overhead.py --steps 10 --rounds 1 --no-record   # try it
 
 Record on a quiet machine (the script says the load average before and after, and refuses to
@@ -90,13 +90,17 @@ def step_seconds(times: list[float], warmup: int) -> list[float]:
     return [b - a for a, b in zip(times[warmup:], times[warmup + 1:], strict=False)]
 
 
+def median_step(job: dict, warmup: int) -> float:
+    return statistics.median(step_seconds(job["times"], warmup))
+
+
 def run_job(overrides: list[str], outputs: Path, steps: int) -> dict:
     """One job; its step times (rank 0's, group 0's rank 0's for replica groups) and, for replica
     groups, group 0's step record."""
     command = [sys.executable, "train.py", *COMMON, f"trainer.max_steps={steps}", *overrides]
     env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    started = time.monotonic()
+    started, load_at_start = time.monotonic(), os.getloadavg()[0]
     process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600, env=env)
     if process.returncode != 0:
         raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n"
@@ -108,20 +112,25 @@ def run_job(overrides: list[str], outputs: Path, steps: int) -> dict:
     record = found[0].parent / "steps.jsonl"
     rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     return {"wall_s": time.monotonic() - started, "times": json.loads(found[0].read_text()),
-            "steps": [row for row in rows if "committed" in row]}
+            "steps": [row for row in rows if "committed" in row],
+            "load": [load_at_start, os.getloadavg()[0]]}
 
 
 def measure_pairs(args: argparse.Namespace, scratch: Path) -> dict:
-    results = {f"{model}, {layout}": {"baseline": [], "replica_groups": []} for model in MODELS for layout in LAYOUTS}
+    results = {f"{model}, {layout}": {"baseline": [], "replica_groups": []} for model in MODELS for layout in LAYOUTS
+               if args.only in f"{model}, {layout}"}
     for round_index in range(args.rounds):
         for model, model_overrides in MODELS.items():
             for layout, (baseline, groups) in LAYOUTS.items():
                 name = f"{model}, {layout}"
+                if name not in results:
+                    continue
                 for side, overrides in (("baseline", baseline), ("replica_groups", groups)):
                     outputs = scratch / f"{len(os.listdir(scratch)):03d}"
                     print(f"round {round_index + 1}: {name}: {side} ...", end="", flush=True)
                     job = run_job([*model_overrides, *overrides], outputs, args.steps)
-                    print(f" {job['wall_s']:.0f} s", flush=True)
+                    print(f" {job['wall_s']:.0f} s, median step {median_step(job, args.warmup) * 1000:.1f} ms, "
+                          f"load {job['load'][0]:.1f} -> {job['load'][1]:.1f}", flush=True)
                     results[name][side].append(job)
     return {name: summarize(jobs, args.warmup) for name, jobs in results.items()}
 
@@ -133,10 +142,15 @@ def summarize(jobs: dict, warmup: int) -> dict:
     waits = {name: statistics.median(values) for name in ("quorum_wait_s", "reduce_s", "commit_s")
              if (values := [row[name] for row in rows if name in row])}
     a, b = statistics.median(baseline), statistics.median(groups)
+    # Each round's B over its A, the two jobs run one after the other: load that comes and goes
+    # between rounds falls on both sides of a round's ratio.
+    rounds = [median_step(b_job, warmup) / median_step(a_job, warmup)
+              for a_job, b_job in zip(jobs["baseline"], jobs["replica_groups"], strict=True)]
     return {"baseline_median_step_s": a, "replica_groups_median_step_s": b, "ratio": b / a,
+            "ratio_per_round": rounds, "median_ratio_of_rounds": statistics.median(rounds),
+            "load_per_job": {side: [job["load"] for job in runs] for side, runs in jobs.items()},
             "steps_timed": {"baseline": len(baseline), "replica_groups": len(groups)},
-            "per_run_median_step_s": {side: [statistics.median(step_seconds(job["times"], warmup)) for job in runs]
-                                      for side, runs in jobs.items()},
+            "per_run_median_step_s": {side: [median_step(job, warmup) for job in runs] for side, runs in jobs.items()},
             "wall_s": {side: [job["wall_s"] for job in runs] for side, runs in jobs.items()},
             "replica_groups_median_waits_s": waits,
             "steps_with_fewer_groups": sum(1 for row in rows if row.get("groups", 2) < 2),
@@ -255,12 +269,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20, help="steps left out of each job's median")
-    parser.add_argument("--rounds", type=int, default=2, help="A B rounds of each pair")
+    parser.add_argument("--rounds", type=int, default=3, help="A B rounds of each pair")
     parser.add_argument("--latency-groups", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--latency-repeats", type=int, default=30)
     parser.add_argument("--max-load", type=float, default=1.5, help="refuse to record above this 1-minute load")
     parser.add_argument("--no-record", action="store_true", help="print the table, write nothing")
     parser.add_argument("--record-under-load", action="store_true", help="record whatever the load")
+    parser.add_argument("--only", default="", help="the pairs whose name holds this, e.g. 'GPT-nano, DDP'")
     args = parser.parse_args()
     args.warmup = min(args.warmup, max(0, args.steps // 2 - 1))
     load_before = os.getloadavg()
@@ -326,14 +341,18 @@ def table(record: dict) -> str:
              f"round(s). Load average (1, 5, 15 min) {' / '.join(f'{x:.1f}' for x in load['before'])} before, "
              f"{' / '.join(f'{x:.1f}' for x in load['after'])} after.", "",
              "| model, layout | baseline median step, ms | replica groups, ms | ratio (target <= "
-             f"{record['target_ratio']}) | quorum wait, ms | sum over the groups, ms | commit vote, ms |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"{record['target_ratio']}) | each round's ratio | load at each job's start (A B ...) | quorum wait, ms | "
+             "sum over the groups, ms | commit vote, ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in record["pairs"].items():
         waits = row["replica_groups_median_waits_s"]
         cells = [f"{waits[key] * 1000:.2f}" if key in waits else "-" for key in ("quorum_wait_s", "reduce_s", "commit_s")]
         met = "" if row["ratio"] <= record["target_ratio"] else " (missed)"
+        loads = " ".join(f"{a[0]:.1f} {b[0]:.1f}" for a, b in zip(row["load_per_job"]["baseline"],
+                                                                   row["load_per_job"]["replica_groups"], strict=True))
         lines.append(f"| {name} | {row['baseline_median_step_s'] * 1000:.1f} | "
-                     f"{row['replica_groups_median_step_s'] * 1000:.1f} | {row['ratio']:.3f}{met} | {' | '.join(cells)} |")
+                     f"{row['replica_groups_median_step_s'] * 1000:.1f} | {row['ratio']:.3f}{met} | "
+                     f"{', '.join(f'{r:.3f}' for r in row['ratio_per_round'])} | {loads} | {' | '.join(cells)} |")
     if record["latencies"]:
         lines += ["", "Alone (G groups of 1 rank in one process, on the same cores), median of "
                   f"{record['latencies'][0]['repeats']} (measured): a whole quorum waited for, a sum of one "
