@@ -46,6 +46,9 @@ DELIBERATE: dict[tuple[str, str], str] = {
     ("cluster/h100_8x", "overlap"): "NCCL on its own SMs hides most gradient traffic behind backward",
     ("cluster/h100_8x", "optimizer_s_per_param"): "derived from the datasheet's HBM3 bandwidth (the file says how)",
     ("cluster/h100_8x", "source"): "where the figures come from, shown with every plan",
+    ("cluster/h100_8x", "memory_bandwidth_bytes_s"): "the datasheet's HBM3 bandwidth: what float8's casts cost",
+    ("cluster/h100_8x", "grouped_matmul_fractions"):
+        "a published H100 benchmark of the experts' grouped matmuls by size (the file cites it)",
     # loggers: files under the run dir that Hydra already made for this one run
     ("logger/csv", "csv.name"): "metrics in <run dir>/csv/metrics.csv, where tests and notebooks read them",
     ("logger/csv", "csv.version"): "one run per Hydra run dir: no version_<n> folder under it",

@@ -5,22 +5,39 @@ every token of one document leaves the other documents' logits bit-identical (te
 2-stage pipeline whose stages hand the positions on, context parallel's gathered documents; one
 process for Llama, the MoE decoder and model=hf is in ``test_token_batch.py``); and the same
 global batches of packed conversations log the same loss, the mean over their answers' tokens,
-on 1 rank, 2 ranks and 2 ranks with accumulation 2."""
+on 1 rank, 2 ranks and 2 ranks with accumulation 2; and packed rows with loss masks train 3
+optimizer steps under DeepSpeed ZeRO-2 and ZeRO-3, tensor parallel 2, a 2-stage pipeline,
+context parallel 2 (FSDP) and expert parallel 2 (FSDP, the MoE decoder) to the losses, gradient
+norms, gradients (where ``.grad`` holds them) and final weights of one process's plain loop
+(``make test-full``: the six in one rank-pool run)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import strategies
 from helpers.distributed import run_distributed
-from helpers.parity import TOLERANCE, StepRecorder, full
+from helpers.parity import (
+    OPTIMIZERS,
+    TOLERANCE,
+    ParitySetup,
+    StepRecorder,
+    Trace,
+    assert_ranks_match,
+    fit_on_mesh,
+    full,
+    norm_of,
+    tiny_net,
+)
 
 from litscale.data.token_batch import IGNORE_INDEX, TokenBatch, document_positions
 from litscale.models.llama import Llama, LlamaConfig
+from litscale.models.moe import MoEConfig, MoEDecoder
 
 CONFIG = LlamaConfig(n_layer=2, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64, vocab_size=64, block_size=16)
 ROWS, LENGTH = 4, 16
@@ -273,3 +290,108 @@ def test_the_same_global_batch_logs_the_same_sft_loss_on_1_rank_2_ranks_and_2_ra
     for name, losses in {**one, **two}.items():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), **TOLERANCE,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- packed SFT trained for several steps under every strategy, against one process -------------
+
+TRAIN_STEPS = 3
+# parity's small MoE decoder (a dense layer, then two of 4 experts, top-2, a shared expert),
+# dropless and without the balance loss or the bias update: both read a rank's own tokens, by
+# design not the global batch's.
+MOE_CONFIG = MoEConfig(n_layer=3, n_head=4, n_kv_heads=2, n_embd=32, ffn_hidden_size=64, vocab_size=64,
+                       block_size=16, n_experts=4, top_k=2, moe_ffn_hidden_size=16, n_shared_experts=1,
+                       dense_layers=1, aux_loss_coef=0.0)
+# SGD with momentum (parity's "sgd"): a step that divides the loss wrongly moves the weights wrongly.
+SETUPS = {"llama": ParitySetup(config=CONFIG, net_class=Llama, steps=TRAIN_STEPS, global_batch=ROWS),
+          "moe": ParitySetup(config=MOE_CONFIG, net_class=MoEDecoder, steps=TRAIN_STEPS, global_batch=ROWS)}
+
+
+class Trained(NamedTuple):
+    """A strategy that trains packed SFT rows: how a rank builds it, the network it trains, and
+    what it can show (ZeRO keeps no gradient in ``.grad``; ZeRO-3 gathers the weights on rank 0)."""
+
+    strategy: functools.partial
+    model: str = "llama"
+    gradients: bool = True
+    weights_on_every_rank: bool = True
+
+
+P = functools.partial
+TRAINED = {
+    "deepspeed_zero2": Trained(P(strategies.zero, 2), gradients=False),
+    "deepspeed_zero3": Trained(P(strategies.zero, 3), gradients=False, weights_on_every_rank=False),
+    "tensor_parallel2": Trained(P(strategies.tensor_parallel, tensor_parallel_size=2)),
+    # the positions and the counted fraction travel with each micro batch through the stages
+    "pipeline2": Trained(P(strategies.pipeline, pipeline_parallel_size=2, microbatches=2)),
+    "context_parallel2": Trained(P(strategies.fsdp, context_parallel_size=2)),
+    "expert_parallel2": Trained(P(strategies.fsdp, expert_parallel_size=2), model="moe"),
+}
+
+
+def sft_global_batches() -> list[TokenBatch]:
+    """One packed SFT global batch (``sft_batch``) per step, each of other tokens."""
+    return [sft_batch(seed=step) for step in range(TRAIN_STEPS)]
+
+
+def _sft_rank_loader(data_parallel_size: int, data_parallel_rank: int):
+    """A data-parallel rank's rows of each global batch, one micro batch per step."""
+    share = ROWS // data_parallel_size
+    return _loader(sft_global_batches(), slice(data_parallel_rank * share, (data_parallel_rank + 1) * share))
+
+
+def _trained_on_ranks(rank: int, world_size: int, cases: dict[str, Trained]) -> dict[str, Trace]:
+    """Each case trained ``TRAIN_STEPS`` steps in one process group, every rank fed the rows of
+    its data-parallel index on the strategy's mesh."""
+    return {name: fit_on_mesh(rank, world_size, case.strategy(), SETUPS[case.model], gradients=case.gradients,
+                              local_weights=case.weights_on_every_rank, loader_of=_sft_rank_loader)
+            for name, case in cases.items()}
+
+
+@functools.cache
+def _reference_training(model: str) -> Trace:
+    """The definition in one plain loop: each global batch's loss the mean cross-entropy over
+    its counted (the answers') tokens, the network attending within documents by their
+    positions; the same optimizer steps on it."""
+    setup = SETUPS[model]
+    net = tiny_net(setup)
+    optimizer = OPTIMIZERS[setup.optimizer](net.parameters())
+    losses, gradients = [], []
+    for batch in sft_global_batches():
+        optimizer.zero_grad()
+        logits = net(batch.tokens, batch.positions)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX)
+        loss.backward()
+        losses.append(loss.item())
+        gradients.append({name: p.grad.clone() for name, p in net.named_parameters()})
+        optimizer.step()
+    return Trace(losses, gradients, {name: t.detach().clone() for name, t in net.state_dict().items()},
+                 gradient_norms=[norm_of(step) for step in gradients])
+
+
+@functools.cache
+def _trained(cases: frozenset) -> dict | str:
+    """Each rank's traces ``{case: [Trace per rank]}`` of ``cases``, trained in one rank-pool
+    run on 2 ranks, or the failure's text (kept: the other cases fail at once)."""
+    try:
+        ranks = run_distributed(_trained_on_ranks, 2, {name: TRAINED[name] for name in TRAINED if name in cases},
+                                timeout=900)
+    except AssertionError as error:
+        return str(error)
+    return {name: [traces[name] for traces in ranks] for name in ranks[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.full
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", list(TRAINED))
+def test_packed_sft_trains_as_one_process_does_on_two_ranks(name, request):
+    selected = frozenset(item.callspec.params["name"] for item in request.session.items
+                         if item.originalname == "test_packed_sft_trains_as_one_process_does_on_two_ranks")
+    traces = _trained(selected)
+    assert not isinstance(traces, str), traces
+    case = TRAINED[name]
+    reference = _reference_training(case.model)
+    if name.startswith("context_parallel"):  # each rank's module saw half of every row
+        assert {shape[1] for trace in traces[name] for shape in trace.input_shapes} == {LENGTH // 2}
+    assert_ranks_match(traces[name], [reference] * 2, gradients=case.gradients,
+                       weights_on_every_rank=case.weights_on_every_rank)

@@ -35,6 +35,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))  # this folder's held_out.py, also where a test loads this file by its path
+from held_out import spearman  # noqa: E402
 
 STEPS, WARMUP = 40, 10
 COMMON = [
@@ -209,24 +211,27 @@ def held_out() -> dict[str, str]:
     return {name: "contention (calibrate.py's probe step)"}
 
 
-def overrides_of(name: str) -> list[str]:
-    model, ranks, extra = CONFIGS[name]
+def overrides_of(name: str, config: tuple[str, int, list[str]] | None = None) -> list[str]:
+    model, ranks, extra = config or CONFIGS[name]
     return [*MODELS[model], *extra, f"trainer.devices={ranks}", *COMMON, f"name={name}"]
 
 
-def time_profiles(names: list[str]) -> None:
+def time_profiles(names: list[str], configs: dict | None = None) -> None:
     """``plan=show`` once per model and rank count among ``names``, at the group's global batch
     (the smallest micro batch there, without accumulation): a run's prediction reads the
     forward-backward a plan of its model timed here (cached), and falls back to FLOPs at the
     calibrated peak where none has (``plan/compute_source``)."""
-    micro: dict[tuple[str, int], int] = {}
+    configs = configs or CONFIGS
+    micro: dict[tuple[str, int, tuple[str, ...]], int] = {}
     for name in names:
-        model, ranks, extra = CONFIGS[name]
+        model, ranks, extra = configs[name]
         batch = int(next(o for o in extra if o.startswith("data.batch_size=")).split("=")[1])
-        micro[model, ranks] = min(batch, micro.get((model, ranks), batch))
-    for (model, ranks), batch in sorted(micro.items()):
+        shape = tuple(o for o in extra if "model.net." in o)  # a held-out draw's model shape
+        micro[model, ranks, shape] = min(batch, micro.get((model, ranks, shape), batch))
+    for (model, ranks, shape), batch in sorted(micro.items()):
         overrides = [
             *MODELS[model],
+            *shape,
             f"data.batch_size={batch}",
             f"trainer.devices={ranks}",
             "trainer.accelerator=cpu",
@@ -265,8 +270,9 @@ def quiet_load(name: str) -> float:
         time.sleep(5)
 
 
-def measure(name: str, outputs: Path) -> dict:
-    overrides = overrides_of(name)
+def measure(name: str, outputs: Path, config: tuple[str, int, list[str]] | None = None) -> dict:
+    config = config or CONFIGS[name]
+    overrides = overrides_of(name, config)
     load = quiet_load(name)  # before this run adds to it
     print(f"$ python train.py {' '.join(overrides)}", flush=True)
     env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "LITSCALE_THREADS_PER_RANK": "1"}
@@ -282,7 +288,7 @@ def measure(name: str, outputs: Path) -> dict:
     if process.returncode:
         raise RuntimeError(f"{name} failed:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
     summary = json.loads(next((outputs / name).glob("runs/*/summary.json")).read_text())
-    model, ranks, _ = CONFIGS[name]
+    model, ranks, _ = config
     return {
         "model": model,
         "ranks": ranks,
@@ -313,28 +319,6 @@ def combined(runs: list[dict]) -> dict:
 def spread(values: list[float]) -> str:
     """How far apart one configuration's passes measured: largest over smallest, less 1."""
     return f"{max(values) / min(values) - 1:.0%}" if len(values) > 1 else "-"
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    """Rank correlation (ties share their mean rank); hand-written to keep scipy out of the stack."""
-
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        result = [0.0] * len(values)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                result[order[k]] = (i + j) / 2
-            i = j + 1
-        return result
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
 def metrics(all_runs: dict[str, dict], excluded: dict[str, str]) -> dict:
@@ -398,7 +382,8 @@ def pass_pairs(passes: int) -> dict[str, list[tuple[int, int]]]:
 def group_statistics(runs: dict[str, dict]) -> dict[str, dict]:
     """Per model, over its configurations at 2 ranks: Spearman and MAPE of the predicted against
     the measured step time for each (predicted pass, measured pass) pair, same-pass and cross-pass;
-    ``held_out_spearman``: the lowest cross-pass Spearman, with the pair it came from."""
+    ``lowest_cross_pass``: the lowest cross-pass Spearman, with the pair it came from (not a
+    held-out figure: these are the configurations the cost model was developed on)."""
     found = {}
     for model, group in GROUP_NAMES.items():
         members = [n for n, r in runs.items() if r["model"] == model and r["ranks"] == 2]
@@ -423,15 +408,17 @@ def group_statistics(runs: dict[str, dict]) -> dict[str, dict]:
                 for p, m in pairs
             ]
         if stats["cross"]:
-            stats["held_out_spearman"] = min(stats["cross"], key=lambda pair: pair["spearman"])
+            stats["lowest_cross_pass"] = min(stats["cross"], key=lambda pair: pair["spearman"])
         found[group] = stats
     return found
 
 
-def accuracy_record(results: dict) -> dict:
+def accuracy_record(results: dict, held: dict | None = None) -> dict:
     """What ``plan=auto`` in a sweep reads (``litscale.planner.trust``): each group's network as
-    composed (its architecture: the data's shape left out) and its held-out Spearman, with the
-    date, machine and pass pair it came from."""
+    composed (its architecture: the data's shape left out), its held-out figures (``held``, the
+    recorded ``--held-out`` study: MAPE and Spearman with their bootstrap intervals over
+    configurations the cost model was not developed on) where recorded, and beside them, for
+    reference only, the lowest cross-pass Spearman of the configurations it was developed on."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -443,33 +430,47 @@ def accuracy_record(results: dict) -> dict:
         for addition in results.get("additions", [])
         for name in addition["configurations"]
     }
+    held_groups = (held or {}).get("groups", {})
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         for model, group in GROUP_NAMES.items():
             stats = results["metrics"]["per_group"].get(group)
-            if stats is None or "held_out_spearman" not in stats:
+            if stats is None or "lowest_cross_pass" not in stats:
                 continue
             composed = compose(config_name="train", overrides=MODELS[model])
             net = OmegaConf.to_container(composed.model.net, resolve=True)
-            held = stats["held_out_spearman"]
+            lowest = stats["lowest_cross_pass"]
             dates = {
                 added[n] for n, r in results["runs"].items() if r["model"] == model and n in added
             }
             groups[group] = {
                 "net": architecture(net),
                 "seq_len": int(composed.data.seq_len),  # plan=auto reads the group at a job's length first
-                **({"date": ", ".join(sorted(dates))} if dates else {}),
-                "configurations": stats["configurations"],
-                "spearman": round(held["spearman"], 4),
-                "pass": f"predicted in pass {held['predicted_pass']}, measured in pass "
-                f"{held['measured_pass']}",
+                "developed_on": {
+                    **({"date": ", ".join(sorted(dates))} if dates else {}),
+                    "configurations": stats["configurations"],
+                    "lowest_cross_pass_spearman": round(lowest["spearman"], 4),
+                    "pass": f"predicted in pass {lowest['predicted_pass']}, measured in pass "
+                    f"{lowest['measured_pass']}",
+                },
             }
+            if group in held_groups:
+                groups[group]["held_out"] = held_record(held, group)
     return {
         "source": "experiments/planner/study.py",
         "date": results["date"],
         "machine": results["machine"],
-        "held_out": sorted(results["metrics"].get("held_out", {})),
+        "fitted_on": sorted(results["metrics"].get("held_out", {})),
         "groups": groups,
     }
+
+
+def held_record(held: dict, group: str) -> dict:
+    """One group's held-out figures as plan=auto reads them, rounded to 4 places."""
+    figures = held["groups"][group]
+    return {"date": held["date"], "seed": held["seed"], "configurations": figures["configurations"],
+            "shape": figures["shape"], "spearman": round(figures["spearman"], 4),
+            "spearman_interval": [round(v, 4) for v in figures["spearman_interval"]],
+            "mape": round(figures["mape"], 4), "mape_interval": [round(v, 4) for v in figures["mape_interval"]]}
 
 
 def addition_line(addition: dict) -> str:
@@ -550,36 +551,34 @@ def report(results: dict) -> str:
 
 def group_table(per_group: dict[str, dict]) -> list[str]:
     """Each model's 2-rank configurations on their own: Spearman and MAPE for each pass pair
-    (predicted pass -> measured pass), and whether plan=auto in a sweep lets the planner pick."""
-    from litscale.planner.trust import SPEARMAN_BAR
+    (predicted pass -> measured pass). These are the configurations the cost model was developed
+    on, so no figure here is held out: plan=auto reads the ``--held-out`` study's instead."""
 
     def each(pairs: list[dict], key: str, form: str) -> str:
         return " / ".join(f"{pair[key]:{form}}" for pair in pairs)
 
     some = next(iter(per_group.values()))
-    if "held_out_spearman" not in some:  # one pass: no pass to hold out against
-        return ["Per model group: one pass was run, so no cross-pass (held-out) figure exists; "
-                "`--passes 2` or more gives one."]
+    if "lowest_cross_pass" not in some:  # one pass: no other pass to measure against
+        return ["Per model group: one pass was run, so no cross-pass figure exists; `--passes 2` or more gives one."]
     heads = [
         " / ".join(f"{p['predicted_pass']}->{p['measured_pass']}" for p in some[kind])
         for kind in ("same", "cross")
     ]
     lines = [
-        f"Per model group, held-out configurations excluded (passes: predicted -> measured; same-pass "
-        f"{heads[0]}, cross-pass {heads[1]}). plan=auto in a sweep picks the layout where the lowest "
-        f"cross-pass Spearman reaches {SPEARMAN_BAR} (`src/litscale/planner/accuracy.json`, written here):",
+        f"Per model group, the calibration's configuration excluded (passes: predicted -> measured; same-pass "
+        f"{heads[0]}, cross-pass {heads[1]}). The cost model was developed on these configurations and its "
+        "predictions are the same in both passes, so a cross-pass figure is one set of predictions against "
+        "another noisy measurement of the same configurations, not a held-out one (the held-out study is below):",
         "",
         "| group (2 ranks) | configurations | Spearman same-pass | Spearman cross-pass | MAPE same-pass | "
-        "MAPE cross-pass | held-out Spearman | plan=auto |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "MAPE cross-pass |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for group, g in per_group.items():
-        rho = g["held_out_spearman"]["spearman"]
         lines.append(
             f"| {group}, global batch {g['global_batch']} | {g['configurations']} | "
             f"{each(g['same'], 'spearman', '.3f')} | {each(g['cross'], 'spearman', '.3f')} | "
-            f"{each(g['same'], 'mape', '.1%')} | {each(g['cross'], 'mape', '.1%')} | {rho:.3f} | "
-            f"{'picks' if rho >= SPEARMAN_BAR else '**keeps the given layout**'} |"
+            f"{each(g['same'], 'mape', '.1%')} | {each(g['cross'], 'mape', '.1%')} |"
         )
     return lines
 
@@ -655,7 +654,13 @@ def main() -> None:
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite README and plot from results.json"
     )
+    parser.add_argument("--held-out", action="store_true",
+                        help="time a seeded draw of configurations the cost model was not developed on (held_out.py)")
+    parser.add_argument("--seed", type=int, default=0, help="the held-out draw's seed")
+    parser.add_argument("--per-group", type=int, default=8, help="held-out configurations per model group")
     args = parser.parse_args()
+    if args.held_out:
+        return record_held_out(seed=args.seed, per_group=args.per_group, write=not args.no_write)
     if args.report_only:  # the figures recomputed from the recorded runs
         results = json.loads((HERE / "results.json").read_text())
         results["metrics"] = metrics(results["runs"], held_out())
@@ -706,9 +711,48 @@ def main() -> None:
     if args.no_write:
         return
     (HERE / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    ACCURACY_FILE.write_text(json.dumps(accuracy_record(results), indent=1) + "\n")
+    ACCURACY_FILE.write_text(json.dumps(accuracy_record(results, recorded_held_out()), indent=1) + "\n")
     plot(results, HERE / "predicted_vs_measured.png")
     write_section("accuracy", "study.py", text)
+
+
+HELD_OUT_FILE = HERE / "held_out.json"
+
+
+def recorded_held_out() -> dict | None:
+    """The recorded held-out study (``held_out.json``), None before one is recorded."""
+    return json.loads(HELD_OUT_FILE.read_text()) if HELD_OUT_FILE.exists() else None
+
+
+def record_held_out(*, seed: int, per_group: int, write: bool) -> None:
+    """Draw (``held_out.draw``), time each configuration once, and write ``held_out.json``, the
+    held-out figures into ``accuracy.json`` (beside the recorded developed-on ones) and the README."""
+    import held_out as held_out_study  # this folder's held_out.py (``held_out()`` here is the calibration's)
+
+    drawn = held_out_study.draw(CONFIGS, seed=seed, per_group=per_group)
+    before = os.getloadavg()
+    time_profiles(list(drawn), drawn)
+    runs = {}
+    with tempfile.TemporaryDirectory() as outputs:
+        for name, config in drawn.items():
+            runs[name] = {**measure(name, Path(outputs), config), "overrides": config[2]}
+            print(f"  predicted {runs[name]['predicted_step_s']:.4f} s, measured {runs[name]['measured_step_s']:.4f} s",
+                  flush=True)
+    import torch
+
+    held = {"date": time.strftime("%Y-%m-%d"), "seed": seed, "per_group": per_group, "nice": os.nice(0),
+            "machine": f"{os.cpu_count()} cores, {platform.platform()}, torch {torch.__version__}",
+            "load_average": {"before": before, "after": os.getloadavg()}, "runs": runs,
+            "groups": held_out_study.group_figures(runs, GROUP_NAMES, seed=seed)}
+    text = held_out_study.report(held)
+    print(text)
+    if not write:
+        return
+    HELD_OUT_FILE.write_text(json.dumps(held, indent=1) + "\n")
+    results = json.loads((HERE / "results.json").read_text())
+    results["metrics"] = metrics(results["runs"], held_out())
+    ACCURACY_FILE.write_text(json.dumps(accuracy_record(results, held), indent=1) + "\n")
+    write_section("held-out", "study.py", text)
 
 
 if __name__ == "__main__":

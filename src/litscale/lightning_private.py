@@ -19,9 +19,10 @@ from lightning.fabric.strategies.model_parallel import (
 )
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 
-__all__ = ["CHECKPOINT_METADATA_FILENAME", "distributed_checkpoint_load", "materialize_distributed_module",
-           "optimizers_to_device"]
+__all__ = ["CHECKPOINT_METADATA_FILENAME", "WrappingCheckpointIO", "distributed_checkpoint_load",
+           "materialize_distributed_module", "optimizers_to_device"]
 
 CHECKPOINT_METADATA_FILENAME: str = _METADATA_FILENAME
 """Name of the file (``meta.pt``) beside the DCP shards of a sharded checkpoint that holds the
@@ -37,3 +38,8 @@ materialize_distributed_module = _materialize_distributed_module
 
 optimizers_to_device = _optimizers_to_device
 """Moves optimizer state tensors to the root device at the end of a mesh strategy's setup."""
+
+WrappingCheckpointIO = _WrappingCheckpointIO
+"""The base of a ``CheckpointIO`` that wraps another (Lightning's ``AsyncCheckpointIO``): the
+strategies put litscale's file ``CheckpointIO`` inside one a user set
+(``litscale.checkpoint.strategy_checkpointing``)."""

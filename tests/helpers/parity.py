@@ -294,9 +294,11 @@ class StepRecorder(Callback):
 def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
         data_parallel_size: int | None = None, data_parallel_rank: int | None = None,
         gradients: bool = False, precision: str = "32-true", callbacks=(),
-        checkpoint_path: str | None = None, local_weights: bool = False) -> Trace:
+        checkpoint_path: str | None = None, local_weights: bool = False, loader_of=None) -> Trace:
     """Fit ``tiny_module(setup)`` with ``strategy`` (built in this rank) on this rank's micro
-    batches; every rank a data-parallel rank unless the mesh says otherwise. Returns the
+    batches; every rank a data-parallel rank unless the mesh says otherwise. ``loader_of(data
+    parallel size, data-parallel rank)``: the rank's micro batches where they are not the
+    setup's random tokens (``rank_loader``), e.g. packed fine-tuning rows. Returns the
     trace, its weights consolidated (complete on rank 0), or with ``local_weights`` the
     parameters this rank holds (a pipeline stage's, a mesh's gathered whole). A collective:
     call it on every rank."""
@@ -315,8 +317,8 @@ def fit(rank: int, world_size: int, strategy, setup: ParitySetup, *,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[recorder, *callbacks],
     )
-    loader = rank_loader(setup, data_parallel_size or world_size,
-                         rank if data_parallel_rank is None else data_parallel_rank)
+    loader = (loader_of or functools.partial(rank_loader, setup))(
+        data_parallel_size or world_size, rank if data_parallel_rank is None else data_parallel_rank)
     trainer.fit(module, train_dataloaders=loader)
     if checkpoint_path is not None:
         trainer.save_checkpoint(checkpoint_path)

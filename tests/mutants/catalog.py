@@ -239,6 +239,16 @@ def _router_as_hidden(original):
     return role
 
 
+def _attention_counted_whole(original):
+    """A packed row's attention counted over the whole row (``T ** 2`` pairs), its documents'
+    lengths ignored: MFU and the planner overcount a packed run's FLOPs."""
+
+    def counted(net, example, tokens_per_sample, attended_length=None):
+        return original(net, example, tokens_per_sample)
+
+    return counted
+
+
 # --- moves, resumes, data, exports, compression, saves ----------------------------------------------
 
 
@@ -442,6 +452,10 @@ _ROWS = [
     Mutant("mup-router-taken-for-hidden", "µP takes a router (only its fan-in grows) for a hidden matrix: its init "
            "multiplier 1/sqrt(m), not 1/m", "litscale.optim.mup:WidthScaling._role", _router_as_hidden,
            ("tests/test_mup.py::test_a_router_is_a_readout_and_experts_are_hidden",)),
+    Mutant("packed-attention-counted-whole", "MFU and the planner count a packed row's attention over the whole "
+           "row (T^2 query-key pairs), not over its documents (the sum of their squared lengths)",
+           "litscale.measure.flops:flops_per_sample", _attention_counted_whole,
+           ("tests/test_packed_flops.py::test_a_packed_rows_attention_is_counted_over_its_documents",)),
     # Moves, resumes, data, exports, compression, saves.
     Mutant("deepspeed-move-moments-rotated", "a ZeRO checkpoint moved to another strategy gives each parameter its "
            "neighbour's Adam moments", "litscale.checkpoint.deepspeed:deepspeed_as_file_checkpoint", _moments_rotated,

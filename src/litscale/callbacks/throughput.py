@@ -63,6 +63,8 @@ class ThroughputCallback(Callback):
     Times are taken every ``log_every_n_steps`` only, so a CUDA run synchronises the device
     at most once per logging interval, not once per step. MFU = model FLOPs per second /
     (peak FLOP/s of one device x world size); set ``mfu=false`` to skip the CPU peak probe.
+    Rows that pack documents count each document's attention, not the whole row's
+    (``flops_per_sample``'s ``attended_length``, as the data module states it).
     """
 
     def __init__(self, *, warmup_steps: NonNegativeInt = 10, mfu: bool = True) -> None:
@@ -74,12 +76,17 @@ class ThroughputCallback(Callback):
         # Before the strategy shards or cuts the net: FLOPs are those of the whole model.
         net = getattr(pl_module, "net", pl_module)
         self._tokens_per_sample = getattr(trainer.datamodule, "tokens_per_sample", None)
+        # Packed rows: attention counted over each document, at the figure the data states (the
+        # planner's too), not read off each batch: a rank's batch is its data-parallel share, and
+        # under context parallel its sequence chunks, whose documents are cut (counting the
+        # global batch's would take a collective per step).
+        self._attended_length = getattr(trainer.datamodule, "attended_length", None)
         self._flops_per_sample: float | None = None
         self._net_for_flops = None
         if not self.mfu or stage != "fit":
             return
         if hasattr(net, "flops_per_token") and self._tokens_per_sample:
-            self._flops_per_sample = flops_per_sample(net, None, self._tokens_per_sample)
+            self._flops_per_sample = flops_per_sample(net, None, self._tokens_per_sample, self._attended_length)
         else:  # counted at the first batch, whose shape it needs
             self._net_for_flops = copy.deepcopy(net).to("meta")
 
@@ -110,7 +117,7 @@ class ThroughputCallback(Callback):
             self._samples_per_step = micro_batch * data_parallel_size(trainer.strategy) * trainer.accumulate_grad_batches
             if self._net_for_flops is not None:
                 self._flops_per_sample = flops_per_sample(self._net_for_flops, batch[0],
-                                                          self._tokens_per_sample)
+                                                          self._tokens_per_sample, self._attended_length)
                 self._net_for_flops = None
         step = trainer.global_step
         if self._start is None:

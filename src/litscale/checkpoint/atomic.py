@@ -6,7 +6,8 @@ one, a ``torch.distributed.checkpoint`` or DeepSpeed directory whose shards are 
 by one. A save cut short (a killed rank, a preemption that outran its grace period) then
 leaves neither the old checkpoint nor the new one. Here each save goes to a hidden staging
 path in the same directory (``.<name>.saving``, which no resume looks at); once every rank has
-written its part, rank 0 swaps it in:
+written its part, rank 0 flushes its files to disk (``fsync``: a rename that outlives a power
+cut must not name bytes that did not) and swaps it in:
 
 - a file replaces the old file with ``os.replace``, atomic on POSIX;
 - a directory is exchanged with the old one by Linux's ``renameat2(RENAME_EXCHANGE)``, one
@@ -96,9 +97,10 @@ def saving_path(path: str, *, by_pointer: bool) -> str:
 
 
 def publish(staging: str, path: str, *, by_pointer: bool = False) -> None:
-    """Make the save written at ``staging`` visible as ``path`` in one atomic step; with
-    ``by_pointer`` a directory by pointing ``path`` to it, and the saves no pointer names are
-    then deleted."""
+    """Make the save written at ``staging`` visible as ``path`` in one atomic step, once its
+    bytes are on disk; with ``by_pointer`` a directory by pointing ``path`` to it, and the saves
+    no pointer names are then deleted."""
+    sync_files(staging)
     if by_pointer:
         if os.path.isdir(staging):
             _point(path, staging)
@@ -123,6 +125,32 @@ def _rename(staging: str, path: str) -> None:
         os.rename(staging, path)
         remove(aside)
     _sync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def sync_files(path: str) -> None:
+    """Flush the file at ``path``, or every file and folder under it, to disk: a rename that
+    survives a loss of power must not name bytes still in memory (``torch.save`` and DeepSpeed
+    do not sync what they write; DCP syncs its shards, so theirs costs nothing here). On a
+    file system shared by several hosts, what another host wrote is flushed by that host (DCP's
+    sync, a network file system's close)."""
+    if not os.path.isdir(path):
+        _sync(path)
+        return
+    for root, _, names in os.walk(path):
+        for name in names:
+            _sync(os.path.join(root, name))
+        _sync_directory(root)
+
+
+def _sync(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    except OSError as error:
+        if error.errno != errno.EINVAL:  # EINVAL: a file system that cannot sync; a failed write raises
+            raise
+    finally:
+        os.close(descriptor)
 
 
 def _sync_directory(directory: str) -> None:

@@ -138,6 +138,24 @@ class StrategyCheckpointing:
             self.checkpoint_writer.forget(str(filepath))
             self.checkpoint_writer.submit(removal)
 
+    @property
+    def checkpoint_io(self) -> Any:
+        """Lightning's ``Strategy.checkpoint_io`` with litscale's ``FileCheckpointIO`` where the
+        user gave none (under a wrapping one of theirs too): it writes straight to the staging
+        path, which the publish makes atomic, and loads memory-mapped (``litscale.checkpoint.file_io``)."""
+        from litscale.checkpoint.file_io import FileCheckpointIO
+        from litscale.lightning_private import WrappingCheckpointIO
+
+        if self._checkpoint_io is None:
+            self._checkpoint_io = FileCheckpointIO()
+        elif isinstance(self._checkpoint_io, WrappingCheckpointIO):
+            self._checkpoint_io.checkpoint_io = FileCheckpointIO()  # kept where the user set one
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        self._checkpoint_io = io
+
     def teardown(self) -> None:
         writer, self.checkpoint_writer = self.checkpoint_writer, None
         if writer is not None:

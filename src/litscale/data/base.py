@@ -176,6 +176,15 @@ class ShardedDataModule(LightningDataModule):
         """Tokens in one sample (for throughput logging), or None when not token data."""
         return None
 
+    @property
+    def attended_length(self) -> float | None:
+        """Where rows pack documents that attend only within themselves: the keys a row's
+        token attends to, on average (its attention pairs over its length, ``token_batch.attended_tokens``,
+        averaged over the training rows), what MFU and the planner count attention at instead of
+        the whole row (``litscale.measure.flops.flops_per_sample``); None where a row is one
+        document (or before ``setup``)."""
+        return None
+
     def replicas(self) -> tuple[int, int]:
         """``(num_replicas, rank)`` of the data-parallel group; ``(1, 0)`` without a trainer.
 

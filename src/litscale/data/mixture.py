@@ -78,6 +78,9 @@ class MixtureRows(Dataset):
     def real_tokens(self, epoch: int = 0) -> np.ndarray:
         return self._per_sample(epoch, "real_tokens")
 
+    def attended_tokens(self, epoch: int = 0) -> np.ndarray:
+        return self._per_sample(epoch, "attended_tokens")
+
     def _per_sample(self, epoch: int, name: str) -> np.ndarray:
         values = np.empty(self.length, dtype=np.int64)
         for source, dataset in enumerate(self.sources):

@@ -107,6 +107,10 @@ class ExampleRows(Dataset):
                                 zip(self.starts.tolist(), self.lengths.tolist(), strict=True)], dtype=np.int64)
         self._counted = np.array([per_example[row].sum() for row in self.rows], dtype=np.int64)
         self._real = np.array([(self.lengths[row] - 1).sum() for row in self.rows], dtype=np.int64)
+        # Each example, then the padding, is a document of its row (``document_positions``): the
+        # attention pairs of ``token_batch.attended_tokens``, from the lengths without building rows.
+        self._attended = np.array([((self.lengths[row] - 1) ** 2).sum() + (seq_len - real) ** 2
+                                   for row, real in zip(self.rows, self._real, strict=True)], dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -118,6 +122,10 @@ class ExampleRows(Dataset):
     def real_tokens(self, epoch: int = 0) -> np.ndarray:
         """The positions of each row that hold an example (the rest is padding)."""
         return self._real
+
+    def attended_tokens(self, epoch: int = 0) -> np.ndarray:
+        """The attention pairs of each row (``token_batch.attended_tokens``)."""
+        return self._attended
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tokens": None, "_trained": None}

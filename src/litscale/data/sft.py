@@ -185,6 +185,15 @@ class SFTDataModule(ShardedDataModule):
     def tokens_per_sample(self) -> int | None:
         return self.seq_len
 
+    @property
+    def attended_length(self) -> float | None:
+        """Of packed rows, exact over a data epoch's rows (each row's documents are known
+        before launch, and an epoch draws every row of a source, or a mixture's rows at
+        their weights): a figure the planner predicts with and MFU counts by, the same."""
+        if not self.pack or self.train_dataset is None:
+            return None
+        return float(self.train_dataset.attended_tokens(0).mean()) / self.seq_len
+
     # --- building -------------------------------------------------------------------------------
 
     def _files(self, source: Source) -> list[str]:

@@ -109,6 +109,16 @@ def document_positions(lengths: list[int] | np.ndarray, seq_len: int) -> np.ndar
     return positions
 
 
+def attended_tokens(positions: np.ndarray) -> int:
+    """The (query, key) pairs a row's attention computes, counted whole as the FLOP formulas
+    count attention (``litscale.measure.flops``): the sum of its documents' squared lengths,
+    each document a run of consecutive positions (``litscale.models.documents``' rule, padding
+    one more); ``seq_len ** 2`` for a row of one document."""
+    starts = np.flatnonzero(np.r_[True, positions[1:] != positions[:-1] + 1])
+    lengths = np.diff(np.r_[starts, len(positions)])
+    return int((lengths.astype(np.int64) ** 2).sum())
+
+
 def positions_after_ends(tokens: np.ndarray, end_id: int) -> np.ndarray:
     """Positions of a packed window of raw text: counted from the window's start, and from 0
     again after each end-of-text token (a document's last)."""

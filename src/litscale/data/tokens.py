@@ -19,7 +19,13 @@ from litscale.data.byte_corpus import default_cache_dir
 from litscale.data.byte_windows import MemmapWindows, coalesce, held_out_cut
 from litscale.data.documents import corpus_files, missing_paths_error, read_documents
 from litscale.data.partition import ClientSampler, contiguous_source_clients
-from litscale.data.token_batch import SampleKey, TokenBatch, positions_after_ends, sample_key
+from litscale.data.token_batch import (
+    SampleKey,
+    TokenBatch,
+    attended_tokens,
+    positions_after_ends,
+    sample_key,
+)
 from litscale.data.token_cache import TokenCache, build_cache, cache_stem, is_complete, load_cache
 from litscale.data.tokenizer import load_tokenizer
 from litscale.data.tokenizer_directory import write_tokenizer_directory
@@ -28,6 +34,9 @@ from litscale.user_paths import user_path
 __all__ = ["PackedSequences", "TokenDataModule", "missing_paths_error"]
 
 log = logging.getLogger(__name__)
+
+#: The windows read to estimate ``attended_length`` (a few hundred thousand tokens at most).
+ATTENDED_SAMPLE = 256
 
 
 def num_sequences(num_tokens: int, seq_len: int) -> int:
@@ -172,6 +181,19 @@ class TokenDataModule(ShardedDataModule):
     @property
     def tokens_per_sample(self) -> int | None:
         return self.seq_len
+
+    @property
+    def attended_length(self) -> float | None:
+        """Of windows with ``document_mask``, estimated from up to ``ATTENDED_SAMPLE`` windows
+        spread evenly over the training split: the documents of a window are found by reading its
+        tokens, and reading every window of a corpus (a pass over the whole file) before launch
+        would cost more than the estimate is off by."""
+        if not self.document_mask or self.train_dataset is None or not len(self.train_dataset):
+            return None
+        windows = self.train_dataset
+        chosen = np.unique(np.linspace(0, len(windows) - 1, min(len(windows), ATTENDED_SAMPLE)).astype(np.int64))
+        pairs = [attended_tokens(windows[int(index)].positions.numpy()) for index in chosen]
+        return float(np.mean(pairs)) / self.seq_len
 
     def save_tokenizer(self, directory: str) -> list[str]:
         """The tokenizer, as transformers reads it (an exported Hugging Face directory's)."""

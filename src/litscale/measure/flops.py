@@ -30,18 +30,46 @@ from torch.nn import functional as F
 _EXTRA_CUDA_PEAKS = {"h200": 989e12, "h100": 989e12, "gh200": 989e12}
 
 
-def flops_per_sample(net: nn.Module, example: torch.Tensor | None, tokens_per_sample: int | None) -> float:
+def flops_per_sample(net: nn.Module, example: torch.Tensor | None, tokens_per_sample: int | None,
+                     attended_length: float | None = None) -> float:
     """Training FLOPs (forward + backward) of one sample: the model's formula for
-    ``tokens_per_sample`` tokens, or counted for one sample shaped like ``example``."""
-    if hasattr(net, "flops_per_token") and tokens_per_sample:
-        return float(net.flops_per_token(tokens_per_sample)) * tokens_per_sample
-    from torch.utils.flop_counter import FlopCounterMode
+    ``tokens_per_sample`` tokens, or counted for one sample shaped like ``example``.
 
-    meta_net = net if next(net.parameters()).is_meta else copy.deepcopy(net).to("meta")
-    sample = torch.zeros_like(example[:1], device="meta")
-    with FlopCounterMode(display=False) as counter:
-        meta_net(sample).float().sum().backward()
-    return float(counter.get_total_flops())
+    ``attended_length``: the sample is a packed row whose documents attend only within
+    themselves, its tokens attending to that many keys on average (``sum(l_i ** 2) / T`` for
+    documents of lengths ``l_i`` in a row of ``T``: ``litscale.data.token_batch.attended_tokens``
+    over ``T``). Attention is counted whole, causal or not, as PaLM's 6N + 12 L H d T and torch's
+    counter count it, so a packed row's is the dense row's with ``T ** 2`` pairs replaced by
+    ``sum(l_i ** 2)``: ``12 x layers x heads x head_dim x sum(l_i ** 2)``."""
+    if hasattr(net, "flops_per_token") and tokens_per_sample:
+        length = tokens_per_sample
+
+        def count(tokens: int) -> float:
+            return float(net.flops_per_token(tokens)) * tokens
+    else:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        meta_net = net if next(net.parameters()).is_meta else copy.deepcopy(net).to("meta")
+        length = example.shape[-1]  # a row of tokens, where it packs documents
+
+        def count(tokens: int) -> float:
+            sample = torch.zeros_like(example[:1] if tokens == length else example[:1, ..., :tokens], device="meta")
+            with FlopCounterMode(display=False) as counter:
+                meta_net(sample).float().sum().backward()
+            return float(counter.get_total_flops())
+    dense = count(length)
+    if attended_length is None or attended_length >= length:
+        return dense
+    # NOTE: torch's FLOP counter counts attention dense whatever the mask: on the meta device SDPA
+    # takes the math path, whose T x T matmuls are counted whole with a boolean mask or
+    # is_causal alike; the fused CUDA kernels' formulas and FlexAttention's (block mask or not;
+    # only a compiled graph's ``sparsity_hint`` lowers it) count the same T x T. (On real CPU
+    # tensors SDPA's kernel has no formula at all and counts 0: litscale counts on meta.) So a
+    # packed row is corrected here: its FLOPs are a x T + b x T^2 (b x T^2 attention's), b read
+    # from the count at half the length, and b x T^2 replaced by b x T x attended_length.
+    half = length // 2
+    per_pair = (dense / length - count(half) / half) / (length - half)
+    return dense - per_pair * length * (length - attended_length)
 
 
 def peak_flops_per_device(device: torch.device, dtype: torch.dtype) -> float | None:

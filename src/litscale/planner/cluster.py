@@ -53,6 +53,15 @@ class Cluster:
     # How much slower a rank computes while the node's other ranks compute too (CPU cores share
     # caches and memory bandwidth; 1: a GPU's own memory).
     contention: float = 1.0
+    # One device's memory bandwidth and the share of it a memory-bound kernel reaches: what
+    # precision=fp8's casts cost (``float8_cost``); 0: not costed (on CPU nothing runs in float8).
+    memory_bandwidth_bytes_s: NonNegativeFloat = 0.0
+    memory_bandwidth_fraction: Fraction = 0.92
+    # The routed experts' grouped matmuls, as a published benchmark of the kernel measured them on
+    # this device: [forward FLOPs of one expert's matmuls in one call, share of the compute dtype's
+    # peak reached], the experts' FLOPs then run at the share interpolated by their size instead of
+    # ``achieved_fraction`` (``moe_cost.grouped_fraction``); empty: at ``achieved_fraction``.
+    grouped_matmul_fractions: list[list[float]] = field(default_factory=list)
     # True for the machine the planner runs on: a plan's forward-backward is then timed here
     # (litscale.planner.model_facts.with_profile) instead of predicted from FLOPs.
     is_this_machine: bool = False

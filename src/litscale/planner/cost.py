@@ -19,13 +19,9 @@ from dataclasses import dataclass, field, replace
 from litscale.parallel.layout import PIPELINE
 from litscale.parallel.sharding import Sharding, state_bytes_per_rank
 from litscale.planner.cluster import Cluster
+from litscale.planner.compute_cost import compute_s, profile_key
 from litscale.planner.model_facts import ModelFacts
-from litscale.planner.moe_cost import (
-    all_to_all,
-    data_sharded_params,
-    expert_fsdp_collectives,
-    flops_per_token_per_rank,
-)
+from litscale.planner.moe_cost import all_to_all, data_sharded_params, expert_fsdp_collectives
 from litscale.planner.pipeline_cost import rank_activation_bytes, rank_param_shares
 from litscale.planner.plan import Plan
 
@@ -87,6 +83,7 @@ def memory_per_rank(plan: Plan, facts: ModelFacts, cluster: Cluster) -> dict[str
     shares = rank_param_shares(plan, facts) or [1 / plan.mesh.pipeline]
     activations = rank_activation_bytes(plan, facts, pipeline_whole_bytes(plan, facts), stage_boundary_bytes(plan, facts)) \
         or [activation_bytes(plan, facts)] * len(shares)
+    activations = [held * plan.published.saved_activation_share for held in activations]
     ranks = [_rank_memory(plan, facts, cluster, share * plan.mesh.pipeline, held)
              for share, held in zip(shares, activations, strict=True)]
     return max(ranks, key=lambda memory: memory["total"])
@@ -121,7 +118,7 @@ def _rank_memory(plan: Plan, facts: ModelFacts, cluster: Cluster, scale: float, 
     # beside them: a ZeRO-1 rank then keeps its reduced partition alone, as ZeRO-2's does.
     grads = states_of(replace(sharding, zero_stage=2)) if sharding.reduce_buffers and \
         sharding.zero_stage == 1 else states
-    local_params = facts.num_params * scale / plan.mesh.model_split
+    local_params = rank_params(plan, facts) * scale
     memory = {"params": states["memory/estimate_params_bytes"], "grads": grads["memory/estimate_grads_bytes"],
               "optimizer": states["memory/estimate_optimizer_bytes"],
               "buffers": sharding.reduce_buffer_bytes_per_rank(local_params, param_bytes)
@@ -129,6 +126,17 @@ def _rank_memory(plan: Plan, facts: ModelFacts, cluster: Cluster, scale: float, 
               "activations": activations}
     memory["total"] = sum(memory.values()) * (1 + cluster.allocator_overhead)
     return memory
+
+
+def rank_params(plan: Plan, facts: ModelFacts) -> float:
+    """Parameters one rank holds whole before any data sharding, at an even pipeline split: the
+    dense ones split by tensor parallel, a mixture of experts' MoE layers whole under it (their
+    routed experts split over the expert-parallel ranks)."""
+    mesh, moe = plan.mesh, facts.moe
+    if moe is None:
+        return facts.num_params / mesh.model_split
+    dense = facts.num_params - moe.layer_params
+    return (dense / mesh.tensor + moe.layer_params - moe.expert_params + moe.expert_params / mesh.expert) / mesh.pipeline
 
 
 def fsdp_gathered_bytes(plan: Plan, facts: ModelFacts) -> float:
@@ -190,7 +198,7 @@ def logits_gather_bytes(plan: Plan, facts: ModelFacts) -> float:
     the saved activations. Measured on CPU (``tests/test_memory_table.py``): without it, GPT-nano
     and Llama tiny on 2 tensor-parallel ranks were predicted 7-10% below their peaks."""
     tensor = plan.mesh.tensor
-    if tensor == 1 or plan.options.get("loss_parallel"):
+    if tensor == 1 or loss_parallel(plan):
         return 0.0
     logits = plan.pipeline_micro_batch * facts.seq_len * facts.vocab_size * DTYPE_BYTES[plan.compute_dtype]
     return logits / plan.mesh.context * (1 + 1 / tensor)
@@ -236,15 +244,30 @@ def tensor_parallel_whole_bytes(plan: Plan, facts: ModelFacts) -> float:
     activations: under sequence parallel, the sequence-gathered input each attention and
     each MLP saves for its column-parallel matmuls, and that of the head (in the compute dtype);
     without loss parallel, the whole vocabulary's fp32 log-probabilities the cross-entropy keeps;
-    a mixture of experts' MoE layers, which it leaves whole (``models/moe_parallel.py``)."""
+    a mixture of experts' MoE layers, which it leaves whole (``models/moe_parallel.py``). Under
+    activation checkpointing a layer saves only its input from its forward to its backward: what
+    it leaves whole lives while it is recomputed, one layer at a time (the head's input stays).
+    A published framework that gathers again in backward instead (Megatron's sequence parallel)
+    keeps no gathered input."""
     tensor = plan.mesh.tensor
     if tensor == 1:
         return 0.0
     micro = plan.pipeline_micro_batch
-    gathered = (2 * facts.layers + 1) * facts.boundary_bytes(micro, DTYPE_BYTES[plan.compute_dtype])
-    log_probs = 0.0 if plan.options.get("loss_parallel") else micro * facts.seq_len * facts.vocab_size * 4
-    moe = micro * facts.moe.saved_bytes_per_sample * activation_scale(plan, facts) if facts.moe else 0.0
+    held = 1 if plan.activation_checkpointing else facts.layers  # layers whose saves are alive at once
+    gathered = (2 * held + 1) * facts.boundary_bytes(micro, DTYPE_BYTES[plan.compute_dtype]) \
+        if plan.published.saves_gathered_inputs else 0.0
+    log_probs = 0.0 if loss_parallel(plan) else micro * facts.seq_len * facts.vocab_size * 4
+    moe = 0.0
+    if facts.moe:
+        moe = micro * facts.moe.saved_bytes_per_sample * activation_scale(plan, facts) * min(held, facts.moe.layers) \
+            / facts.moe.layers
     return (gathered + log_probs + moe) * (1 - 1 / tensor)
+
+
+def loss_parallel(plan: Plan) -> bool:
+    """The loss computed on the vocabulary-split logits (the strategy's option, or a published
+    framework's vocabulary-parallel cross-entropy)."""
+    return bool(plan.options.get("loss_parallel")) or plan.published.loss_parallel
 
 
 def context_kv_bytes(plan: Plan, facts: ModelFacts) -> float:
@@ -385,69 +408,6 @@ def collectives(plan: Plan, facts: ModelFacts, cluster: Cluster) -> list[Collect
     return found
 
 
-def profile_key(plan: Plan) -> str:
-    """How one rank of ``plan`` runs the network, as ``ModelFacts.profiles`` names it, from its
-    mesh and what its strategy states of itself (``sharding``): under tensor parallel
-    (``tp<n>``), inside a ZeRO optimizer that keeps fp32 partitions (DeepSpeed's engine, stage
-    ``s``: ``zero<s>``, timed at one rank), with a compression hook (``ddp<n>-<compression>``:
-    the codec's time and ratio), under FSDP2 sharded over its data x context ranks (``fsdp<n>``),
-    or plain (a pipeline's stage too)."""
-    mesh, sharding = plan.mesh, plan.sharding
-    shards = mesh.fsdp
-    if mesh.pipeline > 1:
-        return "plain"
-    if mesh.tensor > 1:
-        return f"tp{mesh.tensor}"
-    if sharding.fp32_master_copy and mesh.data_shard > 1:
-        return f"zero{sharding.zero_stage}"
-    if plan.compression != "none" and mesh.data > 1:
-        return f"ddp{mesh.data}-{plan.compression}"
-    if sharding.zero_stage == 3 and shards > 1:
-        return f"fsdp{shards}"
-    return "plain"
-
-
-def _compute_s(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
-    """Forward-backward time of one rank's micro-batches, before the pipeline's split: timed on
-    this machine where the facts carry a profile of the network as the plan runs it (else of
-    the plain network, divided by the tensor-parallel size), else FLOPs over the cluster's
-    achieved throughput."""
-    micro, count = plan.pipeline_micro_batch, plan.forward_backwards
-    timed = timed_forward_backward_s(plan, facts)
-    if timed is not None:
-        return count * timed
-    flops = flops_per_token_per_rank(plan, facts) * count * micro * facts.seq_len / plan.mesh.context
-    return flops * seconds_per_flop(plan, facts, cluster)
-
-
-def seconds_per_flop(plan: Plan, facts: ModelFacts, cluster: Cluster) -> float:
-    """One FLOP of the plan's step at the cluster's achieved throughput: in its compute dtype,
-    and under precision=fp8 the float8 layers' share of the FLOPs at the cluster's float8 peak
-    where the cluster file states one (else that share runs in the compute dtype, as it would
-    where torchao cannot run float8). A rank's split of the FLOPs is taken to hold that share
-    as the whole model does; the same achieved fraction is taken for both."""
-    per_flop = 1 / cluster.flops(plan.compute_dtype)
-    if not plan.float8 or "float8" not in cluster.peak_flops or not facts.flops_per_token:
-        return per_flop
-    share = facts.float8_flops_per_token / facts.flops_per_token
-    return (1 - share) * per_flop + share / cluster.flops("float8")
-
-
-def timed_forward_backward_s(plan: Plan, facts: ModelFacts) -> float | None:
-    """One micro-batch's forward-backward as timed here for ``plan`` (its own profile, else the
-    plain network's over the tensor-parallel size); None where nothing was timed. Profiles run
-    whole sequences: a context-parallel rank is costed at 1 / context of one (its load-balanced
-    share of the attention too), its gathers as collectives."""
-    micro = plan.pipeline_micro_batch
-    timed = facts.profiles.get(profile_key(plan))
-    if timed is not None and micro in timed.forward_backward_s:
-        return timed.forward_backward_s[micro] / plan.mesh.context
-    plain = facts.profiles.get("plain")
-    if plain is not None and micro in plain.forward_backward_s:
-        return plain.forward_backward_s[micro] / plan.mesh.sample_split
-    return None
-
-
 def _optimizer_s(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> float:
     """The optimizer step over the parameters this rank updates (its shard of them)."""
     plan, key = prediction.plan, profile_key(prediction.plan)
@@ -505,7 +465,7 @@ def busiest_pipeline_share(plan: Plan, facts: ModelFacts) -> float:
 def _time(prediction: Prediction, facts: ModelFacts, cluster: Cluster) -> None:
     plan, mesh = prediction.plan, prediction.plan.mesh
     tokens_per_rank = plan.micro_batch * plan.accumulation * facts.seq_len
-    compute = _compute_s(plan, facts, cluster) * busiest_pipeline_share(plan, facts)
+    compute = compute_s(plan, facts, cluster) * busiest_pipeline_share(plan, facts)
     if mesh.world_size > 1:  # the node's other ranks compute at the same time
         compute *= cluster.contention
     if plan.activation_checkpointing:

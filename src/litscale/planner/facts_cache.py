@@ -52,9 +52,7 @@ def load(key: dict | None, net: nn.Module) -> ModelFacts | None:
     if key is None:
         return None
     try:
-        stored = json.loads(_path(key).read_text())["facts"]
-        moe = stored.pop("moe")
-        return ModelFacts(**_tuples(stored), moe=MoEFacts(**_tuples(moe)) if moe else None, net=net)
+        return from_plain(json.loads(_path(key).read_text())["facts"], net)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -62,11 +60,23 @@ def load(key: dict | None, net: nn.Module) -> ModelFacts | None:
 def store(key: dict | None, facts: ModelFacts) -> None:
     if key is None:
         return
+    write_atomically(_path(key), {"identity": key, "facts": as_plain(facts)})
+
+
+def as_plain(facts: ModelFacts) -> dict:
+    """``facts`` as JSON's plain data, less what is not stored (the network, the profiles)."""
     stored = {field.name: getattr(facts, field.name) for field in dataclasses.fields(facts)
               if field.name not in NOT_STORED}
     if facts.moe is not None:
         stored["moe"] = {field.name: getattr(facts.moe, field.name) for field in dataclasses.fields(facts.moe)}
-    write_atomically(_path(key), {"identity": key, "facts": stored})
+    return json.loads(json.dumps(stored))
+
+
+def from_plain(stored: dict, net: nn.Module) -> ModelFacts:
+    """``as_plain``'s data back into the facts, carrying ``net`` (built again by the caller)."""
+    stored = dict(stored)
+    moe = stored.pop("moe")
+    return ModelFacts(**_tuples(stored), moe=MoEFacts(**_tuples(moe)) if moe else None, net=net)
 
 
 def _tuples(values: dict) -> dict:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from litscale.precision import float8_flops_per_token
+from litscale.precision import converts_to_float8, float8_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -137,9 +137,16 @@ class ModelFacts:
     # Traced and timed on packed rows (``data.pack``, ``data.document_mask``): attention kept
     # inside each document by a mask, whose kernel keeps more for backward than a causal one.
     packed_documents: bool = False
+    # Of packed rows, the keys a token attends to on average (``sum(l_i ** 2) / seq_len``, as the
+    # data states it: ``data.base.ShardedDataModule.attended_length``), which ``flops_per_token``
+    # then counts attention at (``with_attended_length``); None: the whole row's.
+    attended_length: float | None = None
     # Of ``flops_per_token``, those of the layers precision=fp8 runs in float8 (its Linear layers
     # but the head: ``litscale.precision.converts_to_float8``).
     float8_flops_per_token: float = 0.0
+    # Those layers' (input, output) features, one pair per layer: what precision=fp8 casts
+    # (``float8_cost``).
+    float8_linears: tuple[tuple[int, int], ...] = ()
     # Under mixed precision (traced under autocast), the activation fields above traced again with
     # the weights in the compute dtype and no autocast, as FSDP2's policy and DeepSpeed's 16-bit
     # engine run the model (``with_weights_in_compute_dtype``); {} otherwise.
@@ -153,6 +160,18 @@ class ModelFacts:
         (no autocast: every activation in 16 bits, no weight casts saved); themselves where the
         trace already ran so."""
         return dataclasses.replace(self, **self.weights_in_compute_dtype) if self.weights_in_compute_dtype else self
+
+    def with_attended_length(self, attended_length: float | None) -> ModelFacts:
+        """These facts for rows whose tokens attend to ``attended_length`` keys on average:
+        ``flops_per_token`` with attention counted over each document, as MFU counts it
+        (``litscale.measure.flops.flops_per_sample``); themselves for None."""
+        from litscale.measure.flops import flops_per_sample
+
+        if attended_length is None:
+            return self
+        example = torch.zeros(1, self.seq_len, dtype=torch.long, device="meta")
+        per_sample = flops_per_sample(self.net, example, self.seq_len, attended_length)
+        return dataclasses.replace(self, flops_per_token=per_sample / self.seq_len, attended_length=attended_length)
 
     def activations(self, micro_batch: int) -> float:
         return self.activation_bytes_fixed + micro_batch * self.activation_bytes_per_sample
@@ -380,6 +399,8 @@ def model_facts(net: nn.Module, *, seq_len: int, vocab_size: int, compute_dtype:
     norms = [p for m in net.modules() if type(m).__name__.endswith("Norm") for p in m.parameters(recurse=False)]
     return ModelFacts(num_params=num_params, flops_per_token=float(net.flops_per_token(seq_len)), seq_len=seq_len,
                       float8_flops_per_token=float8_flops_per_token(net), packed_documents=packed_documents,
+                      float8_linears=tuple((m.in_features, m.out_features) for name, m in net.named_modules()
+                                           if converts_to_float8(m, name)),
                       layers=len(units), hidden=hidden, heads=heads, **traced, weights_in_compute_dtype=sixteen_bit,
                       root_params=num_params - in_units,
                       vocab_size=vocab_size, norm_tensors=len(norms), norm_params=sum(p.numel() for p in norms),

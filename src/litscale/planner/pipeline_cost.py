@@ -64,6 +64,8 @@ def rank_activation_bytes(plan: Plan, facts: ModelFacts, whole: float, boundary:
     if not saved:
         return None
     last = plan.mesh.pipeline * plan.virtual_stages - 1
+    if not plan.published.pipeline_receive_buffers:
+        boundary = 0.0  # a published framework's point-to-point, freed once used (``Framework``)
     received = [boundary * receive_buffers([stage for stage, _ in stages], last, plan.microbatches) for stages in held]
     if plan.schedule == "interleaved_1f1b":
         sent = boundary / whole if whole > 0 else 0.0

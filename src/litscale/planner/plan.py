@@ -18,6 +18,34 @@ PLAN_KEYWORDS = ("activation_checkpointing", "microbatches", "schedule", "virtua
 
 
 @dataclass(frozen=True)
+class Framework:
+    """What a published run's framework does that no litscale strategy does, for the cost model to
+    predict that run as it ran (``experiments/planner/anchors.py``); each default is litscale's own."""
+
+    # FLOPs per token its partial recompute adds in backward (torchtitan's selective checkpointing
+    # by op, Megatron's full recompute of some layers).
+    recompute_flops_per_token: float = 0.0
+    # How it holds a rank's share instead of the strategy's (Megatron's distributed optimizer).
+    held: Sharding | None = None
+    # torch's pipelining keeps a receive buffer per micro-batch and stage for the whole run;
+    # Megatron's point-to-point receives into tensors freed once used.
+    pipeline_receive_buffers: bool = True
+    # Sequence parallel saves each column-parallel matmul's sequence-gathered input whole (DTensor's
+    # all-gather output); Megatron saves the rank's shard and gathers it again in backward.
+    saves_gathered_inputs: bool = True
+    # The cross-entropy over the vocabulary-split logits, without gathering them whole (Megatron's
+    # vocabulary-parallel loss, torchtitan's loss_parallel).
+    loss_parallel: bool = False
+    # The share of litscale's saved activations (an eager PyTorch layer's, as traced) the framework
+    # keeps: fused kernels that save less (Transformer Engine's fused SwiGLU keeps the gate and up
+    # projections, not their product; its float8 Linear keeps float8 inputs).
+    saved_activation_share: float = 1.0
+    # Each token's rows cross to another node once per node that holds any of its experts, then
+    # fan out over that node's NVLink (DeepEP's and HybridEP's dispatch), not once per expert.
+    dispatch_once_per_node: bool = False
+
+
+@dataclass(frozen=True)
 class Plan:
     """A way to run: a strategy (its ``strategy=`` option and its own options) on a mesh, the
     batch split, and what trades memory for time."""
@@ -34,6 +62,8 @@ class Plan:
     virtual_stages: int = 1  # stages per pipeline rank (interleaved schedules: 2 or more)
     compression: str = "none"  # DDP's gradient compression (litscale's compression= option)
     float8: bool = False  # precision=fp8: the Linear layers' matmuls in float8 (the rest in compute_dtype)
+    # A published run's framework, where it does what no litscale strategy does (None: litscale's).
+    framework: Framework | None = None
     # The strategy's constructor options for this layout, as its ``candidate_meshes`` states them
     # (``{"stage": 1}``, ``{"tensor_parallel_size": 2, "data_parallel_size": 4, ...}``).
     options: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -57,8 +87,16 @@ class Plan:
     @property
     def sharding(self) -> Sharding:
         """How the plan's strategy, built with its options, holds a rank's share
-        (``litscale.parallel.sharding``; a pipeline keeps its stage gathered through the step)."""
+        (``litscale.parallel.sharding``; a pipeline keeps its stage gathered through the step), or
+        the published run's framework's (``Framework.held``)."""
+        if self.framework is not None and self.framework.held is not None:
+            return self.framework.held
         return built(self.strategy, self.strategy_options()).sharding
+
+    @property
+    def published(self) -> Framework:
+        """The framework the plan runs on: a published run's, else litscale's (the defaults)."""
+        return self.framework or Framework()
 
     def describe(self) -> str:
         mesh = self.mesh

@@ -1,8 +1,10 @@
 """Whether ``plan=auto`` may choose a sweep job's layout: only for a model group whose predicted
-step times ranked its plans as measured (Spearman >= ``SPEARMAN_BAR``) on configurations that
-no calibrated term was fitted on, predicted in one pass of the accuracy study and measured in
-another. The figures are ``accuracy.json`` beside this file, written by
-``experiments/planner/study.py``."""
+step times ranked, as measured, configurations the cost model was not developed on: the held-out
+study's Spearman, whose 95% bootstrap interval's lower end must reach ``SPEARMAN_BAR``. A group
+with no held-out study recorded keeps the given layout (its developed-on figures, beside it in
+the file, say how well the model fits the configurations it was built against, not how it ranks
+a user's). The figures are ``accuracy.json`` beside this file, written by
+``experiments/planner/study.py`` (``--held-out``: ``experiments/planner/held_out.py``)."""
 
 from __future__ import annotations
 
@@ -49,16 +51,28 @@ def trust_for(net: dict, accuracy: dict | None = None, *, seq_len: int | None = 
     # else at any: the groups differ by the data's shape, which the architecture does not name.
     measured = [name for name, g in groups.items() if g["net"] == architecture(net)]
     at_length = [name for name in measured if seq_len is not None and groups[name].get("seq_len") == seq_len]
-    group = min(at_length or measured, key=lambda name: groups[name]["spearman"], default=None)
-    where = f"(experiments/planner/study.py, {accuracy['date']})"
+    group = min(at_length or measured, key=lambda name: lower_end(groups[name]), default=None)
     if group is None:
+        where = f"(experiments/planner/study.py, {accuracy['date']})"
         model = str(net.get("_target_")) + (f" preset {net['preset']}" if net.get("preset") else "")
         return Trust(
             False,
             f"{model} as configured is in no measured model group ({', '.join(groups)}) {where}",
         )
-    spearman = groups[group]["spearman"]
-    ranked = f"model group {group}'s held-out Spearman is {spearman:.3f}"
-    if spearman >= SPEARMAN_BAR:
-        return Trust(True, f"{ranked}, at least {SPEARMAN_BAR} {where}")
-    return Trust(False, f"{ranked}, below {SPEARMAN_BAR} {where}")
+    held = groups[group].get("held_out")
+    if held is None:
+        return Trust(False, f"model group {group} has no held-out study recorded "
+                            "(python experiments/planner/study.py --held-out)")
+    low, high = held["spearman_interval"]
+    where = f"(experiments/planner/study.py --held-out, {held['date']})"
+    ranked = (f"model group {group}'s held-out Spearman is {held['spearman']:.3f}, 95% interval {low:.3f} to "
+              f"{high:.3f} over {held['configurations']} configurations it was not developed on")
+    if low >= SPEARMAN_BAR:
+        return Trust(True, f"{ranked}: its lower end is at least {SPEARMAN_BAR} {where}")
+    return Trust(False, f"{ranked}: its lower end is below {SPEARMAN_BAR} {where}")
+
+
+def lower_end(group: dict) -> float:
+    """A group's held-out Spearman's lower end; a group without a held-out study the lowest."""
+    held = group.get("held_out")
+    return held["spearman_interval"][0] if held else float("-inf")

@@ -30,7 +30,6 @@ from litscale.lightning_private import materialize_distributed_module
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option
 from litscale.parallel.gradient_norm import clip_by_norm_across_mesh
 from litscale.parallel.layout import MeshSizes, data_shards_left
-from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.precision import PrecisionDtypes
 from litscale.strategies.context_parallel import check_context_parallel_fits, check_sequence_splits
 from litscale.strategies.expert_parallel import check_expert_parallel_fits
@@ -126,12 +125,6 @@ class FSDPStrategy(MeshStrategy):
         check_expert_parallel_fits(net, self.expert_parallel_size, self.context_parallel_size)
         if self.sharding_unit_patterns:
             find_sharding_units(nn.ModuleDict({"net": net}), self.sharding_unit_patterns)
-
-    @property
-    def sharding(self) -> Sharding:
-        """Parameters, gradients and optimizer state are all sharded (ZeRO-3's memory); without
-        resharding after forward, the units stay gathered until backward."""
-        return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

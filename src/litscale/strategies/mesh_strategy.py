@@ -26,6 +26,7 @@ from litscale.parallel.contract import StrategyContract
 from litscale.parallel.gradient_norm import sum_partial_gradients_after
 from litscale.parallel.layout import CONTEXT, MeshSizes
 from litscale.parallel.mesh import ParallelMesh
+from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.strategies.lifecycle import destroy_process_group_at_exit
 
 if TYPE_CHECKING:
@@ -47,6 +48,14 @@ class MeshStrategy(StrategyContract, StrategyCheckpointing, ModelParallelStrateg
     def mesh_sizes(self) -> MeshSizes | None:
         """The sizes of the mesh this rank runs on, once the process group has started."""
         return None if self.parallel_mesh is None else self.parallel_mesh.sizes
+
+    @property
+    def sharding(self) -> Sharding:
+        """FSDP2 over the data dimension, on each rank's share: parameters, gradients and
+        optimizer state all sharded (ZeRO-3's memory); without resharding after forward
+        (``reshard_after_forward``, each subclass's argument), the units stay gathered until
+        backward."""
+        return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     def use_mesh(self, mesh: ParallelMesh) -> None:
         """Run on ``mesh``: what the strategy splits on, and what Lightning's ``device_mesh``

@@ -37,7 +37,6 @@ from litscale.data.token_batch import IGNORE_INDEX, TokenBatch, model_inputs
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option
 from litscale.parallel.gradient_norm import clip_by_norm_across_mesh
 from litscale.parallel.layout import PIPELINE, MeshSizes, resolve_mesh_sizes
-from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.precision import PrecisionDtypes
 from litscale.strategies.fully_shard import mixed_precision_policy
 from litscale.strategies.mesh_strategy import MeshStrategy, setup_parallel_module
@@ -164,11 +163,6 @@ class PipelineParallelStrategy(MeshStrategy):
         self.precision_dtypes, self.reshard_after_forward = precision_dtypes, reshard_after_forward
         self._schedules: dict[tuple[int, bool], Any] = {}
         self._stage_modules: dict[int, nn.Module] = {}
-
-    @property
-    def sharding(self) -> Sharding:
-        """FSDP2 over the data dimension, on each rank's share."""
-        return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,

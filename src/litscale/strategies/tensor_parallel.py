@@ -26,7 +26,6 @@ from litscale.constraints import PositiveInt
 from litscale.parallel.contract import NO_SHARDED_LOSS_SCALER, Option
 from litscale.parallel.gradient_norm import clip_by_norm_across_mesh
 from litscale.parallel.layout import MeshSizes, resolve_mesh_sizes
-from litscale.parallel.sharding import Sharding, fsdp2_sharding
 from litscale.precision import PrecisionDtypes
 from litscale.strategies.context_parallel import check_context_parallel_fits, check_sequence_splits
 from litscale.strategies.expert_parallel import check_expert_parallel_fits
@@ -83,11 +82,6 @@ class TensorParallelStrategy(MeshStrategy):
         self.sequence_parallel, self.loss_parallel = sequence_parallel, loss_parallel
         self.plan, self.precision_dtypes = plan, precision_dtypes
         self.reshard_after_forward = reshard_after_forward
-
-    @property
-    def sharding(self) -> Sharding:
-        """FSDP2 over the data dimension, on each rank's share."""
-        return fsdp2_sharding(reshard_after_forward=self.reshard_after_forward)
 
     @classmethod
     def candidate_meshes(cls, *, world_size: int, nodes: int, devices_per_node: int,

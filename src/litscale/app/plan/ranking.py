@@ -260,7 +260,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     from litscale.app.plan.profile import profiles_in_child
     from litscale.measure import flops
     from litscale.planner import profile_cache
-    from litscale.planner.cost import profile_key
+    from litscale.planner.compute_cost import profile_key
 
     peak = cluster.peak_flops["float32"]
     keys: dict[str, set[int]] = {}

@@ -63,7 +63,8 @@ def predict_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> 
     from litscale.app.build import build, trusted_targets
     from litscale.planner import profile_cache
     from litscale.planner.calibrate import calibrated_figures
-    from litscale.planner.cost import predict, profile_key, timed_forward_backward_s
+    from litscale.planner.compute_cost import profile_key, timed_forward_backward_s
+    from litscale.planner.cost import predict
 
     plan = configured_plan(cfg, choices, layout)
     cluster_node = cfg.get("cluster")
@@ -140,6 +141,7 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     if facts is None:
         facts = model_facts(net, **shape)
         facts_cache.store(key, facts)
+    facts = facts.with_attended_length(data_attended_length(cfg))
     if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
         facts = with_muon(facts, ns_steps=int(cfg.optimizer.get("ns_steps", 5)),
                           ns_dtype=str(cfg.optimizer.get("ns_dtype", "float32")))
@@ -150,6 +152,25 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     if plan.get("moe_load_from"):
         moe = dataclasses.replace(moe, tokens_per_expert=measured_tokens_per_expert(str(plan.moe_load_from), moe))
     return dataclasses.replace(facts, moe=moe)
+
+
+def data_attended_length(cfg: DictConfig) -> float | None:
+    """Where the rows pack documents: the keys a token attends to on average, as the data module
+    states it once its rows are set up (``attended_length``), so the planner counts the masked
+    attention's FLOPs as the run's MFU does; None for rows of one document, or where the data
+    cannot be set up here (a prediction never fails a run: the whole row's attention is then
+    counted, as before)."""
+    if packs_documents(cfg.data) is None:
+        return None
+    from litscale.app.build import build, trusted_targets
+
+    try:
+        datamodule = build(cfg.data, trusted=trusted_targets(cfg))
+        datamodule.prepare_data()  # found, not made, where validation prepared it before launch
+        datamodule.setup("fit")
+    except (OSError, ValueError):
+        return None
+    return datamodule.attended_length
 
 
 def measured_tokens_per_expert(path: str, moe) -> tuple[tuple[float, ...], ...]:
