@@ -282,7 +282,21 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
         "steps_with_fewer_groups": sum(1 for row in reference if row["groups"] < groups),
         "steps_dropped": sum(1 for row in reference if not row["committed"]),
         "final_step": reference[-1]["step"] if reference else 0,
+        **fault_tolerance_waits(reference),
     }
+
+
+# What each step waited for fault tolerance, as ``ReplicaFaultTolerance`` records it: the
+# quorum (the rest of it ran beside the forward and backward), the sum over the groups
+# (gradients and counts, one collective) and the commit vote.
+WAITS = {"quorum_wait_s": "quorum", "reduce_s": "sum over the groups", "commit_s": "commit vote"}
+
+
+def fault_tolerance_waits(rows: list[dict]) -> dict:
+    """The median of each wait over the committed steps that recorded it (none in a record
+    written before the waits were)."""
+    return {f"median_{name}": statistics.median(values) for name in WAITS
+            if (values := [row[name] for row in rows if row.get("committed") and name in row])}
 
 
 def job_throughput(summary: dict, run_dir: str, finished: list[int]) -> dict:
@@ -314,10 +328,13 @@ def describe(cost: dict) -> str:
     if cost["not_finished"]:
         parts.append(f"group(s) {', '.join(map(str, cost['not_finished']))} lost and not back by the end")
     lost = "; ".join(parts) or "no group lost"
+    waits = ", ".join(f"{what} {cost[f'median_{name}'] * 1000:.1f} ms" for name, what in WAITS.items()
+                      if f"median_{name}" in cost)
     return (f"{cost['groups']} replica groups, {len(cost['finished'])} finished at step {cost['final_step']}; "
             f"{lost}; the longest step of a group that never stopped: {cost['longest_pause_s']:.2f} s "
             f"(median {cost['median_step_s']:.2f} s); "
-            f"{cost['steps_with_fewer_groups']} step(s) with fewer groups, {cost['steps_dropped']} dropped")
+            f"{cost['steps_with_fewer_groups']} step(s) with fewer groups, {cost['steps_dropped']} dropped"
+            + (f"; a step's median waits for the other groups: {waits}" if waits else ""))
 
 
 def _group_record(run_dir: str, group: int) -> list[dict]:

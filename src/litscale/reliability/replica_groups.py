@@ -8,20 +8,30 @@ started again by its own elastic agent (``litscale.app.replica_launch``) and rej
 next step boundary with a live group's weights, optimizer and scheduler state, sent over
 torchft's HTTP transport: no checkpoint is read, and nobody else restarts.
 
-Per step (``ReplicaFaultTolerance``, a callback):
+Per step (``ReplicaFaultTolerance``, a callback), the quorum out of the step's way:
 
-- before the step's first micro batch: a quorum with the lighthouse (the groups alive now);
-  a group that is behind (a restarted one) receives a live group's state then, before its
-  first batch is drawn, and skips the samples of the steps it missed;
-- after backward, before clipping: the gradients, in one flat buffer, averaged over the
-  groups in the quorum (torchft's fault-tolerant all-reduce: a peer lost mid-step fails the
-  step instead of hanging it); then, in a second sum, what each group counted on its own share
-  of the batch made the global batch's: the loss the module logs, a mixture of experts' router
-  load (the bias update after the step reads it) and BatchNorm's running statistics (the first
-  group's, as DDP keeps rank 0's);
-- the optimizer steps only if every group of the quorum says the step is good
-  (``Manager.should_commit``); a failed step is dropped and retried with the next batch, so
-  Lightning's step counter follows the steps committed.
+- at the step's first micro batch, the quorum with the lighthouse (the groups alive now) is
+  started in torchft's own thread and runs beside the forward and backward (torchft's
+  ``use_async_quorum``); a live group's state for a group that is behind is read in that
+  thread from tensors no forward or backward writes (below), never by a ``state_dict()`` call
+  there (a module's state-dict hooks, FSDP2's resharding among them, would run in the middle
+  of the forward: the race torchtitan's users hit, pytorch/torchtitan#4754);
+- after backward, before clipping: one sum over the groups in the quorum (torchft's
+  fault-tolerant all-reduce: a peer lost mid-step fails the step instead of hanging it) of the
+  gradients and of what each group counted on its own share of the batch: the loss the module
+  logs, a mixture of experts' router load (the bias update after the step reads it) and
+  BatchNorm's running statistics (the first group's, as DDP keeps rank 0's);
+- the optimizer steps only if every rank of the group says the step is good
+  (``Manager.should_commit``); a group that was behind takes the live group's state there,
+  between its backward and its optimizer step (torchft applies a heal there; litscale's first
+  quorum, below, is the one other place), sat out
+  the step's sum (torchft counts only the groups at the newest step) and steps with the
+  others' mean; a failed step is dropped and retried with the next batch, so Lightning's step
+  counter follows the steps committed.
+
+The first quorum alone is waited for, before the first batch is drawn: a group that starts
+again heals then and starts its sampler where the live groups are, and sits that one step out
+(and at a job's start every group takes group 0's weights in it, torchft's ``init_sync``).
 
 What a lost group costs: its share of each global batch until it is back (the step's batch
 shrinks from ``groups`` to the live groups' share; the learning rate stays the full batch's),
@@ -128,9 +138,14 @@ class ReplicaFaultTolerance(Callback):
         self.participants = self.groups
         self.committed = True
         self._record: Any = None
-        self._step_open = False  # a quorum was held for the step now running
+        self._step_open = False  # a quorum was started for the step now running
         self._stepped = False  # the optimizer was asked to step in this batch (commit or not)
         self._healed_at: int | None = None  # the step a heal just set, until it is announced
+        self._announced = self.groups  # the groups stepping, as last said
+        self._tensors: dict[str, Any] = {}  # the module's own tensors, by state-dict name (``_hold_tensors``)
+        self._statistics_at_start: dict[str, Any] = {}  # BatchNorm's statistics as the step began
+        self._shared = False  # this step's sum set the statistics every group holds
+        self._timings: dict[str, float] = {}  # this step's waits on the groups, in its record
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -141,36 +156,42 @@ class ReplicaFaultTolerance(Callback):
         if not pl_module.automatic_optimization:
             raise ValueError("fault_tolerance=replicas gates the optimizer step of automatic optimization; "
                              f"{type(pl_module).__name__} optimizes manually")
-        from torchft import Manager, ProcessGroupGloo
-
         _quiet_torchft()
+        self.start_manager(trainer, pl_module, store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                           store_port=int(os.environ["MASTER_PORT"]))
+        if trainer.global_rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self._record = open(steps_log_path(self.run_dir), "a", buffering=1)  # noqa: SIM115
+
+    def start_manager(self, trainer: Any, pl_module: Any, *, store_addr: str, store_port: int) -> None:
+        """This rank's torchft ``Manager``: its group's store at ``store_addr:store_port`` (the
+        group's rank 0 serves the group's quorum and commit votes from it)."""
+        from torchft import Manager, ProcessGroupGloo
 
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=self.timeout),
             load_state_dict=lambda state: self._load(trainer, pl_module, state),
-            state_dict=lambda: self._state(trainer, pl_module),
+            state_dict=lambda: self._export(trainer),
             min_replica_size=self.min_replicas,
-            # NOTE: synchronous quorums: a rejoining group takes its peer's state before it
-            # draws its first batch, so it trains on the samples of the step it rejoins at.
-            use_async_quorum=False,
+            # Each step's quorum runs in torchft's thread beside the forward and backward; the
+            # first is waited for (``_quorum_before_first_batch``).
+            use_async_quorum=True,
             timeout=self.timeout,
             quorum_timeout=self.quorum_timeout,
             connect_timeout=self.quorum_timeout,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
-            store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            store_port=int(os.environ["MASTER_PORT"]),
+            store_addr=store_addr,
+            store_port=store_port,
             lighthouse_addr=self.identity.lighthouse,
             replica_id=f"group_{self.group}",
         )
-        if trainer.global_rank == 0:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self._record = open(steps_log_path(self.run_dir), "a", buffering=1)  # noqa: SIM115
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         for optimizer in trainer.optimizers:
             _gate_step(optimizer, self)
         _gate_schedule(pl_module, self)
+        self._hold_tensors(pl_module)
         if os.path.exists(finished_marker(self.run_dir)):  # started again after another group finished the run
             trainer.should_stop = True
             self._write(step=trainer.global_step, started=True, stopped_as_finished=True)
@@ -179,30 +200,40 @@ class ReplicaFaultTolerance(Callback):
             self.manager.load_state_dict({"step": trainer.global_step, "batches_committed": 0})
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and trainer.global_rank == 0:
             self._wait_for_every_group()
-        # The first quorum before the first batch is drawn: a restarted group heals here and
-        # starts its sampler where the live groups are.
-        self._quorum(trainer, before_first_batch=True)
+        self._quorum_before_first_batch(trainer)
         self._write(step=trainer.global_step, started=True, groups=self.participants)
+
+    def _hold_tensors(self, pl_module: LightningModule) -> None:
+        """The module's tensors (parameters as the objects they are, buffers), by state-dict
+        name, taken here on the training thread once, for the state a live group sends: the
+        quorum's thread reads them from here, never through ``state_dict()``.
+
+        NOTE: a ``state_dict()`` call in the quorum's thread would run the module's state-dict
+        hooks in the middle of a forward (FSDP2's reshards the parameters the forward is using:
+        pytorch/torchtitan#4754). The objects stay the module's for the whole fit (the optimizer
+        and a heal write into them; FSDP2 keeps its sharded parameters, and a shard is read at
+        the send, ``_local``), so they are taken once: a ``state_dict()`` every step cost
+        0.5-1.4 ms of a GPT-nano CPU step (measured on a loaded machine)."""
+        self._tensors = pl_module.state_dict(keep_vars=True)
+        self._statistics_at_start = {name: tensor.detach().clone()
+                                     for name, tensor in running_statistics(pl_module).items()}
 
     # -- each step ------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if not self._step_open:
-            self._quorum(trainer)
+        if self._step_open:
+            return
+        # BatchNorm's statistics are the only state a forward writes: a live group sends them as
+        # the step began (a heal keeps the sum's instead when it lands after it, ``_load``).
+        for name in self._statistics_at_start:
+            self._statistics_at_start[name] = self._tensors[name].detach().clone()
+        self._shared = False
+        self.manager.start_quorum()  # in torchft's thread: nothing here waits for the groups
+        self._step_open = True
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
-        if grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            self.manager.allreduce(flat).wait()  # the mean over the quorum's groups
-            for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
-                grad.copy_(averaged)
-        self._share_statistics(pl_module)
-
-    def _share_statistics(self, pl_module: LightningModule) -> None:
-        """What each group counted on its own share of the global batch, made the global batch's
-        by one sum over the quorum's groups (in float32, whatever the gradients' dtype: counts
-        stay exact), inside the step, so that a peer lost now drops the step as it does for the
-        gradients:
+        """The step's one sum over the groups of the quorum (in one buffer per dtype): the
+        gradients, averaged, and what each group counted on its own share of the global batch,
+        made the global batch's, inside the step, so that a peer lost now drops the step:
 
         - the micro batches' losses the module logs at this step (``TaskModule.window_losses``):
           averaged, so ``train/loss`` is the global batch's, as under DDP;
@@ -213,33 +244,47 @@ class ReplicaFaultTolerance(Callback):
           normalises each group's own micro batch, as DDP's does each rank's): every group holds
           the same statistics, those of DDP over all the groups' ranks.
 
-        A sum that failed leaves each group its own (the step is dropped, and a group's own
-        statistics are overwritten by the next step's)."""
-        from torch.distributed import ReduceOp
-
+        What each group counted goes in float32, whatever the gradients' dtype (counts stay
+        exact). A sum that failed leaves each group its own statistics (the step is dropped, and
+        a group's own statistics are overwritten by the next step's). A group that is healing
+        sends zeros (torchft: it sits the step out) and takes the others' mean."""
+        started = time.perf_counter()
+        first = self.manager.participating_rank() == 0  # waits for the quorum, if it is not in yet
+        waited = time.perf_counter()
+        grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
         losses = getattr(pl_module, "window_losses", [])
         loads = [load for module in pl_module.modules()
                  if (load := getattr(module, "counted_load", _nothing)()) is not None]
         norms = list(running_statistics(pl_module).values())
-        if not losses and not loads and not norms:
+        counted = [*(t.detach().float() for t in (*losses, *loads)),
+                   *(t.detach().float() if first else torch.zeros(t.shape, device=t.device) for t in norms)]
+        summed = _sum_over_groups(self.manager, [*grads, *counted])
+        self._timings = {"quorum_wait_s": waited - started, "reduce_s": time.perf_counter() - waited}
+        if not summed:
             return
-        first = self.manager.participating_rank() == 0
-        flat = torch.cat([*(t.detach().float().flatten() for t in (*losses, *loads)),
-                          *(t.detach().float().flatten() if first else torch.zeros(t.numel(), device=t.device)
-                            for t in norms)])
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:
+        participants = self.manager.num_participants()
+        for grad, total in zip(grads, summed, strict=False):
+            grad.copy_(total).div_(participants)
+        if not counted or self.manager.errored() is not None:
             return
-        summed = torch._utils._unflatten_dense_tensors(flat, [*losses, *loads, *norms])
-        losses[:] = [total / self.manager.num_participants() for total in summed[:len(losses)]]
+        totals = summed[len(grads):]
+        losses[:] = [total / participants for total in totals[:len(losses)]]
         with torch.no_grad():
-            for tensor, total in zip((*loads, *norms), summed[len(losses):], strict=True):
+            for tensor, total in zip((*loads, *norms), totals[len(losses):], strict=True):
                 tensor.copy_(total)
+        self._shared = True
 
     def commit(self) -> bool:
-        """Whether the optimizer may step (every group of the quorum agrees); called by the
-        gated ``optimizer.step``."""
+        """Whether the optimizer may step (every rank of the group agrees, and no collective of
+        the step failed: a lost peer fails the sum in every group); called by the gated
+        ``optimizer.step``. A group that is behind takes a live group's state in it (``_load``).
+
+        NOTE: torchft's vote is its own round trip to the group's manager, after the step's sum
+        (it reports that sum's errors), and torchft offers no way to send it with the sum."""
+        self.participants = self.manager.num_participants()
+        started = time.perf_counter()
         self.committed = self.manager.should_commit()
+        self._timings["commit_s"] = time.perf_counter() - started
         self._stepped = True
         return self.committed
 
@@ -252,9 +297,11 @@ class ReplicaFaultTolerance(Callback):
         if not self.committed:  # the routers' counts of a dropped step go with it (no bias update)
             for module in pl_module.modules():
                 getattr(module, "take_statistics", _nothing)()
+        self._announce(trainer)
         pl_module.log_dict({"fault_tolerance/groups": float(self.participants),
                             "fault_tolerance/committed": float(self.committed)}, on_step=True)
-        self._write(step=trainer.global_step, groups=self.participants, committed=self.committed)
+        self._write(step=trainer.global_step, groups=self.participants, committed=self.committed,
+                    **{name: round(seconds, 6) for name, seconds in self._timings.items()})
 
     def _write(self, **row: Any) -> None:
         if self._record is not None:
@@ -284,35 +331,63 @@ class ReplicaFaultTolerance(Callback):
             time.sleep(0.05)
 
     # -- quorum and healing ---------------------------------------------------------------------
-    def _quorum(self, trainer: Trainer, *, before_first_batch: bool = False) -> None:
-        before = self.participants
-        self.manager.start_quorum()  # a group that is behind loads a live group's state in it
+    def _quorum_before_first_batch(self, trainer: Trainer) -> None:
+        """The first quorum, waited for: a group that is behind (a restarted one) takes a live
+        group's state in it and starts its sampler where the live groups are; it sits that step
+        out (torchft counts only the groups at the newest step) and steps with the others' mean,
+        so its share of that one step is not trained on, and no sample is trained twice.
+
+        NOTE: waited for because the sampler must move before the first batch is drawn, and at a
+        job's start every group takes group 0's weights here (torchft's ``init_sync``), all at
+        step 0 and so all stepping. Once per start, so its cost is not a step's."""
+        _quorum_now(self.manager)
         self.participants = self.manager.num_participants()
+        if self._healed_at:
+            _skip_samples(trainer, self._healed_at)
         self._step_open = True
+        self._announce(trainer)
+
+    def _announce(self, trainer: Trainer) -> None:
+        """One line when a group rejoined, or when the groups stepping changed."""
         healed, self._healed_at = self._healed_at, None
         if healed:
-            if before_first_batch:
-                _skip_samples(trainer, healed)
-            # NOTE: a heal later in a run (a failed transfer retried) cannot move the sampler,
-            # whose epoch is under way: that group reads on from its own position.
+            # NOTE: a heal later in a run (a failed transfer retried, a group that fell out of a
+            # quorum) cannot move the sampler, whose epoch is under way: that group reads on
+            # from its own position.
             rank_zero_info(f"litscale: fault tolerance: replica group {self.group} rejoined at step {healed} "
                            f"with a live group's state ({self.participants} of {self.groups} groups stepping)")
-        elif self.participants != before:
+        elif self.participants != self._announced:
             rank_zero_info(f"litscale: fault tolerance: replica group {self.group}, step {trainer.global_step}: "
                            f"{self.participants} of {self.groups} groups stepping (global batch "
                            f"{self.participants}/{self.groups} of the configured one)")
+        self._announced = self.participants
 
-    def _state(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+    def _export(self, trainer: Trainer) -> dict[str, Any]:
         """What a rejoining group's rank takes from the same rank of a live group: this rank's
-        shards as plain tensors (the groups share one layout, so shards match rank for rank)."""
-        return {"module": {name: _local(tensor) for name, tensor in pl_module.state_dict().items()},
+        shards as plain tensors (the groups share one layout, so shards match rank for rank).
+
+        Called in torchft's quorum thread while the training thread may be in a forward: it
+        reads only what no forward or backward writes (``_hold_tensors``; BatchNorm's statistics
+        as the step began). Nothing writes the parameters, the optimizer or the schedulers
+        before this step's ``should_commit``, which waits for the transfer to end."""
+        with torch.no_grad():
+            module = {name: self._statistics_at_start[name] if name in self._statistics_at_start
+                      else _local(tensor).detach() for name, tensor in self._tensors.items()}
+        return {"module": module,
                 "optimizers": [_local_tree(optimizer.state_dict()) for optimizer in trainer.optimizers],
                 "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs]}
 
     def _load(self, trainer: Trainer, pl_module: LightningModule, state: dict[str, Any]) -> None:
+        """A live group's state into this rank, on the training thread: in the first quorum,
+        before any batch, or in ``should_commit``, between backward and the optimizer step.
+
+        BatchNorm's statistics sent are those the step began with; where this step's sum has
+        already set the ones every group holds, those are kept."""
+        kept = set(running_statistics(pl_module)) if self._shared else set()
         with torch.no_grad():
             for name, tensor in pl_module.state_dict().items():  # into the parameters' own storage
-                _local(tensor).copy_(state["module"][name])
+                if name not in kept:
+                    _local(tensor).copy_(state["module"][name])
         for optimizer, saved in zip(trainer.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(_as_parameters_are(optimizer, saved))
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
@@ -320,6 +395,50 @@ class ReplicaFaultTolerance(Callback):
         step = self.manager.current_step()
         _set_global_step(trainer, step)
         self._healed_at = step
+
+
+def _quorum_now(manager: Any) -> None:
+    """A quorum waited for, with the state of a heal applied before this returns (on the
+    training thread, before any batch), on a manager whose quorums run in its thread.
+
+    NOTE: torchft applies the heal of an asynchronous quorum in ``should_commit``. Its
+    synchronous mode applies it at once, through the same two private calls as here
+    (``Manager.start_quorum``), but then also counts a group that is behind as stepping, where
+    groups whose quorums are asynchronous count only the groups at the newest step: a group
+    restarted beside two live ones divided the step's sum by 3 and they by 2, and their weights
+    parted. The quorum stays asynchronous here (every group counts the same groups) and only its
+    heal is applied at once; torchft has no public call for that."""
+    for name in ("_healing", "_apply_pending_state_dict"):
+        if not hasattr(manager, name):
+            raise RuntimeError(f"torchft's Manager no longer has {name}: litscale's replica groups cannot apply "
+                               "a heal before their first batch with this torchft")
+    manager.start_quorum()
+    manager.wait_quorum()
+    if manager._healing:
+        manager._apply_pending_state_dict()
+        manager._healing = False
+
+
+def _sum_over_groups(manager: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` summed over the groups of the quorum, each as a view of one flat buffer per
+    dtype: one collective for a float32 model (gradients and counts together), every one started
+    before any is waited for."""
+    from torch.distributed import ReduceOp
+
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(index)
+    flats = {dtype: torch._utils._flatten_dense_tensors([tensors[i] for i in indices])
+             for dtype, indices in by_dtype.items()}
+    works = [manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats.values()]
+    for work in works:
+        work.wait()
+    summed: list[Any] = [None] * len(tensors)
+    for dtype, indices in by_dtype.items():
+        for index, piece in zip(indices, torch._utils._unflatten_dense_tensors(
+                flats[dtype], [tensors[i] for i in indices]), strict=True):
+            summed[index] = piece
+    return summed
 
 
 def _nothing() -> None:
