@@ -419,6 +419,93 @@ def test_the_launchers_death_signal_is_not_a_ctrl_c_and_a_save_it_cannot_make_is
     launch.wait_for_the_cause(RuntimeError("Connection reset by peer"))
 
 
+@pytest.mark.slow  # a Python process importing litscale: 3-5 s
+@pytest.mark.timeout(60)
+def test_a_rank_waiting_for_its_peers_report_leaves_on_the_launchers_sigterm():
+    """A rank whose error only says a peer died waits for the peer's report, and the launcher's
+    SIGTERM (sent once it has seen the failure) ends that wait at once, though the rank's own
+    SIGTERM handler, as the preemption one, only notes the signal. It slept its 20 s out before,
+    and the agent killed it only after its 30 s shutdown wait: a killed rank's replica group
+    came back 30 s late and every other group's step waited as long."""
+    from litscale.app import launch
+
+    code = ("import signal, sys\n"
+            "from litscale.app.launch import wait_for_the_cause\n"
+            "signal.signal(signal.SIGTERM, lambda signum, frame: None)  # noted for a step boundary\n"
+            "print('waiting', flush=True)\n"
+            "wait_for_the_cause(RuntimeError('Connection closed by peer'))\n"
+            "print('left', flush=True)\n"
+            "assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the handler is back\n")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline() == "waiting\n"
+    time.sleep(0.5)  # into the sleep
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert (process.returncode, out) == (0, "left\n")
+    assert time.monotonic() - sent < launch.KNOCK_ON_GRACE_S / 4
+
+
+def test_a_rank_told_to_stop_before_its_failure_waits_for_no_peers_report(monkeypatch):
+    """The launcher's SIGTERM can land while the rank is still in its failing collective (the
+    preemption handler notes it for the step boundary): the wait after the failure is then
+    skipped, as the launcher has the report already."""
+    from litscale.app import launch
+    from litscale.health import launcher
+
+    monkeypatch.setattr(launcher, "_told_to_stop", False)
+    monkeypatch.setattr(launch, "launcher_lost", lambda: False)
+    monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail("waited for a peer's report"))
+    launcher.note_told_to_stop()
+    launch.wait_for_the_cause(RuntimeError("Connection reset by peer"))
+
+
+@pytest.mark.slow  # a Python process importing litscale: 3-5 s
+@pytest.mark.timeout(60)
+def test_a_failing_rank_with_a_thread_it_cannot_stop_exits_once_its_failure_is_recorded(tmp_path):
+    """A rank that fails while a library's thread waits on a lost peer (torchft's quorum
+    thread) records its error for the agent and exits with code 1 at once: Python would join
+    that thread at exit, and the agent killed the rank only 30 s later."""
+    error_file = tmp_path / "error.json"
+    code = ("import threading\n"
+            "from litscale.app.launch import _run_rank\n"
+            "from litscale.health.launcher import leave_behind_on_failure\n"
+            "threading.Thread(target=threading.Event().wait, name='quorum').start()  # never ends\n"
+            "def fit(payload):\n"
+            "    leave_behind_on_failure('the quorum thread')\n"
+            "    raise RuntimeError('Connection closed by peer')\n"
+            "_run_rank(fit, None)\n")
+    started = time.monotonic()
+    process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                             env={**os.environ, "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    assert process.returncode == 1, process.stderr
+    assert time.monotonic() - started < 20
+    assert json.loads(error_file.read_text())["message"]["message"] == "RuntimeError: Connection closed by peer"
+
+
+def test_an_agent_that_restarts_its_ranks_gives_each_attempt_a_fresh_store(monkeypatch):
+    """torch's agent shares its rendezvous store with every attempt's ranks, its keys not scoped
+    by attempt (pytorch/pytorch#135712): a replica group's restarted rank 1 read its peer's
+    address of the attempt before and failed to connect. An agent that restarts (a replica
+    group's) turns the sharing off; one that does not keeps it."""
+    import torch.distributed.launcher.api as launcher_api
+
+    from litscale.app import launch
+
+    seen = []
+
+    def elastic_launch(config, entrypoint):
+        seen.append((config.max_restarts, os.environ.get(launch.FRESH_STORE_ENV)))
+        return lambda *args: {0: {"steps": 1}}
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", elastic_launch)
+    monkeypatch.delenv(launch.FRESH_STORE_ENV, raising=False)
+    monkeypatch.setattr(launch, "launched_externally", lambda: False)
+    launch.launch(print, None, processes=2)
+    launch.launch(print, None, processes=2, max_restarts=3, agent=True)
+    assert seen == [(0, None), (3, "1")]
+
+
 @pytest.mark.full
 @pytest.mark.slow
 @pytest.mark.timeout(200)

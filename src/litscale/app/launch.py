@@ -23,7 +23,12 @@ from typing import Any
 
 from litscale.errors import ConfigError
 from litscale.health.heartbeat import STOPPED_BY_WATCHDOG
-from litscale.health.launcher import launcher_lost, note_launcher
+from litscale.health.launcher import (
+    launcher_lost,
+    left_behind_on_failure,
+    note_launcher,
+    told_to_stop,
+)
 from litscale.health.watchdog import HANG_ERROR, LAUNCHER_REPORTS_ENV
 from litscale.parallel.layout import world_size_of
 
@@ -130,6 +135,9 @@ def check_launchable(processes: int, num_nodes: int) -> None:
         )
 
 
+# torch's switch for a fresh rendezvous store per restart attempt (see ``launch``).
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
 # A rank stopped by a preemption signal, its checkpoint saved, exits with this code (EX_TEMPFAIL:
 # a temporary failure, run again) instead of handing its result back (see ``_run_rank``).
 PREEMPTED_EXIT_CODE = 75
@@ -143,7 +151,12 @@ def _run_rank(entrypoint: Callable[[Any], Any], payload: Any) -> Any:
     shutdown timeout (60 s). A preempted rank, whose checkpoint is saved and loggers closed,
     exits at once instead, with a code that tells the agent why."""
     note_launcher()
-    result = entrypoint(payload)
+    try:
+        result = entrypoint(payload)
+    except Exception as error:
+        if left_behind_on_failure() is not None:
+            _exit_at_once(error)
+        raise
     if isinstance(result, dict) and result.get("preempted"):
         sys.exit(PREEMPTED_EXIT_CODE)
     return result
@@ -180,6 +193,13 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         start_method="spawn",
         shutdown_timeout=60,  # time for ranks to save a checkpoint after SIGTERM
     )
+    if max_restarts:
+        # NOTE: torch's agent shares one rendezvous store with every attempt's ranks, its keys not
+        # scoped by attempt (pytorch/pytorch#135712): a restarted rank read the previous
+        # attempt's address of its peer and its process group failed to connect (a replica
+        # group's restart failed so whenever its rank 1 started before its rank 0). This torch
+        # setting gives each attempt a fresh store, as docs/clusters.md has torchrun do.
+        os.environ[FRESH_STORE_ENV] = "1"
     previous_sigusr1 = _pass_sigusr1_to_the_ranks()
     os.environ[LAUNCHER_REPORTS_ENV] = "1"  # a hang's line: printed below, not by rank 0
     try:
@@ -197,6 +217,23 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         if previous_sigusr1 is not None:
             signal.signal(signal.SIGUSR1, previous_sigusr1)
     return results[0]
+
+
+def _exit_at_once(error: Exception) -> None:
+    """Record ``error`` for the agent as torch's worker wrapper does, then exit with code 1
+    without joining the threads left running (``left_behind_on_failure``).
+
+    NOTE: Python joins every non-daemon thread at exit. torchft's quorum thread, waiting on a
+    replica group's lost rank for up to ``quorum_timeout_s``, kept the group's live rank alive
+    until the agent killed it 30 s later: its group's restart, and every other group's quorum
+    (which waited for a group still heartbeating), paid those 30 s. The rank's loggers are
+    finished and its process group destroyed before this (``run_rank``)."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(error)  # the error file the agent reports from
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _pass_sigusr1_to_the_ranks() -> Any:
@@ -251,12 +288,38 @@ def wait_for_the_cause(error: BaseException) -> None:
     raised the real error is often still in Lightning's exception handling when its peers,
     their connections closed, fail within milliseconds; without this wait the report would
     name a "Connection closed by peer" instead of the cause. Where the launcher itself is gone
-    (and its store with it: the likely cause), no one is left to report either: no wait.
+    (and its store with it: the likely cause), no one is left to report either: no wait; nor
+    where the launcher has told this rank to stop, before the wait or during it (it has seen
+    the failure by then).
     """
-    if is_knock_on_failure(error) and not launcher_lost():
-        import time
+    if not is_knock_on_failure(error) or launcher_lost() or told_to_stop():
+        return
+    import threading
+    import time
 
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
         time.sleep(KNOCK_ON_GRACE_S)
+        return
+    # NOTE: the launcher sends SIGTERM once it has seen a rank's failure (the cause is recorded
+    # then) to stop the others. The preemption handler only notes a SIGTERM for the next step
+    # boundary, which this rank never reaches: it slept on, and the agent killed it after its
+    # 30 s shutdown wait, a wait a replica group's restart and every other group paid
+    # (tests/test_fault_tolerance.py, a rank killed in a DDP group of two). The signal ends it.
+    previous = signal.signal(signal.SIGTERM, _stop_waiting)
+    try:
+        time.sleep(KNOCK_ON_GRACE_S)
+    except _StoppedWaiting:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+class _StoppedWaiting(Exception):
+    """The launcher stopped a rank waiting for its peer's report: the report is in."""
+
+
+def _stop_waiting(signum: int, frame: Any) -> None:
+    raise _StoppedWaiting
 
 
 def hang_report(error) -> str | None:
@@ -284,3 +347,4 @@ def describe_first_failure(error) -> str:
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
     cause = lines[0] if lines else f"exit code {failure.exitcode}"
     return f"rank {rank} failed: {cause}"
+

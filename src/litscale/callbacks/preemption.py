@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from litscale.checkpoint.background import wait_for_checkpoints
 from litscale.checkpoint.resume import newest_last_checkpoint
 from litscale.constraints import PositiveInt
-from litscale.health.launcher import launcher_lost, launcher_pid
+from litscale.health.launcher import launcher_lost, launcher_pid, note_told_to_stop
 
 # A Ctrl-C this soon after the first is the same keypress passed on, not the user's second:
 # the terminal signals every process of the job, and torch's elastic agent then passes the
@@ -110,6 +110,8 @@ class PreemptionCheckpoint(Callback):
             if self._first_ctrl_c is not None and now - self._first_ctrl_c > SAME_CTRL_C_S:
                 raise KeyboardInterrupt  # the user's second Ctrl-C: stop at once, without saving
             self._first_ctrl_c = self._first_ctrl_c or now
+        else:
+            note_told_to_stop()  # a rank that fails before the step boundary exits at once (``wait_for_the_cause``)
         first = not self.signalled
         self.signalled = True
         launcher = self._trainer.strategy.launcher if self._trainer is not None else None

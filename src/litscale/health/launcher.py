@@ -14,6 +14,10 @@ import os
 
 # The pid of the process that started this rank, noted as it started (None: not a launched rank).
 _launcher_pid: int | None = None
+# Whether a stop signal (SIGTERM, SIGUSR1) reached this rank: the launcher stopping its ranks.
+_told_to_stop = False
+# What this rank started that cannot be stopped (None: nothing): a failing rank does not wait for it.
+_unstoppable: str | None = None
 
 
 def note_launcher() -> None:
@@ -24,6 +28,30 @@ def note_launcher() -> None:
 
 def launcher_pid() -> int | None:
     return _launcher_pid
+
+
+def note_told_to_stop() -> None:
+    """A stop signal reached this rank (``PreemptionCheckpoint`` notes it for the step boundary)."""
+    global _told_to_stop
+    _told_to_stop = True
+
+
+def leave_behind_on_failure(what: str) -> None:
+    """``what`` (a thread a library runs, blocked on a lost peer) cannot be stopped: if this rank
+    fails, it exits once its failure is recorded, without waiting for ``what`` at the
+    interpreter's exit (``litscale.app.launch``)."""
+    global _unstoppable
+    _unstoppable = what
+
+
+def left_behind_on_failure() -> str | None:
+    return _unstoppable
+
+
+def told_to_stop() -> bool:
+    """Whether a stop signal reached this rank: once its launcher sends one, it has seen the
+    failure that stops the job, and a rank that waits for a peer's report waits for nothing."""
+    return _told_to_stop
 
 
 def launcher_lost() -> bool:

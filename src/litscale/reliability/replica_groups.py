@@ -63,6 +63,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from litscale.constraints import AtLeastTwo, NonNegativeInt, PositiveFloat, PositiveInt
 from litscale.extras import TORCHFT, Requirement
+from litscale.health.launcher import leave_behind_on_failure
 from litscale.reliability.determinism import running_statistics
 
 # Written beside the groups' dirs once a group has finished the run.
@@ -306,6 +307,15 @@ class ReplicaFaultTolerance(Callback):
     def _write(self, **row: Any) -> None:
         if self._record is not None:
             self._record.write(json.dumps({**row, "time": time.time()}) + "\n")
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # NOTE: Lightning calls no callback's teardown after an exception. Even shut down, the
+        # manager's quorum thread may still wait on the group's lost rank (up to
+        # ``quorum_timeout_s``; torchft cannot cancel it), and Python joins it at exit: the rank
+        # then lived until the agent killed it 30 s later, and its group's restart and every
+        # other group's quorum (this group still heartbeats) waited as long.
+        self.teardown(trainer, pl_module, "fit")
+        leave_behind_on_failure("torchft's quorum thread")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.manager is not None:
