@@ -33,7 +33,7 @@ from litscale.data.chat import (
     tokens_with_mask,
 )
 from litscale.data.documents import read_documents, read_records
-from litscale.data.token_cache import _content_digest, split_key, token_dtype
+from litscale.data.token_cache import _content_digest, split_key, token_dtype, write_index
 from litscale.data.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -142,8 +142,5 @@ def build_example_cache(stem: str, files: list[str], tokenizer: TextTokenizer, t
             rows.append(row)
         if not keys:
             raise ValueError(f"{source} holds no example: every matched file or row is empty")
-        with atomic_file(stem + ".index.npz") as index:
-            np.savez(index, dtype=np.array(dtype.name), starts=np.array(starts, dtype=np.int64),
-                     split_keys=np.array(keys, dtype=np.uint64), sources=np.array(sources, dtype=np.int64),
-                     rows=np.array(rows, dtype=np.int64))
+        write_index(stem, dtype, starts=starts, split_keys=keys, sources=sources, rows=rows)
     log.info("tokenized %d examples into %d tokens: %s.bin", len(keys), starts[-1], stem)

@@ -34,24 +34,16 @@ def _generator(base: int, index: int) -> torch.Generator:
     return torch.Generator().manual_seed((base + index) % 2**32)
 
 
-class SyntheticLM(Dataset):
-    """Token sequences that walk a fixed random cycle through the vocabulary.
+class _SeededSamples(Dataset):
+    """``num_samples`` samples, each drawn on demand from its own generator, seeded by
+    ``(seed, offset + index)``: any sample is the same on any rank, in any order, and memory
+    does not grow with ``num_samples``. A subclass draws one sample in ``draw``."""
 
-    Each token's successor is fixed (a bigram a model can learn, so loss falls); each sample
-    starts at a random point of the cycle. Samples are derived from ``(seed, offset + index)``
-    on demand, so memory does not grow with ``num_samples``.
-    """
-
-    def __init__(
-        self, *, num_samples: int, seq_len: int, vocab_size: int, seed: int, offset: int = 0
-    ) -> None:
+    def __init__(self, *, num_samples: int, seed: int, offset: int) -> None:
         self.num_samples = num_samples
-        self.seq_len = seq_len
-        self.vocab_size = vocab_size
         self.seed = seed
         self.offset = offset
         self._base = _stream_base(seed, "samples")
-        self.cycle = torch.randperm(vocab_size, generator=_generator(_stream_base(seed, "lm"), 0))
 
     def __len__(self) -> int:
         return self.num_samples
@@ -59,14 +51,35 @@ class SyntheticLM(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        generator = _generator(self._base, self.offset + index)
+        return self.draw(_generator(self._base, self.offset + index))
+
+    def draw(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class SyntheticLM(_SeededSamples):
+    """Token sequences that walk a fixed random cycle through the vocabulary.
+
+    Each token's successor is fixed (a bigram a model can learn, so loss falls); each sample
+    starts at a random point of the cycle.
+    """
+
+    def __init__(
+        self, *, num_samples: int, seq_len: int, vocab_size: int, seed: int, offset: int = 0
+    ) -> None:
+        super().__init__(num_samples=num_samples, seed=seed, offset=offset)
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        self.cycle = torch.randperm(vocab_size, generator=_generator(_stream_base(seed, "lm"), 0))
+
+    def draw(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         start = int(torch.randint(self.vocab_size, (1,), generator=generator))
         positions = (start + torch.arange(self.seq_len + 1)) % self.vocab_size
         window = self.cycle[positions]
         return window[:-1], window[1:]
 
 
-class SyntheticImages(Dataset):
+class SyntheticImages(_SeededSamples):
     """Gaussian images labelled by the argmax of a fixed random linear map of their pixels.
 
     The labels are a linear function of the input, so a classifier can learn them; samples
@@ -82,24 +95,15 @@ class SyntheticImages(Dataset):
         seed: int,
         offset: int = 0,
     ) -> None:
-        self.num_samples = num_samples
+        super().__init__(num_samples=num_samples, seed=seed, offset=offset)
         self.input_shape = input_shape
         self.num_classes = num_classes
-        self.seed = seed
-        self.offset = offset
         features = min(math.prod(input_shape), _MAX_LABEL_FEATURES)
         self.projection = torch.randn(
             num_classes, features, generator=_generator(_stream_base(seed, "projection"), 0)
         )
-        self._base = _stream_base(seed, "samples")
 
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} out of range for {self.num_samples} samples")
-        generator = _generator(self._base, self.offset + index)
+    def draw(self, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         x = torch.randn(self.input_shape, generator=generator)
         features = x.reshape(-1)[: self.projection.shape[1]]
         return x, torch.argmax(self.projection @ features)

@@ -35,6 +35,14 @@ CACHE_FORMAT = 3  # 2: the UTF-8 bytes of each document, for bits per byte; 3: i
 _BATCH_BYTES = 4 << 20
 
 
+def write_index(stem: str, dtype: np.dtype, *, split_keys: list[int], **columns: list[int]) -> None:
+    """A cache's ``.index.npz``, written whole or not at all: its token dtype, each entry's split
+    key (a text's hash, uint64) and the other per-entry columns (``starts``, ``sources``...) as int64."""
+    with atomic_file(stem + ".index.npz") as index:
+        np.savez(index, dtype=np.array(dtype.name), split_keys=np.array(split_keys, dtype=np.uint64),
+                 **{name: np.array(values, dtype=np.int64) for name, values in columns.items()})
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """The narrowest unsigned type that holds every token id."""
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
@@ -139,8 +147,5 @@ def build_cache(stem: str, documents: Iterable[tuple], tokenizer: TextTokenizer,
                 sources.append(file_index)
         if not keys:
             raise ValueError(f"{source} holds no text: every matched file or record is empty")
-        with atomic_file(stem + ".index.npz") as index:
-            np.savez(index, dtype=np.array(dtype.name), starts=np.array(starts, dtype=np.int64),
-                     split_keys=np.array(keys, dtype=np.uint64), text_bytes=np.array(text_bytes, dtype=np.int64),
-                     sources=np.array(sources, dtype=np.int64))
+        write_index(stem, dtype, starts=starts, split_keys=keys, text_bytes=text_bytes, sources=sources)
     log.info("tokenized %d documents into %d tokens: %s.bin", len(keys), starts[-1], stem)
