@@ -294,6 +294,33 @@ def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tm
     assert math.isclose(summary["val/loss"], expected, rel_tol=0.03), (summary["val/loss"], expected)
 
 
+@pytest.mark.full
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_single_rank_groups_train_end_to_end_as_one_process_with_their_global_batch(tmp_path):
+    """The one end-to-end replica-group job outside ``soak``: 2 groups of 1 process, 4 steps,
+    against one process at their global batch of 16 (validated on the same 48 samples). Every
+    other replica-group run is ``soak``: a change that hung every single-process group (a
+    fresh rendezvous store per restart, which no process group hosted there) passed
+    ``make test`` and ``make test-full``."""
+    import sys
+
+    steps = ["trainer.max_steps=4", "trainer.val_check_interval=4"]
+    groups = [sys.executable, "train.py", "fault_tolerance=replicas", "fault_tolerance.groups=2", "strategy=single",
+              "trainer.devices=1", *RUN, "logger=csv", *steps]
+    process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=240)
+    assert process.returncode == 0, explain(process)
+    assert stray == []
+    one = ["strategy=single", "trainer.devices=1", *RUN[:1], "data.batch_size=16", *RUN[2:4],
+           "trainer.limit_val_batches=3", *RUN[5:], "logger=csv", *steps]
+    reference, _, _ = run_in_own_group([sys.executable, "train.py", *one], outputs=tmp_path / "reference", timeout=200)
+    assert reference.returncode == 0, explain(reference)
+    ours, theirs = job_summary(tmp_path / "groups"), job_summary(tmp_path / "reference")
+    assert ours["fault_tolerance"]["finished"] == [0, 1] and ours["global_batch"] == theirs["global_batch"] == 16
+    assert math.isclose(ours["val/loss"], theirs["val/loss"], rel_tol=1.3e-6, abs_tol=1e-5), (ours["val/loss"],
+                                                                                            theirs["val/loss"])
+
+
 @pytest.mark.slow
 @pytest.mark.soak
 @pytest.mark.timeout(400)

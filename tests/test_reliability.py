@@ -486,8 +486,9 @@ def test_a_failing_rank_with_a_thread_it_cannot_stop_exits_once_its_failure_is_r
 def test_an_agent_that_restarts_its_ranks_gives_each_attempt_a_fresh_store(monkeypatch):
     """torch's agent shares its rendezvous store with every attempt's ranks, its keys not scoped
     by attempt (pytorch/pytorch#135712): a replica group's restarted rank 1 read its peer's
-    address of the attempt before and failed to connect. An agent that restarts (a replica
-    group's) turns the sharing off; one that does not keeps it."""
+    address of the attempt before and failed to connect. An agent that restarts ranks (a
+    replica group's) turns the sharing off; one that does not, or restarts one process (whose
+    torchft manager meets at the agent's store: no process group hosts one), keeps it."""
     import torch.distributed.launcher.api as launcher_api
 
     from litscale.app import launch
@@ -502,8 +503,10 @@ def test_an_agent_that_restarts_its_ranks_gives_each_attempt_a_fresh_store(monke
     monkeypatch.delenv(launch.FRESH_STORE_ENV, raising=False)
     monkeypatch.setattr(launch, "launched_externally", lambda: False)
     launch.launch(print, None, processes=2)
+    launch.launch(print, None, processes=1, max_restarts=3, agent=True)
+    assert seen == [(0, None), (3, None)]
     launch.launch(print, None, processes=2, max_restarts=3, agent=True)
-    assert seen == [(0, None), (3, "1")]
+    assert seen[-1] == (3, "1")
 
 
 @pytest.mark.full

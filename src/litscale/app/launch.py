@@ -193,12 +193,14 @@ def launch(entrypoint: Callable[[Any], Any], payload: Any, *, processes: int, nu
         start_method="spawn",
         shutdown_timeout=60,  # time for ranks to save a checkpoint after SIGTERM
     )
-    if max_restarts:
+    if max_restarts and processes > 1:
         # NOTE: torch's agent shares one rendezvous store with every attempt's ranks, its keys not
         # scoped by attempt (pytorch/pytorch#135712): a restarted rank read the previous
         # attempt's address of its peer and its process group failed to connect (a replica
         # group's restart failed so whenever its rank 1 started before its rank 0). This torch
-        # setting gives each attempt a fresh store, as docs/clusters.md has torchrun do.
+        # setting gives each attempt a fresh store, hosted by rank 0's process group, as
+        # docs/clusters.md has torchrun do. One process has no peer to read a stale key, and no
+        # process group to host a store: its torchft manager meets at the agent's.
         os.environ[FRESH_STORE_ENV] = "1"
     previous_sigusr1 = _pass_sigusr1_to_the_ranks()
     os.environ[LAUNCHER_REPORTS_ENV] = "1"  # a hang's line: printed below, not by rank 0
