@@ -349,4 +349,3 @@ def describe_first_failure(error) -> str:
     lines = [line.strip() for line in str(message).splitlines() if line.strip()]
     cause = lines[0] if lines else f"exit code {failure.exitcode}"
     return f"rank {rank} failed: {cause}"
-
