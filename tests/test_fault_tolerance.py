@@ -301,8 +301,8 @@ def test_two_single_rank_groups_train_end_to_end_as_one_process_with_their_globa
     """The one end-to-end replica-group job outside ``soak``: 2 groups of 1 process, 4 steps,
     against one process at their global batch of 16 (validated on the same 48 samples). Every
     other replica-group run is ``soak``: a change that hung every single-process group (a
-    fresh rendezvous store per restart, which no process group hosted there) passed
-    ``make test`` and ``make test-full``."""
+    fresh rendezvous store per restart, which no process group hosted there) had nothing in
+    ``make test`` or ``make test-full`` to fail."""
     import sys
 
     steps = ["trainer.max_steps=4", "trainer.val_check_interval=4"]
