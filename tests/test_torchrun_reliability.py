@@ -13,6 +13,8 @@ import torch
 from helpers.cli import REPO, explain, final_weights, run_in_own_group, summaries, train_losses
 from helpers.inprocess import train_on_pool
 
+from litscale.app.launch import FRESH_STORE_ENV
+
 pytestmark = pytest.mark.slow  # every test here runs torchrun
 
 SHORT = ("strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "data.batch_size=8",
@@ -23,7 +25,7 @@ FAULT = ("+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+ca
 # torch's elastic agent shares its rendezvous store with the workers by default, and a
 # restarted worker can then read the previous attempt's process-group addresses; this torch
 # setting gives every attempt a fresh store (the README's torchrun instructions set it too).
-FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+FRESH_STORE = {FRESH_STORE_ENV: "1"}
 
 
 def run_torchrun(*overrides: str, outputs: Path, name: str, max_restarts: int,
