@@ -119,6 +119,7 @@ def drop_from_page_cache(path: str) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts the reads in /proc/self/io (Linux)")
+@pytest.mark.slow  # over half a second alone
 def test_the_ranks_of_a_host_resuming_from_a_file_read_it_once_and_keep_nothing_mapped(tmp_path):
     """Two ranks of one host load a DDP checkpoint file as a resume does (the strategy's
     ``load_checkpoint``, one after the other in this process): between them they read its bytes

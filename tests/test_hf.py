@@ -207,6 +207,7 @@ def test_llama_to_a_transformers_directory_and_back(config, tmp_path):
 
 
 @pytest.mark.parametrize("config", [QWEN3, QWEN3_TIED], ids=["qwen3", "qwen3-tied"])
+@pytest.mark.slow  # over half a second alone
 def test_a_transformers_qwen3_into_litscales_llama(config, tmp_path):
     torch.manual_seed(0)
     model = with_random_gains(AutoModelForCausalLM.from_config(config.transformers_config()))

@@ -201,6 +201,7 @@ def _code_strings(tree: ast.Module) -> list[ast.Constant]:
             and id(node) not in docstrings]
 
 
+@pytest.mark.slow  # over half a second alone
 def test_nothing_of_litscale_names_a_plugin():
     """The app asks the launcher a config names (``hydra.launcher._target_``) rather than keeping
     a table of litscale's launchers: no string in litscale's code names a module of its plugins."""

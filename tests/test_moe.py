@@ -337,6 +337,7 @@ def test_callback_updates_bias_from_counts_summed_over_ranks(monkeypatch):
     assert sum(callback.result["moe/tokens_per_expert"][0]) == 2 * 16 * 2 + 1000  # tokens x top_k + other rank
 
 
+@pytest.mark.slow  # over half a second alone
 def test_callback_figures_and_inert_for_dense_nets():
     torch.manual_seed(0)
     net = build_moe(capacity_factor=1.0).train()

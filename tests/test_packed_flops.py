@@ -48,6 +48,7 @@ def counted_dense_row() -> float:
     return float(counter.get_total_flops())
 
 
+@pytest.mark.slow  # over half a second alone
 def test_a_packed_rows_attention_is_counted_over_its_documents():
     positions = document_positions(DOCUMENTS, SEQ)
     assert attended_tokens(positions) == PAIRS and attended_tokens(torch.arange(SEQ).numpy()) == SEQ**2

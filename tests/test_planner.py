@@ -110,6 +110,7 @@ def test_fsdp_gathers_each_unit_twice_per_micro_batch_and_the_root_once():
     assert found["parameter all-gather"].seconds == pytest.approx(18 * 3 * 1e-5 + 7 / 8 * gathered / 10e9)
 
 
+@pytest.mark.slow  # over half a second alone
 def test_each_collective_is_timed_with_its_own_measured_figures_where_the_link_has_them():
     """A link with a slower reduce-scatter (as gloo's is on CPU): the FSDP step's reduce-scatter
     pays that kind's latency and bandwidth, its all-gather the link's own."""
@@ -125,6 +126,7 @@ def test_each_collective_is_timed_with_its_own_measured_figures_where_the_link_h
     assert gather.seconds == pytest.approx(gather.calls * 1e-5 + gather.bytes_per_rank / 100e9)
 
 
+@pytest.mark.slow  # over half a second alone
 def test_precision_fp8_runs_its_float8_layers_share_of_the_flops_at_the_float8_peak():
     """torchao's float8 swaps every Linear layer but the head (``callbacks/float8.py``); the
     planner runs their FLOPs at the cluster's float8 peak, the rest (attention, the head) in the

@@ -204,6 +204,7 @@ def test_plan_auto_in_a_sweep_replaces_a_given_layout_that_does_not_fit_below_th
     assert experiment["data"]["batch_size"] < 16
 
 
+@pytest.mark.slow  # over half a second alone
 def test_a_job_is_trusted_by_the_group_measured_at_its_sequence_length(tmp_path, monkeypatch):
     """The shipped study measured Llama-tiny at 128 and at 512 tokens: a Llama-tiny job reads the
     group at its own ``data.seq_len``, and the lower interval of the two at a length measured in

@@ -161,6 +161,7 @@ def test_on_an_object_store_mount_a_resume_word_never_picks_a_half_published_dir
     assert sorted(os.listdir(checkpoints)) == sorted(["last.ckpt", os.path.basename(saved)])
 
 
+@pytest.mark.slow  # over half a second alone
 def test_a_rename_there_leaves_a_half_copied_directory_that_a_resume_word_picks(
         tmp_path, monkeypatch, one_rank, bucket_mounts):
     """Why the mount needs the pointer, and the proof that the mount played here can catch a

@@ -321,6 +321,7 @@ def test_a_job_that_cannot_start_at_once_says_what_it_waits_for_and_one_that_nev
     assert resources_line(4, 2, {"CPU": 2.0, "GPU": 2.0}, cluster).startswith("error: job 4 needs 2 GPUs")
 
 
+@pytest.mark.slow  # over half a second alone
 def test_a_ray_restart_names_the_rank_the_restart_and_the_checkpoint_it_resumes_from(tmp_path, capsys):
     """Ray's controller hands ``after_exception`` the failed workers' errors before it restarts
     them (``max_failures``): one line per restart names the rank whose worker died (not the peer

@@ -194,6 +194,7 @@ def test_a_mixtures_realised_shares_are_within_one_percent_of_its_weights_over_1
     assert not np.array_equal(owners, interleave(weights, 10_000, seed=4))
 
 
+@pytest.mark.slow  # over half a second alone
 def test_a_two_source_mixture_draws_each_source_at_its_weight_through_the_training_order(tmp_path):
     """Sources of conversations and of plain text at 0.7 / 0.3: the first 10,000 samples the
     ranks draw (several epochs of the mixture) come from each within 1%, and each source's rows

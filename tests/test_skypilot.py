@@ -78,6 +78,7 @@ def test_the_default_task_mounts_a_bucket_for_its_outputs_and_passes_the_schema(
     assert named["file_mounts"]["/litscale-outputs"] == {"name": "litscale-outputs", "store": "gcs", "mode": "MOUNT"}
 
 
+@pytest.mark.slow  # over half a second alone
 def test_a_job_on_the_mounted_bucket_publishes_sharded_checkpoints_by_a_pointer():
     """A directory's rename on a MOUNT-mode bucket is a copy of its files, one by one: each job
     says checkpoint.publish=pointer (litscale.checkpoint.atomic), unless it chooses itself."""

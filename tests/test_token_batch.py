@@ -184,6 +184,7 @@ def _assert_documents_apart(net, vocab: int = 64) -> None:
             start += length
 
 
+@pytest.mark.slow  # over half a second alone
 def test_llama_keeps_packed_documents_apart():
     torch.manual_seed(0)
     _assert_documents_apart(Llama(TINY))
