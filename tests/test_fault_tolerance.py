@@ -298,16 +298,19 @@ def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tm
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_single_rank_groups_train_end_to_end_as_one_process_with_their_global_batch(tmp_path):
-    """The one end-to-end replica-group job outside ``soak``: 2 groups of 1 process, 4 steps,
-    against one process at their global batch of 16 (validated on the same 48 samples). Every
-    other replica-group run is ``soak``: a change that hung every single-process group (a
-    fresh rendezvous store per restart, which no process group hosted there) had nothing in
-    ``make test`` or ``make test-full`` to fail."""
+    """The one end-to-end replica-group job outside ``soak``: 2 groups of 1 process, 4 steps of
+    2 micro batches of 4 (the groups' sums start in the backward that ends a step,
+    ``group_sums``), against one process at their global batch of 16 (validated on the same 48
+    samples). Every other replica-group run is ``soak``: a change that hung every
+    single-process group (a fresh rendezvous store per restart, which no process group hosted
+    there) had nothing in ``make test`` or ``make test-full`` to fail."""
     import sys
 
     steps = ["trainer.max_steps=4", "trainer.val_check_interval=4"]
     groups = [sys.executable, "train.py", "fault_tolerance=replicas", "fault_tolerance.groups=2", "strategy=single",
-              "trainer.devices=1", *RUN, "logger=csv", *steps]
+              "trainer.devices=1", *RUN[:1], "data.batch_size=4", "trainer.accumulate_grad_batches=2", *RUN[2:4],
+              "trainer.limit_val_batches=12", *RUN[5:], "logger=csv", "trainer.max_steps=4",
+              "trainer.val_check_interval=8"]
     process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=240)
     assert process.returncode == 0, explain(process)
     assert stray == []
@@ -481,6 +484,65 @@ def step_in_groups(modules: list, batches: list) -> None:
 
     with ThreadPoolExecutor(len(modules)) as pool:
         list(pool.map(reduce, range(len(modules))))
+
+
+@pytest.mark.slow  # in-process: two groups' backward in threads, about a second
+def test_a_one_process_group_sums_its_gradients_during_backward_and_holds_the_groups_mean(monkeypatch):
+    """A group of one process starts its gradients' sum over the groups bucket by bucket while
+    the backward that ends the step runs (as DDP overlaps its all-reduce), and ends with the
+    groups' mean of the gradients accumulated over the step's two micro batches; a parameter
+    that only one group used takes the mean in both, as DDP gives it. The reference is each
+    group's gradients from plain autograd. Without the hooks nothing starts in backward; a
+    mean taken over one group's count, or a sum, fails the comparison."""
+    import copy
+    from concurrent.futures import ThreadPoolExecutor
+
+    from litscale.reliability import group_sums
+
+    monkeypatch.setattr(group_sums, "FIRST_BUCKET_BYTES", 64)  # several buckets on a small net
+    monkeypatch.setattr(group_sums, "BUCKET_BYTES", 512)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 2))
+    extra = torch.nn.Parameter(torch.randn(3))  # used by group 1 only
+    batches = [[torch.randn(5, 4) for _ in range(2)] for _ in range(2)]  # group -> its two micro batches
+
+    def backward(model, used_extra, inputs, group):
+        loss = model(inputs).pow(2).mean() + (used_extra.pow(2).sum() if group == 1 else 0)
+        loss.backward()
+
+    def own_gradients(group: int) -> list[torch.Tensor]:
+        model, used = copy.deepcopy(net), copy.deepcopy(extra)
+        for inputs in batches[group]:
+            backward(model, used, inputs, group)
+        return [torch.zeros_like(p) if p.grad is None else p.grad for p in (used, *model.parameters())]
+
+    expected = [(a + b) / 2 for a, b in zip(own_gradients(0), own_gradients(1), strict=True)]
+    quorum = FakeQuorum(2)
+    copies = [(copy.deepcopy(net), copy.deepcopy(extra)) for _ in range(2)]
+    started_in_backward = [0, 0]
+
+    def step(group: int) -> list[torch.Tensor]:
+        model, used = copies[group]
+        parameters = [used, *model.parameters()]  # ``extra`` last in backward's order: the last bucket
+        sums = group_sums.OverlappedGradientSum(quorum.manager(group), parameters)
+        backward(model, used, batches[group][0], group)  # inside the accumulation window
+        sums.arm()
+        backward(model, used, batches[group][1], group)
+        started_in_backward[group] = sum(bucket.work is not None for bucket in sums.buckets)
+        sums.start_rest()
+        sums.finish(participants=2)
+        sums.remove()
+        return [p.grad for p in parameters]
+
+    with ThreadPoolExecutor(2) as pool:
+        averaged = list(pool.map(step, (0, 1)))
+    buckets = len(group_sums.buckets_in_backward_order([extra, *net.parameters()]))
+    assert buckets >= 4 and all(0 < started < buckets for started in started_in_backward[:1]), started_in_backward
+    assert started_in_backward[1] == buckets, started_in_backward  # group 1 used every parameter
+    for grads in averaged:
+        for got, want in zip(grads, expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-7)
 
 
 @pytest.mark.slow  # in-process, but builds an MoE and steps it in 3 copies: seconds

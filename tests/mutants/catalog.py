@@ -130,6 +130,16 @@ def _replica_groups_summed(original):
     return on_before_optimizer_step
 
 
+def _overlapped_sum_not_mean(original):
+    """A one-process replica group's gradients, summed over the groups bucket by bucket during
+    backward, taken for their mean (not divided by the groups)."""
+
+    def finish(self, participants):
+        return original(self, 1)
+
+    return finish
+
+
 def _average_not_divided(original):
     """Local SGD's synchronisation all-reduces each fragment's parameters without dividing them
     by the world size first (``average_parameters`` divides before its all-reduce; this one
@@ -418,6 +428,11 @@ _ROWS = [
            "with a sum, not a mean (every gradient x the groups)",
            "litscale.reliability.replica_groups:ReplicaFaultTolerance.on_before_optimizer_step", _replica_groups_summed,
            ("tests/test_fault_tolerance.py::test_the_groups_average_their_gradients_over_the_quorum",)),
+    Mutant("replica-groups-overlapped-sum-not-mean", "a replica group of one process takes its gradients' sum over "
+           "the groups, started during backward, for their mean (every gradient x the groups)",
+           "litscale.reliability.group_sums:OverlappedGradientSum.finish", _overlapped_sum_not_mean,
+           ("tests/test_fault_tolerance.py::"
+            "test_a_one_process_group_sums_its_gradients_during_backward_and_holds_the_groups_mean",)),
     Mutant("local-sgd-sum-not-mean", "local SGD's synchronisation takes the replicas' summed parameters for their "
            "mean (its all-reduce not divided by the world size: x 2 on 2 ranks)",
            "litscale.strategies.streaming:StreamingState._start", _average_not_divided,

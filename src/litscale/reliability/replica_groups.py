@@ -16,9 +16,10 @@ Per step (``ReplicaFaultTolerance``, a callback), the quorum out of the step's w
   thread from tensors no forward or backward writes (below), never by a ``state_dict()`` call
   there (a module's state-dict hooks, FSDP2's resharding among them, would run in the middle
   of the forward: the race torchtitan's users hit, pytorch/torchtitan#4754);
-- after backward, before clipping: one sum over the groups in the quorum (torchft's
+- by the end of backward, before clipping: the sum over the groups in the quorum (torchft's
   fault-tolerant all-reduce: a peer lost mid-step fails the step instead of hanging it) of the
-  gradients and of what each group counted on its own share of the batch: the loss the module
+  gradients (a group of one process starts it bucket by bucket during the backward, as DDP
+  does: ``group_sums``) and of what each group counted on its own share of the batch: the loss the module
   logs, a mixture of experts' router load (the bias update after the step reads it) and
   BatchNorm's running statistics (the first group's, as DDP keeps rank 0's);
 - the optimizer steps only if every rank of the group says the step is good
@@ -65,6 +66,7 @@ from litscale.constraints import AtLeastTwo, NonNegativeInt, PositiveFloat, Posi
 from litscale.extras import TORCHFT, Requirement
 from litscale.health.launcher import leave_behind_on_failure
 from litscale.reliability.determinism import running_statistics
+from litscale.reliability.group_sums import OverlappedGradientSum, sum_over_groups
 
 # Written beside the groups' dirs once a group has finished the run.
 FINISHED_MARKER = "finished"
@@ -147,6 +149,7 @@ class ReplicaFaultTolerance(Callback):
         self._statistics_at_start: dict[str, Any] = {}  # BatchNorm's statistics as the step began
         self._shared = False  # this step's sum set the statistics every group holds
         self._timings: dict[str, float] = {}  # this step's waits on the groups, in its record
+        self._overlapped: OverlappedGradientSum | None = None  # a one-process group's sum in backward
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -193,6 +196,7 @@ class ReplicaFaultTolerance(Callback):
             _gate_step(optimizer, self)
         _gate_schedule(pl_module, self)
         self._hold_tensors(pl_module)
+        self._overlap_sums(trainer, pl_module)
         if os.path.exists(finished_marker(self.run_dir)):  # started again after another group finished the run
             trainer.should_stop = True
             self._write(step=trainer.global_step, started=True, stopped_as_finished=True)
@@ -219,8 +223,19 @@ class ReplicaFaultTolerance(Callback):
         self._statistics_at_start = {name: tensor.detach().clone()
                                      for name, tensor in running_statistics(pl_module).items()}
 
+    def _overlap_sums(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A group of one process sums its gradients over the groups during backward, as DDP
+        does (``group_sums``); a group of several ranks after its own reduction."""
+        from torch.distributed.tensor import DTensor
+
+        parameters = [p for p in pl_module.parameters() if p.requires_grad]
+        if trainer.world_size == 1 and not any(isinstance(p, DTensor) for p in parameters):
+            self._overlapped = OverlappedGradientSum(self.manager, parameters)
+
     # -- each step ------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._overlapped is not None and not trainer.fit_loop.epoch_loop._should_accumulate():
+            self._overlapped.arm()  # this micro batch's backward ends the step
         if self._step_open:
             return
         # BatchNorm's statistics are the only state a forward writes: a live group sends them as
@@ -252,18 +267,22 @@ class ReplicaFaultTolerance(Callback):
         started = time.perf_counter()
         first = self.manager.participating_rank() == 0  # waits for the quorum, if it is not in yet
         waited = time.perf_counter()
-        grads = [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        grads = [] if self._overlapped else [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
         losses = getattr(pl_module, "window_losses", [])
         loads = [load for module in pl_module.modules()
                  if (load := getattr(module, "counted_load", _nothing)()) is not None]
         norms = list(running_statistics(pl_module).values())
         counted = [*(t.detach().float() for t in (*losses, *loads)),
                    *(t.detach().float() if first else torch.zeros(t.shape, device=t.device) for t in norms)]
-        summed = _sum_over_groups(self.manager, [*grads, *counted])
+        if self._overlapped is not None:
+            self._overlapped.start_rest()  # after the buckets backward started, in one order everywhere
+        summed = sum_over_groups(self.manager, [*grads, *counted])
+        participants = self.manager.num_participants()
+        if self._overlapped is not None:
+            self._overlapped.finish(participants)
         self._timings = {"quorum_wait_s": waited - started, "reduce_s": time.perf_counter() - waited}
         if not summed:
             return
-        participants = self.manager.num_participants()
         for grad, total in zip(grads, summed, strict=False):
             grad.copy_(total).div_(participants)
         if not counted or self.manager.errored() is not None:
@@ -318,6 +337,9 @@ class ReplicaFaultTolerance(Callback):
         leave_behind_on_failure("torchft's quorum thread")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self._overlapped is not None:
+            self._overlapped.remove()
+            self._overlapped = None
         if self.manager is not None:
             self.manager.shutdown(wait=False)
             self.manager = None
@@ -427,28 +449,6 @@ def _quorum_now(manager: Any) -> None:
     if manager._healing:
         manager._apply_pending_state_dict()
         manager._healing = False
-
-
-def _sum_over_groups(manager: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` summed over the groups of the quorum, each as a view of one flat buffer per
-    dtype: one collective for a float32 model (gradients and counts together), every one started
-    before any is waited for."""
-    from torch.distributed import ReduceOp
-
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        by_dtype.setdefault(tensor.dtype, []).append(index)
-    flats = {dtype: torch._utils._flatten_dense_tensors([tensors[i] for i in indices])
-             for dtype, indices in by_dtype.items()}
-    works = [manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats.values()]
-    for work in works:
-        work.wait()
-    summed: list[Any] = [None] * len(tensors)
-    for dtype, indices in by_dtype.items():
-        for index, piece in zip(indices, torch._utils._unflatten_dense_tensors(
-                flats[dtype], [tensors[i] for i in indices]), strict=True):
-            summed[index] = piece
-    return summed
 
 
 def _nothing() -> None:

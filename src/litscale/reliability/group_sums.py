@@ -1,0 +1,138 @@
+"""The sums over the replica groups that each step takes (``ReplicaFaultTolerance``).
+
+A group of one process has no reduction inside it, and its gradients' sum over the groups,
+taken after backward, put the whole all-reduce on the step's critical path: GPT-nano on 2 CPU
+ranks, 9.4 ms of a 64 ms step, against DDP's 56 ms, whose all-reduce runs while the layers
+below are still being differentiated. ``OverlappedGradientSum`` does what DDP's reducer does
+for these groups: the parameters are cut into buckets in the order backward finishes them
+(the reverse of the module's, with DDP's first-bucket and bucket sizes), and a bucket's sum
+starts as soon as its last gradient is accumulated, on the micro batch that ends the step.
+
+Every group starts its buckets in one order (bucket k after bucket k-1), so that the groups'
+collectives pair up whatever order their hooks fire in. A bucket whose gradients backward did
+not all produce (a parameter no forward used, gradients set without backward as
+``determinism=layout_invariant`` sets them) starts when the step asks for its sums.
+
+A group of several ranks (DDP, FSDP) sums after backward (``sum_over_groups``): its own
+reduction inside the group must end first, and FSDP's gradients are shards it writes itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+# DDP's defaults (``DistributedDataParallel``: the first bucket small, so that a sum starts
+# early in backward; then ``bucket_cap_mb=25``).
+FIRST_BUCKET_BYTES = 1024 * 1024
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def sum_over_groups(manager: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` summed over the groups of the quorum, each as a view of one flat buffer per
+    dtype: one collective for a float32 model (gradients and counts together), every one started
+    before any is waited for."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(index)
+    flats = {dtype: torch._utils._flatten_dense_tensors([tensors[i] for i in indices])
+             for dtype, indices in by_dtype.items()}
+    works = [manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats.values()]
+    for work in works:
+        work.wait()
+    summed: list[Any] = [None] * len(tensors)
+    for dtype, indices in by_dtype.items():
+        for index, piece in zip(indices, torch._utils._unflatten_dense_tensors(
+                flats[dtype], [tensors[i] for i in indices]), strict=True):
+            summed[index] = piece
+    return summed
+
+
+@dataclass
+class _Bucket:
+    parameters: list[torch.nn.Parameter]
+    waiting: int = 0  # gradients of this step's backward not accumulated yet
+    flat: torch.Tensor | None = None
+    work: Any = None
+
+
+def buckets_in_backward_order(parameters: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """The parameters cut as DDP cuts them: reversed (backward finishes the last layers first),
+    one dtype to a bucket, the first bucket up to ``FIRST_BUCKET_BYTES``, the others up to
+    ``BUCKET_BYTES``."""
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for parameter in reversed(parameters):
+        cap = FIRST_BUCKET_BYTES if len(buckets) <= 1 else BUCKET_BYTES
+        nbytes = parameter.numel() * parameter.element_size()
+        if not buckets or buckets[-1][0].dtype != parameter.dtype or size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(parameter)
+        size += nbytes
+    return buckets
+
+
+class OverlappedGradientSum:
+    """A one-process group's gradients summed over the groups bucket by bucket during the
+    backward that ends a step (``arm``), the rest started by ``start_rest``, all applied (the
+    groups' mean) by ``finish``."""
+
+    def __init__(self, manager: Any, parameters: list[torch.nn.Parameter]) -> None:
+        self.manager = manager
+        self.buckets = [_Bucket(members) for members in buckets_in_backward_order(parameters)]
+        self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.parameters}
+        self._next = 0  # the next bucket to start
+        self._armed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated) for p in parameters]
+
+    def arm(self) -> None:
+        """The next backward ends the step: its gradients are summed as they are accumulated."""
+        for bucket in self.buckets:
+            bucket.waiting, bucket.flat, bucket.work = len(bucket.parameters), None, None
+        self._next = 0
+        self._armed = True
+
+    def _accumulated(self, parameter: torch.nn.Parameter) -> None:
+        if not self._armed:
+            return  # a micro batch inside an accumulation window: its gradients are not the step's
+        self._bucket_of[id(parameter)].waiting -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting <= 0:
+            self._start(self.buckets[self._next])
+
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.flat = torch._utils._flatten_dense_tensors(
+            [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.parameters])
+        bucket.work = self.manager.allreduce(bucket.flat, reduce_op=ReduceOp.SUM)
+        self._next += 1
+
+    def start_rest(self) -> None:
+        """Start, in order, the buckets backward did not complete (all of them when it was not armed)."""
+        if not self._armed:
+            self.arm()
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        self._armed = False
+
+    def finish(self, participants: int) -> None:
+        """Wait for every bucket and set each gradient to the groups' mean. A parameter that has
+        no gradient here but had one in another group takes the mean, as DDP gives a parameter
+        unused on one rank the others' average."""
+        for bucket in self.buckets:
+            bucket.work.wait()
+        with torch.no_grad():
+            for bucket in self.buckets:
+                pieces = torch._utils._unflatten_dense_tensors(bucket.flat, bucket.parameters)
+                for parameter, total in zip(bucket.parameters, pieces, strict=True):
+                    if parameter.grad is not None:
+                        parameter.grad.copy_(total).div_(participants)
+                    elif total.any():
+                        parameter.grad = total.div(participants)
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
