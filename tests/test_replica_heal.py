@@ -70,7 +70,8 @@ def trainer_of(optimizer) -> SimpleNamespace:
     """What the callback reads of Lightning's trainer on one rank of a one-rank group."""
     total = SimpleNamespace(ready=0, completed=0)
     loop = SimpleNamespace(automatic_optimization=SimpleNamespace(optim_progress=SimpleNamespace(
-        optimizer=SimpleNamespace(step=SimpleNamespace(total=total)))), _batches_that_stepped=0)
+        optimizer=SimpleNamespace(step=SimpleNamespace(total=total)))), _batches_that_stepped=0,
+        _should_accumulate=lambda: False)  # every batch ends a step
     return SimpleNamespace(global_rank=0, world_size=1, optimizers=[optimizer], lr_scheduler_configs=[],
                            global_step=0, should_stop=False, fit_loop=SimpleNamespace(epoch_loop=loop),
                            train_dataloader=None, accumulate_grad_batches=1, num_training_batches=100)

@@ -15,6 +15,11 @@ not all produce (a parameter no forward used, gradients set without backward as
 
 A group of several ranks (DDP, FSDP) sums after backward (``sum_over_groups``): its own
 reduction inside the group must end first, and FSDP's gradients are shards it writes itself.
+
+Written here rather than taken from torchft's ``torchft.ddp.DistributedDataParallel`` (DDP's
+reducer over the manager): that wrapper needs the strategy to wrap the module, which Lightning's
+single-device strategy does not, and the groups' sum also carries what each group counted (the
+loss, a router's load, BatchNorm's statistics), gated by the callback's quorum.
 """
 
 from __future__ import annotations
