@@ -234,6 +234,7 @@ class ReplicaFaultTolerance(Callback):
 
     # -- each step ------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        # Lightning's loop counts the batch before this hook, so it knows whether it ends a step.
         if self._overlapped is not None and not trainer.fit_loop.epoch_loop._should_accumulate():
             self._overlapped.arm()  # this micro batch's backward ends the step
         if self._step_open:
@@ -267,7 +268,8 @@ class ReplicaFaultTolerance(Callback):
         started = time.perf_counter()
         first = self.manager.participating_rank() == 0  # waits for the quorum, if it is not in yet
         waited = time.perf_counter()
-        grads = [] if self._overlapped else [_local(p.grad) for p in pl_module.parameters() if p.grad is not None]
+        grads = [] if self._overlapped is not None else [  # a one-process group's are summed apart
+            _local(p.grad) for p in pl_module.parameters() if p.grad is not None]
         losses = getattr(pl_module, "window_losses", [])
         loads = [load for module in pl_module.modules()
                  if (load := getattr(module, "counted_load", _nothing)()) is not None]
