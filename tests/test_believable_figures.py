@@ -30,13 +30,41 @@ def cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(flops, "cores", lambda: 2, raising=False)
     probes = {torch.float32: FP32_PEAK, torch.bfloat16: BF16_PEAK}
     monkeypatch.setattr(flops, "probe_matmul_flops", lambda dtype, size=512, seconds=0.5: probes[dtype])
-    load = {"now": 0.5}
+    load = {"now": 0.5, "others": 0.0}
     monkeypatch.setattr(flops, "load_average", lambda: load["now"], raising=False)
+    monkeypatch.setattr(flops, "others_load", lambda since: load["others"])
 
-    def set_load(value: float) -> None:
-        load["now"] = value
+    def set_load(value: float, others: float = 0.0) -> None:
+        load["now"], load["others"] = value, others
 
     return set_load
+
+
+def test_a_peak_probed_while_another_process_took_a_core_is_not_cached_and_is_provisional(cpu, tmp_path):
+    cpu(0.4, others=1.01)  # the load average, a minute behind, saw nothing yet
+    peak = flops.cpu_peak(torch.float32, 1)
+    assert cache(tmp_path) == {} and peak.provisional == (
+        "the CPU's float32 peak was probed at a moment when other processes kept 1.01 of this machine's 2 cores "
+        "busy (above 0.25 of a core), so it was not cached")
+
+
+@pytest.mark.slow  # a neighbour spins for a second and a half
+def test_a_process_beside_a_timing_is_seen_in_the_cpu_time_its_cores_gave_others():
+    """The real clock: a process spinning beside a timing shows as at least most of a core taken
+    by others (read before it is reaped: a reaped child's CPU time counts as this process's own)."""
+    import subprocess
+    import sys
+    import time
+
+    clock = flops.cpu_clock()
+    spin = "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass"
+    neighbour = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(1.2)
+        others = flops.others_load(clock)  # before it is reaped (a reaped child's time is one's own)
+    finally:
+        neighbour.wait()
+    assert others is not None and others > 0.8, others
 
 
 def cache(tmp_path) -> dict:

@@ -34,6 +34,7 @@ def cached_run(tmp_path, monkeypatch):
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
     monkeypatch.delenv(flops.MAX_LOAD_ENV, raising=False)
     monkeypatch.setattr(flops, "load_average", lambda: 0.5)
+    monkeypatch.setattr(flops, "others_load", lambda since: 0.0)  # nobody else on the cores meanwhile
     (tmp_path / "cluster_local_cpu.json").write_text(json.dumps(CALIBRATION))
     timed: list[dict] = []
 
@@ -100,6 +101,16 @@ def test_profiles_timed_on_a_busy_machine_serve_that_plan_and_are_not_cached(cac
     monkeypatch.setenv(flops.MAX_LOAD_ENV, "4")
     plan_show()
     assert predicted()["plan/compute_source"] == "timed" and len(timed) == 4  # kept under the stated limit
+    # A quiet load average before, another process on a core during: not kept either.
+    monkeypatch.delenv(flops.MAX_LOAD_ENV)
+    monkeypatch.setattr(flops, "load_average", lambda: 0.5)
+    monkeypatch.setattr(flops, "others_load", lambda since: 0.9)
+    monkeypatch.setattr(profile_cache, "code_digest", lambda: "a third checkout")
+    plan_show()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "litscale: profiles plain timed at a moment when other processes kept 0.90 of this machine's 2 cores busy "
+        "(above 0.25 of a core): used for this plan, not cached")
+    assert predicted()["plan/compute_source"] == "flops" and len(timed) == 5
 
 
 @pytest.mark.full
@@ -157,6 +168,7 @@ def fast_calibration(tmp_path, monkeypatch):
     link = Link(bandwidth_bytes_s=1e9, latency_s=1e-5, collectives={"all-gather": gather})
     monkeypatch.setattr(calibrate, "measure_link", lambda: (link, {"all-gather": {4096: 2.4e-5}}))
     monkeypatch.setattr(calibrate, "measure_contention", lambda ranks, link: 1.2)
+    monkeypatch.setattr(flops, "others_load", lambda since: 0.0)  # nobody else on the cores meanwhile
     return tmp_path / "cluster_local_cpu.json"
 
 
@@ -171,6 +183,22 @@ def test_a_calibration_timed_on_a_busy_machine_is_used_once_and_not_written(fast
     calibrate.local_cpu()
     figures = json.loads(fast_calibration.read_text())
     assert figures["load_average"] == 1.9 and figures["machine"] == machine.fingerprint()
+
+
+def test_a_calibration_while_another_process_takes_a_core_is_used_once_and_not_written(
+        fast_calibration, monkeypatch, capsys):
+    # The load average before it began saw nothing (it lags a minute): what the cores gave
+    # others while it ran does. Such a calibration measured two ranks' contention as 2.24x
+    # where alone it is 1.05x, and every 2-rank prediction came out 2.2x slow.
+    monkeypatch.setattr(flops, "load_average", lambda: 0.4)
+    monkeypatch.setattr(flops, "others_load", lambda since: 0.84)
+    assert calibrate.local_cpu().contention == 1.2 and not fast_calibration.exists()
+    assert capsys.readouterr().err == (
+        f"litscale: this machine's calibration not written to {fast_calibration}: timed at a moment when other "
+        "processes kept 0.84 of this machine's 2 cores busy (above 0.25 of a core); used for this command only\n")
+    monkeypatch.setattr(flops, "others_load", lambda since: 0.2)
+    calibrate.local_cpu()
+    assert json.loads(fast_calibration.read_text())["others_load"] == 0.2
 
 
 def test_each_collectives_measured_figures_are_written_and_read_back(fast_calibration, monkeypatch):
@@ -195,6 +223,9 @@ def test_a_calibration_from_another_machine_or_torch_is_not_read(fast_calibratio
     assert calibrate.stale(older).startswith("it was measured with torch 2.0.0, this is ")
     unrecorded = {k: v for k, v in figures.items() if k != "machine"}
     assert calibrate.stale(unrecorded) == "it was measured by an older litscale, which did not record the machine"
+    unwatched = {k: v for k, v in figures.items() if k != "others_load"}
+    assert calibrate.stale(unwatched) == ("it was measured by an older litscale, which kept it whatever other "
+                                          "processes took of the cores while it ran")
     all_reduce_only = {k: v for k, v in figures.items() if k != "collectives"}
     assert calibrate.stale(all_reduce_only) == "it was measured by an older litscale, which timed the all-reduce only"
     assert calibrate.stale(CALIBRATION) is None  # written by hand: taken as written

@@ -183,6 +183,22 @@ def group_figures(runs: dict[str, dict], group_names: dict[str, str], *, seed: i
     return found
 
 
+def _others_while_timed(held: dict) -> str:
+    """What other processes took of the cores while each run was timed, where it was recorded."""
+    others = [run["others_load"] for run in held["runs"].values() if run.get("others_load") is not None]
+    return f"; other processes kept {min(others):.2f}-{max(others):.2f} of a core busy while each ran" if others else ""
+
+
+def _calibration_line(held: dict) -> str:
+    """The calibration every prediction read, where it was recorded."""
+    calibration = held.get("calibration") or {}
+    if calibration.get("contention") is None:
+        return ""
+    return (f" The predictions read this machine's calibration of {calibration['measured']} (load average "
+            f"{calibration['load_average']} as it began, other processes {calibration['others_load']} of a core "
+            f"while it ran): two ranks' contention {calibration['contention']:.2f}x.")
+
+
 def report(held: dict) -> str:
     """The README's held-out section: how it was recorded (the machine's load), each group's
     figures with their intervals and what plan=auto does with them, and each configuration."""
@@ -194,7 +210,8 @@ def report(held: dict) -> str:
         f"Recorded {held['date']} with `python experiments/planner/study.py --held-out --seed {held['seed']} "
         f"--per-group {held['per_group']}` on {held['machine']}, at `nice -n {held['nice']}`, one run per "
         f"configuration; load average (1, 5, 15 min) {' / '.join(f'{v:.1f}' for v in before)} before and "
-        f"{' / '.join(f'{v:.1f}' for v in after)} after, {min(loads):.2f}-{max(loads):.2f} as each run started.",
+        f"{' / '.join(f'{v:.1f}' for v in after)} after, {min(loads):.2f}-{max(loads):.2f} as each run started"
+        f"{_others_while_timed(held)}.{_calibration_line(held)}",
         "",
         "| group (2 ranks) | held-out shape | configurations | MAPE (95% interval) | Spearman (95% interval) | "
         "plan=auto |",

@@ -14,8 +14,9 @@ excluded) and ``plan/predicted_step_s``, the planner's prediction for the run as
 with ``cluster=local_cpu`` (calibrated first if this machine has no calibration). Over the
 configurations of one model and global batch at 2 ranks (a "group": what ``plan=auto`` chooses
 among), the planner's pick is the one it predicts fastest; regret = measured(pick) / measured(best).
-A run starts only at a load average no higher than the core count (``litscale.planner.machine``;
-``LITSCALE_MAX_LOAD`` raises it), and records the load it started at (``load_average_each``).
+A run starts only at a load average no higher than the core count, is kept only where other
+processes took at most a quarter of a core while it ran (``litscale.measure.flops.disturbed``;
+``LITSCALE_MAX_LOAD`` raises both), and records both (``load_average``, ``others_load``).
 
 Writes ``results.json``, ``predicted_vs_measured.png`` and the results section of ``README.md``.
 """
@@ -270,24 +271,40 @@ def quiet_load(name: str) -> float:
         time.sleep(5)
 
 
+ATTEMPTS = 3  # a run timed beside other work is timed again, this many times in all
+
+
 def measure(name: str, outputs: Path, config: tuple[str, int, list[str]] | None = None) -> dict:
+    from litscale.measure import flops
+
     config = config or CONFIGS[name]
     overrides = overrides_of(name, config)
-    load = quiet_load(name)  # before this run adds to it
-    print(f"$ python train.py {' '.join(overrides)}", flush=True)
-    env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "LITSCALE_THREADS_PER_RANK": "1"}
-    started = time.perf_counter()
-    process = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *overrides],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if process.returncode:
-        raise RuntimeError(f"{name} failed:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
-    summary = json.loads(next((outputs / name).glob("runs/*/summary.json")).read_text())
+    for attempt in range(1, ATTEMPTS + 1):
+        load = quiet_load(name)  # before this run adds to it
+        clock = flops.cpu_clock()  # what the cores give others while it runs (the run, once reaped, is ours)
+        print(f"$ python train.py {' '.join(overrides)}", flush=True)
+        env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs / f"{name}-{attempt}"), "LITSCALE_THREADS_PER_RANK": "1"}
+        started = time.perf_counter()
+        process = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), *overrides],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if process.returncode:
+            raise RuntimeError(f"{name} failed:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
+        wall_s, others = time.perf_counter() - started, flops.others_load(clock)
+        disturbed = flops.disturbed(load, clock)
+        if not disturbed:
+            break
+        # a step timed beside other work measures that work too
+        print(f"  {name}: timed at a {disturbed}: not kept (attempt {attempt} of {ATTEMPTS})", flush=True)
+    else:
+        raise SystemExit(f"{name}: not recorded: every attempt was timed beside other work; record the study on a "
+                         "quiet machine")
+    summary = json.loads(next((outputs / f"{name}-{attempt}" / name).glob("runs/*/summary.json")).read_text())
     model, ranks, _ = config
     return {
         "model": model,
@@ -299,7 +316,8 @@ def measure(name: str, outputs: Path, config: tuple[str, int, list[str]] | None 
         "compute_source": summary.get("plan/compute_source"),
         "threads_per_rank": summary.get("threads_per_rank"),
         "load_average": round(load, 2),  # the last minute's, as the run started
-        "wall_s": time.perf_counter() - started,
+        "others_load": None if others is None else round(others, 2),  # cores others kept busy meanwhile
+        "wall_s": wall_s,
     }
 
 
@@ -740,8 +758,12 @@ def record_held_out(*, seed: int, per_group: int, write: bool) -> None:
                   flush=True)
     import torch
 
+    from litscale.planner.calibrate import calibrated_figures
+
+    figures = calibrated_figures() or {}  # the calibration every prediction read (the plan=show above wrote it)
     held = {"date": time.strftime("%Y-%m-%d"), "seed": seed, "per_group": per_group, "nice": os.nice(0),
             "machine": f"{os.cpu_count()} cores, {platform.platform()}, torch {torch.__version__}",
+            "calibration": {key: figures.get(key) for key in ("measured", "load_average", "others_load", "contention")},
             "load_average": {"before": before, "after": os.getloadavg()}, "runs": runs,
             "groups": held_out_study.group_figures(runs, GROUP_NAMES, seed=seed)}
     text = held_out_study.report(held)

@@ -6,7 +6,7 @@ A step's FLOPs come from the model's own formula when it has one (``flops_per_to
 A device's peak comes from Lightning's table of accelerators; a CPU has no table, so its peak
 is measured by a matmul probe (in the layout ``nn.Linear`` multiplies in, in the run's dtype: a
 CPU without bf16 units has a bf16 peak of its own, far below its fp32 one) and cached per CPU
-model, thread count and dtype, but only where the machine was quiet when probed (``busy``): a
+model, thread count and dtype, but only where the machine was quiet when probed (``disturbed``): a
 probe beside other work measures that work too, so it serves the run that took it, which says
 its MFU is provisional (``CpuPeak``).
 """
@@ -119,7 +119,7 @@ def cpu_peak(dtype: torch.dtype, threads: int) -> CpuPeak:
     cached = _read_peaks().get(key)
     if cached is not None:
         return CpuPeak(float(cached))
-    return _probed(key, dtype, max(probe_matmul_flops(dtype), 0.0))
+    return _probed(key, dtype)
 
 
 def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
@@ -127,9 +127,12 @@ def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
     return cpu_peak(dtype, threads).flops
 
 
-def _probed(key: str, dtype: torch.dtype, peak: float) -> CpuPeak:
-    """``peak``, just probed: cached where the machine was quiet then, else provisional."""
-    refused = busy(load_average())
+def _probed(key: str, dtype: torch.dtype, floor: float = 0.0) -> CpuPeak:
+    """A probe now (at least ``floor``): cached where the machine was quiet while it ran, else
+    provisional."""
+    load, clock = load_average(), cpu_clock()
+    peak = max(probe_matmul_flops(dtype), floor)
+    refused = disturbed(load, clock)
     if refused:
         return CpuPeak(peak, f"the CPU's {str(dtype).removeprefix('torch.')} peak was probed at a {refused}, "
                              "so it was not cached")
@@ -164,7 +167,7 @@ def corrected_cpu_peak(dtype: torch.dtype, threads: int, achieved: float) -> Cpu
     run reached made every later run of that kind read about 100% (bf16 on a CPU without bf16
     units read 95-97% so), so a run still faster than the peak is provisional, and says so."""
     key = _peak_key(dtype, threads)
-    peak = _probed(key, dtype, max(probe_matmul_flops(dtype), _read_peaks().get(key, 0.0)))
+    peak = _probed(key, dtype, _read_peaks().get(key, 0.0))
     if achieved > peak.flops and peak.provisional is None:
         return CpuPeak(peak.flops, f"this run reached {achieved / 1e9:.3g} GFLOP/s per rank, above the CPU's "
                                    f"probed {str(dtype).removeprefix('torch.')} peak of {peak.flops / 1e9:.3g}")
@@ -219,3 +222,66 @@ def busy(load: float) -> str | None:
         return None
     where = f"{MAX_LOAD_ENV}={limit:g}" if os.environ.get(MAX_LOAD_ENV) else f"this machine's {cores()} cores"
     return f"load average {load:.2f} above {where}"
+
+
+# The load average lags a minute behind and counts only runnable processes: a neighbour that
+# starts during a timing, or a timing's own processes on a 2-core machine, hide in it (a
+# calibration whose load average read 0.67 before it began measured two ranks' contention as
+# 2.24x beside another job; alone it is 1.05x, and every 2-rank prediction came out 2.2x slow).
+# So a timing also counts the CPU time its cores gave to others while it ran (Linux's
+# /proc/stat, less this process's and its reaped children's own): above a quarter of a core on
+# average, it is not kept.
+OTHERS_LIMIT = 0.25
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """At one moment: the CPU seconds every process (and a hypervisor, in its stolen time) had
+    spent on the cores this process may run on, and this process's own with its reaped
+    children's."""
+
+    everyone_s: float
+    own_s: float
+    wall_s: float
+
+
+def cpu_clock() -> CpuClock | None:
+    """The clock now; None where the kernel does not say (not Linux)."""
+    import resource
+
+    cores_ = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        with open("/proc/stat") as stat:
+            lines = [line.split() for line in stat if line.startswith("cpu") and not line.startswith("cpu ")]
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait kept a core busy
+    ticks = sum(int(v[1]) + int(v[2]) + int(v[3]) + int(v[6]) + int(v[7]) + int(v[8])
+                for v in lines if cores_ is None or int(v[0][3:]) in cores_)
+    own = sum(getattr(resource.getrusage(who), part) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for part in ("ru_utime", "ru_stime"))
+    return CpuClock(ticks / os.sysconf("SC_CLK_TCK"), own, time.monotonic())
+
+
+def others_load(since: CpuClock | None) -> float | None:
+    """How many cores other processes kept busy on average since ``since``; None where unknown."""
+    now = cpu_clock()
+    if since is None or now is None or now.wall_s <= since.wall_s:
+        return None
+    others = (now.everyone_s - since.everyone_s) - (now.own_s - since.own_s)
+    return max(0.0, others / (now.wall_s - since.wall_s))
+
+
+def disturbed(load: float, since: CpuClock | None) -> str | None:
+    """Why a timing that began at load average ``load`` and at ``since`` cannot be kept (None: it
+    can): ``busy`` when it began, or other processes keeping more than ``OTHERS_LIMIT`` of a core
+    busy while it ran (``LITSCALE_MAX_LOAD`` raises both limits)."""
+    refused = busy(load)
+    if refused:
+        return refused
+    others = others_load(since)
+    limit = float(os.environ.get(MAX_LOAD_ENV) or OTHERS_LIMIT)
+    if others is None or others <= limit:
+        return None
+    where = f"{MAX_LOAD_ENV}={limit:g}" if os.environ.get(MAX_LOAD_ENV) else f"{limit:g} of a core"
+    return f"moment when other processes kept {others:.2f} of this machine's {cores()} cores busy (above {where})"

@@ -197,8 +197,9 @@ def measure_contention(ranks: int, link: Link) -> float:
 
 def calibrate() -> dict:
     """Measure this machine's figures and return them; write them unless the machine was busy
-    (``flops.busy``: the figures then serve this command only, and say why in ``refused``)."""
-    load = flops.load_average()  # before our own processes add to it
+    when they began or other processes took its cores while they ran (``flops.disturbed``: the
+    figures then serve this command only, and say why in ``refused``)."""
+    load, clock = flops.load_average(), flops.cpu_clock()  # before our own processes add to them
     cores = flops.cores()
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # one rank's share
@@ -216,7 +217,9 @@ def calibrate() -> dict:
                                for kind, fitted in link.collectives.items()},
                "measured": time.strftime("%Y-%m-%d %H:%M"), "load_average": round(load, 2),
                "machine": machine.fingerprint(), "torch": torch.__version__}
-    refused = flops.busy(load)
+    others = flops.others_load(clock)  # None where the kernel does not say
+    figures["others_load"] = None if others is None else round(others, 2)
+    refused = flops.disturbed(load, clock)
     if refused:
         return {**figures, "refused": f"not written to {calibration_path()}: timed at a {refused}"}
     path = calibration_path()
@@ -239,6 +242,9 @@ def stale(figures: dict) -> str | None:
         return "it was measured on another machine"
     if figures.get("torch") != torch.__version__:
         return f"it was measured with torch {figures.get('torch')}, this is {torch.__version__}"
+    if "others_load" not in figures:
+        return ("it was measured by an older litscale, which kept it whatever other processes took of the "
+                "cores while it ran")
     return None
 
 

@@ -274,12 +274,12 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     profiles = profile_cache.load(identity)
     todo = profile_cache.missing(profiles, keys)
     if todo:
-        load = flops.load_average()  # before the child adds to it
+        load, clock = flops.load_average(), flops.cpu_clock()  # before the child adds to them
         timed = profiles_in_child(identity["net"], keys=todo, seq_len=facts.seq_len, vocab_size=identity["vocab_size"],
                                   compression=identity["compression"], packed_documents=identity["packed_documents"])
         timed = {key: dataclasses.replace(profile, load_average=round(load, 2)) for key, profile in timed.items()}
         profiles = profile_cache.merged(profiles, timed)
-        busy = flops.busy(load)
+        busy = flops.disturbed(load, clock)
         if busy:
             _say(f"profiles {', '.join(sorted(todo))} timed at a {busy}: used for this plan, not cached")
         else:
