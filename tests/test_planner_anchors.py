@@ -190,3 +190,77 @@ def test_a_published_frameworks_sharding_and_its_ranks_parameters():
     assert plan.sharding == held and Plan("ddp", MeshSizes(), 1, 1).published == Framework()
     assert rank_params(plan, FACTS) == pytest.approx(1_600 / 2 + 400 + 8_000 / 4)
     assert rank_params(plan, dataclasses.replace(FACTS, moe=None)) == pytest.approx(10_000 / 2)
+
+
+def _torchtitans_selective_policy():
+    """torchtitan's selective checkpointing by op (``_custom_policy`` at 9dec370) as torch's
+    context: save the outputs of the matmuls but every second one of a block, and attention's;
+    recompute the rest (CPU's flash attention in place of the CUDA kernels it names)."""
+    from collections import defaultdict
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    mm, attention = torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    counts = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func == mm:
+            counts[key] += 1
+        saved = func in (mm, attention) and not (func == mm and counts[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _storages_made_by(work) -> tuple:
+    """``work()``'s result and weak references to every storage an op's output held while it ran."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Made(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.storages = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outputs = out if isinstance(out, (tuple, list)) else [out]
+            self.storages += [weakref.ref(t.untyped_storage()) for t in outputs if isinstance(t, torch.Tensor)]
+            return out
+
+    with Made() as made:
+        result = work()
+    return result, made.storages
+
+
+@pytest.mark.slow  # a Llama block's forward under torch's selective checkpointing: about a second
+def test_torchtitans_selective_checkpointing_by_op_keeps_what_the_anchors_count_per_token():
+    """The memory term of the rows that ran torchtitan's selective checkpointing ('op'), against
+    torch's own: a Llama-tiny block in bf16 under ``torch.utils.checkpoint`` with torchtitan's
+    policy. What the forward leaves alive (every storage an op made, less the parameters' and the
+    output's), with the input the checkpoint keeps, is what the anchors count per token."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from litscale.models.llama import build_llama
+
+    torch.manual_seed(0)
+    net = build_llama(preset="tiny", vocab_size=256, block_size=64).to(torch.bfloat16)
+    block, batch, length = net.layers["0"], 2, 64
+    x = torch.randn(batch, length, net.config.n_embd, dtype=torch.bfloat16, requires_grad=True)
+    out, made = _storages_made_by(
+        lambda: checkpoint(block, x, use_reentrant=False, context_fn=_torchtitans_selective_policy))
+    not_activations = {p.untyped_storage().data_ptr() for p in block.parameters()} | {out.untyped_storage().data_ptr()}
+    alive = {s.data_ptr(): s.nbytes() for s in (ref() for ref in made)
+             if s is not None and s.data_ptr() not in not_activations}
+    kept_per_token = (sum(alive.values()) + x.untyped_storage().nbytes()) / (batch * length)
+    assert kept_per_token == anchors.selective_saves_bytes_per_token("selective_op", SimpleNamespace(net=net))
+    assert anchors.selective_saves_bytes_per_token("layers:5", SimpleNamespace(net=net)) == 0.0
+    out.float().sum().backward()  # the saved outputs serve the recompute
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()

@@ -116,7 +116,7 @@ def recompute_flops_per_token(kind: str | None, facts) -> float:
     if not kind:
         return 0.0
     net = facts.net
-    linears = [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in net.layers.values()]
+    linears = _block_linears(net)
     if kind == "selective_op":
         return sum(2.0 * m.in_features * m.out_features for layer in linears for m in layer[1::2])
     # A layer's forward: its matmuls and attention's (a third of the 12 x heads x head_dim x T
@@ -127,6 +127,27 @@ def recompute_flops_per_token(kind: str | None, facts) -> float:
     return int(kind.split(":")[1]) * sum(per_layer) / len(per_layer)
 
 
+def selective_saves_bytes_per_token(kind: str | None, facts) -> float:
+    """Bytes per token a layer keeps from its forward to its backward under a published run's
+    selective checkpointing: ``selective_op`` (torchtitan's by op, as ``recompute_flops_per_token``
+    reads it) saves the outputs of every other matmul of a block (Llama's q, v, gate and down
+    projections; the others run again in backward), attention's output and its log-sum-exp (fp32,
+    one per head), and the checkpoint keeps the layer's input; all in bf16, the mean over the
+    layers. 0 for any other kind (Megatron's recompute of whole layers is costed as FLOPs only)."""
+    if kind != "selective_op":
+        return 0.0
+    config = facts.net.config
+    attention = config.n_head * config.head_dim * 2 + config.n_head * 4  # output (bf16), log-sum-exp (fp32)
+    per_layer = [2 * (sum(m.out_features for m in linears[0::2]) + config.n_embd) + attention
+                 for linears in _block_linears(facts.net)]
+    return sum(per_layer) / len(per_layer)
+
+
+def _block_linears(net) -> list[list[torch.nn.Linear]]:
+    """Each block's Linear layers in the order its forward calls them (their registration order)."""
+    return [[m for m in layer.modules() if isinstance(m, torch.nn.Linear)] for layer in net.layers.values()]
+
+
 def framework_of(anchor: dict, data: dict, facts):
     """The published run's framework (``anchors.json``: ``frameworks``), with its partial recompute."""
     from litscale.parallel.sharding import Sharding
@@ -134,8 +155,10 @@ def framework_of(anchor: dict, data: dict, facts):
 
     spec = {key: value for key, value in data["frameworks"][anchor["framework"]].items() if key != "source"}
     held = spec.pop("held", None)
+    recompute = anchor["predicted_as"].get("recompute")
     return Framework(**spec, held=Sharding(**held) if held else None,
-                     recompute_flops_per_token=recompute_flops_per_token(anchor["predicted_as"].get("recompute"), facts))
+                     recompute_flops_per_token=recompute_flops_per_token(recompute, facts),
+                     selective_saves_bytes_per_token=selective_saves_bytes_per_token(recompute, facts))
 
 
 def plan_of(anchor: dict, data: dict, facts):

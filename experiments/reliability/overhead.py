@@ -47,6 +47,8 @@ from typing import Any
 
 from lightning.pytorch import Callback
 
+from litscale.measure import flops
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 TARGET = 1.05  # replica groups' median step over the baseline's (issue 59)
@@ -100,7 +102,7 @@ def run_job(overrides: list[str], outputs: Path, steps: int) -> dict:
     command = [sys.executable, "train.py", *COMMON, f"trainer.max_steps={steps}", *overrides]
     env = {**os.environ, "LITSCALE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    started, load_at_start = time.monotonic(), os.getloadavg()[0]
+    started, load_at_start, clock = time.monotonic(), os.getloadavg()[0], flops.cpu_clock()
     process = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=3600, env=env)
     if process.returncode != 0:
         raise SystemExit(f"failed ({process.returncode}): {' '.join(command)}\n"
@@ -113,7 +115,9 @@ def run_job(overrides: list[str], outputs: Path, steps: int) -> dict:
     rows = [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
     return {"wall_s": time.monotonic() - started, "times": json.loads(found[0].read_text()),
             "steps": [row for row in rows if "committed" in row],
-            "load": [load_at_start, os.getloadavg()[0]]}
+            "load": [load_at_start, os.getloadavg()[0]],
+            # cores other processes kept busy while it ran (the job, once reaped, is this script's own)
+            "others_load": flops.others_load(clock)}
 
 
 def measure_pairs(args: argparse.Namespace, scratch: Path) -> dict:
@@ -149,6 +153,7 @@ def summarize(jobs: dict, warmup: int) -> dict:
     return {"baseline_median_step_s": a, "replica_groups_median_step_s": b, "ratio": b / a,
             "ratio_per_round": rounds, "median_ratio_of_rounds": statistics.median(rounds),
             "load_per_job": {side: [job["load"] for job in runs] for side, runs in jobs.items()},
+            "others_load_per_job": {side: [job.get("others_load") for job in runs] for side, runs in jobs.items()},
             "steps_timed": {"baseline": len(baseline), "replica_groups": len(groups)},
             "per_run_median_step_s": {side: [median_step(job, warmup) for job in runs] for side, runs in jobs.items()},
             "wall_s": {side: [job["wall_s"] for job in runs] for side, runs in jobs.items()},
@@ -341,7 +346,8 @@ def table(record: dict) -> str:
              f"round(s). Load average (1, 5, 15 min) {' / '.join(f'{x:.1f}' for x in load['before'])} before, "
              f"{' / '.join(f'{x:.1f}' for x in load['after'])} after.", "",
              "| model, layout | baseline median step, ms | replica groups, ms | ratio (target <= "
-             f"{record['target_ratio']}) | each round's ratio | load at each job's start (A B ...) | quorum wait, ms | "
+             f"{record['target_ratio']}) | each round's ratio | load at each job's start (A B ...; others: cores other "
+             "processes kept busy while each ran) | quorum wait, ms | "
              "sum over the groups, ms | commit vote, ms |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in record["pairs"].items():
@@ -350,6 +356,10 @@ def table(record: dict) -> str:
         met = "" if row["ratio"] <= record["target_ratio"] else " (missed)"
         loads = " ".join(f"{a[0]:.1f} {b[0]:.1f}" for a, b in zip(row["load_per_job"]["baseline"],
                                                                    row["load_per_job"]["replica_groups"], strict=True))
+        others = row.get("others_load_per_job")
+        if others:  # what other processes took of the cores while each job ran
+            loads += " (others " + " ".join("-" if x is None else f"{x:.2f}" for a, b in zip(
+                others["baseline"], others["replica_groups"], strict=True) for x in (a, b)) + ")"
         lines.append(f"| {name} | {row['baseline_median_step_s'] * 1000:.1f} | "
                      f"{row['replica_groups_median_step_s'] * 1000:.1f} | {row['ratio']:.3f}{met} | "
                      f"{', '.join(f'{r:.3f}' for r in row['ratio_per_round'])} | {loads} | {' | '.join(cells)} |")

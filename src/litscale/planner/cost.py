@@ -169,6 +169,9 @@ def pipeline_whole_bytes(plan: Plan, facts: ModelFacts) -> float:
         # fake-tensor step of Llama-tiny under FSDP (fp32, bf16 at 128 and 512 tokens) it missed
         # by up to 20%, this even share by up to 14%.
         whole = facts.layers * facts.boundary_bytes(micro, layer_input_bytes(plan)) + whole / facts.layers
+    elif plan.published.selective_saves_bytes_per_token:  # what the policy saves; one layer recomputed at a time
+        saved = plan.published.selective_saves_bytes_per_token * micro * facts.seq_len
+        whole = facts.layers * saved + whole / facts.layers
     return (whole / mesh.context + context_kv_bytes(plan, facts)) / mesh.tensor \
         + tensor_parallel_whole_bytes(plan, facts) / mesh.context
 

@@ -25,6 +25,11 @@ class Framework:
     # FLOPs per token its partial recompute adds in backward (torchtitan's selective checkpointing
     # by op, Megatron's full recompute of some layers).
     recompute_flops_per_token: float = 0.0
+    # Bytes per token a layer keeps from its forward to its backward under its selective
+    # checkpointing (torchtitan's by op: the matmul outputs its policy saves, attention's output,
+    # the layer's input); the rest of the layer is recomputed in backward, one layer at a time.
+    # 0: none (every traced activation is kept, or the plan's own full checkpointing applies).
+    selective_saves_bytes_per_token: float = 0.0
     # How it holds a rank's share instead of the strategy's (Megatron's distributed optimizer).
     held: Sharding | None = None
     # torch's pipelining keeps a receive buffer per micro-batch and stage for the whole run;
