@@ -8,7 +8,7 @@ parameters are cut into buckets in the order backward finishes them (the reverse
 module's, with DDP's first-bucket and bucket sizes), and a bucket's sum starts as soon as its
 last gradient is accumulated, on the micro batch that ends the step. On 2 CPU cores that the
 ranks fill (``experiments/reliability/overhead.py``), the sum's wait after backward fell from
-9.4 to 6.4 ms a GPT-nano step; the step itself did not measurably change there.
+9.4 to 6.4-6.9 ms a GPT-nano step; the step itself did not measurably change there.
 
 Every group starts its buckets in one order (bucket k after bucket k-1), so that the groups'
 collectives pair up whatever order their hooks fire in. A bucket whose gradients backward did
