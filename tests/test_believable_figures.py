@@ -116,6 +116,19 @@ def test_mfu_says_when_it_is_provisional(cpu):
     assert "perf/mfu_provisional" not in throughput_result("32-true", 0.2 * FP32_PEAK)
 
 
+def test_a_ranks_probe_does_not_count_its_jobs_other_ranks_as_another_programs_load(cpu, monkeypatch):
+    """Every rank probes at the start of fit: on 2 cores, a 2-rank job's other rank takes the
+    other core meanwhile, which is the job's own, not a neighbour's."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cpu(1.9, others=1.01)  # the other rank, probing on its own core
+    assert "perf/mfu_provisional" not in throughput_result("32-true", 0.2 * FP32_PEAK)
+    cpu(1.9, others=1.6)  # and a neighbour beside both
+    assert throughput_result("bf16-mixed", 0.2 * BF16_PEAK)["perf/mfu_provisional"] == (
+        "the CPU's bfloat16 peak was probed at a moment when other processes kept 1.60 of this machine's 2 cores "
+        "busy (above 0.25 of a core beyond the 1 of the job's other ranks), so it was not cached")
+
+
 def test_a_bf16_run_on_a_cpu_without_bf16_units_has_its_own_peak_and_says_so(cpu):
     result = throughput_result("bf16-mixed", 0.5 * BF16_PEAK)
     assert result["perf/peak_flops_per_device"] == BF16_PEAK  # not fp32's, not the run's own figure

@@ -15,6 +15,7 @@ run computes in 16 bits on a CPU whose 16-bit matmuls are slower than its fp32 o
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any
 
@@ -102,9 +103,9 @@ class ThroughputCallback(Callback):
             self._dtype = _COMPUTE_DTYPES.get(str(trainer.precision), torch.float32)
             if pl_module.device.type == "cpu":
                 threads = torch.get_num_threads()
-                self._peak = cpu_peak(self._dtype, threads)
+                self._peak = cpu_peak(self._dtype, threads, _siblings(threads))
                 if self._dtype != torch.float32:  # a CPU without 16-bit units emulates them: say how slow
-                    self._peak_vs_fp32 = self._peak.flops / cpu_peak(torch.float32, threads).flops
+                    self._peak_vs_fp32 = self._peak.flops / cpu_peak(torch.float32, threads, _siblings(threads)).flops
             else:
                 peak = peak_flops_per_device(pl_module.device, self._dtype)
                 self._peak = None if peak is None else CpuPeak(peak)
@@ -164,7 +165,8 @@ class ThroughputCallback(Callback):
         if self._flops_per_sample and self._peak:
             achieved = samples_per_sec * self._flops_per_sample
             if achieved > self._peak.flops * world_size and trainer.strategy.root_device.type == "cpu":
-                self._peak = corrected_cpu_peak(self._dtype, torch.get_num_threads(), achieved / world_size)
+                threads = torch.get_num_threads()
+                self._peak = corrected_cpu_peak(self._dtype, threads, achieved / world_size, _siblings(threads))
             result["perf/tflops"] = achieved / 1e12
             result["perf/mfu"] = achieved / (self._peak.flops * world_size)
             result["perf/peak_flops_per_device"] = self._peak.flops
@@ -173,3 +175,9 @@ class ThroughputCallback(Callback):
             if self._peak_vs_fp32 is not None:
                 result["perf/peak_vs_fp32"] = self._peak_vs_fp32
         return result
+
+
+def _siblings(threads: int) -> float:
+    """The cores this job's other ranks on this machine keep busy while this one probes the CPU's
+    peak (every rank probes at the start of fit): not another program's load."""
+    return (int(os.environ.get("LOCAL_WORLD_SIZE", "1")) - 1) * threads

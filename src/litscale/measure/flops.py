@@ -113,13 +113,14 @@ class CpuPeak:
     provisional: str | None = None
 
 
-def cpu_peak(dtype: torch.dtype, threads: int) -> CpuPeak:
-    """The cached peak, else a probe now, cached only where the machine is quiet."""
+def cpu_peak(dtype: torch.dtype, threads: int, siblings: float = 0.0) -> CpuPeak:
+    """The cached peak, else a probe now, cached only where the machine is quiet (``siblings``:
+    the cores the job's other ranks on this machine keep busy meanwhile, not counted against it)."""
     key = _peak_key(dtype, threads)
     cached = _read_peaks().get(key)
     if cached is not None:
         return CpuPeak(float(cached))
-    return _probed(key, dtype)
+    return _probed(key, dtype, siblings=siblings)
 
 
 def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
@@ -127,12 +128,12 @@ def measured_cpu_peak(dtype: torch.dtype, threads: int) -> float:
     return cpu_peak(dtype, threads).flops
 
 
-def _probed(key: str, dtype: torch.dtype, floor: float = 0.0) -> CpuPeak:
-    """A probe now (at least ``floor``): cached where the machine was quiet while it ran, else
-    provisional."""
+def _probed(key: str, dtype: torch.dtype, floor: float = 0.0, siblings: float = 0.0) -> CpuPeak:
+    """A probe now (at least ``floor``): cached where the machine was quiet while it ran, but for
+    ``siblings`` cores of the job's own other ranks, else provisional."""
     load, clock = load_average(), cpu_clock()
     peak = max(probe_matmul_flops(dtype), floor)
-    refused = disturbed(load, clock)
+    refused = disturbed(load, clock, siblings=siblings)
     if refused:
         return CpuPeak(peak, f"the CPU's {str(dtype).removeprefix('torch.')} peak was probed at a {refused}, "
                              "so it was not cached")
@@ -160,14 +161,14 @@ def _store_peak(key: str, peak: float) -> float:
     return peak
 
 
-def corrected_cpu_peak(dtype: torch.dtype, threads: int, achieved: float) -> CpuPeak:
+def corrected_cpu_peak(dtype: torch.dtype, threads: int, achieved: float, siblings: float = 0.0) -> CpuPeak:
     """The CPU peak again, for a run that went faster than the cached one (that one was probed
     while the machine was busy, or in another layout): the larger of a new probe and the cached
     figure, cached where the machine is quiet. Never the run's own figure: a peak set to what a
     run reached made every later run of that kind read about 100% (bf16 on a CPU without bf16
     units read 95-97% so), so a run still faster than the peak is provisional, and says so."""
     key = _peak_key(dtype, threads)
-    peak = _probed(key, dtype, _read_peaks().get(key, 0.0))
+    peak = _probed(key, dtype, _read_peaks().get(key, 0.0), siblings=siblings)
     if achieved > peak.flops and peak.provisional is None:
         return CpuPeak(peak.flops, f"this run reached {achieved / 1e9:.3g} GFLOP/s per rank, above the CPU's "
                                    f"probed {str(dtype).removeprefix('torch.')} peak of {peak.flops / 1e9:.3g}")
@@ -272,16 +273,19 @@ def others_load(since: CpuClock | None) -> float | None:
     return max(0.0, others / (now.wall_s - since.wall_s))
 
 
-def disturbed(load: float, since: CpuClock | None) -> str | None:
+def disturbed(load: float, since: CpuClock | None, siblings: float = 0.0) -> str | None:
     """Why a timing that began at load average ``load`` and at ``since`` cannot be kept (None: it
     can): ``busy`` when it began, or other processes keeping more than ``OTHERS_LIMIT`` of a core
-    busy while it ran (``LITSCALE_MAX_LOAD`` raises both limits)."""
+    busy while it ran beyond ``siblings``, the cores the job's own other ranks on this machine
+    take meanwhile (``LITSCALE_MAX_LOAD`` raises both limits)."""
     refused = busy(load)
     if refused:
         return refused
     others = others_load(since)
     limit = float(os.environ.get(MAX_LOAD_ENV) or OTHERS_LIMIT)
-    if others is None or others <= limit:
+    if others is None or others <= limit + siblings:
         return None
     where = f"{MAX_LOAD_ENV}={limit:g}" if os.environ.get(MAX_LOAD_ENV) else f"{limit:g} of a core"
-    return f"moment when other processes kept {others:.2f} of this machine's {cores()} cores busy (above {where})"
+    beyond = f" beyond the {siblings:g} of the job's other ranks" if siblings else ""
+    return (f"moment when other processes kept {others:.2f} of this machine's {cores()} cores busy "
+            f"(above {where}{beyond})")
