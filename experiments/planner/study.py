@@ -296,7 +296,7 @@ def measure(name: str, outputs: Path, config: tuple[str, int, list[str]] | None 
         if process.returncode:
             raise RuntimeError(f"{name} failed:\n{process.stdout[-2000:]}\n{process.stderr[-3000:]}")
         wall_s, others = time.perf_counter() - started, flops.others_load(clock)
-        disturbed = flops.disturbed(load, clock)
+        disturbed = flops.disturbed(load, others)
         if not disturbed:
             break
         # a step timed beside other work measures that work too

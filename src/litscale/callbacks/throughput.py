@@ -103,9 +103,10 @@ class ThroughputCallback(Callback):
             self._dtype = _COMPUTE_DTYPES.get(str(trainer.precision), torch.float32)
             if pl_module.device.type == "cpu":
                 threads = torch.get_num_threads()
-                self._peak = cpu_peak(self._dtype, threads, _siblings(threads))
+                siblings = _siblings(threads)
+                self._peak = cpu_peak(self._dtype, threads, siblings)
                 if self._dtype != torch.float32:  # a CPU without 16-bit units emulates them: say how slow
-                    self._peak_vs_fp32 = self._peak.flops / cpu_peak(torch.float32, threads, _siblings(threads)).flops
+                    self._peak_vs_fp32 = self._peak.flops / cpu_peak(torch.float32, threads, siblings).flops
             else:
                 peak = peak_flops_per_device(pl_module.device, self._dtype)
                 self._peak = None if peak is None else CpuPeak(peak)

@@ -133,7 +133,7 @@ def _probed(key: str, dtype: torch.dtype, floor: float = 0.0, siblings: float = 
     ``siblings`` cores of the job's own other ranks, else provisional."""
     load, clock = load_average(), cpu_clock()
     peak = max(probe_matmul_flops(dtype), floor)
-    refused = disturbed(load, clock, siblings=siblings)
+    refused = disturbed(load, others_load(clock), siblings=siblings)
     if refused:
         return CpuPeak(peak, f"the CPU's {str(dtype).removeprefix('torch.')} peak was probed at a {refused}, "
                              "so it was not cached")
@@ -273,15 +273,14 @@ def others_load(since: CpuClock | None) -> float | None:
     return max(0.0, others / (now.wall_s - since.wall_s))
 
 
-def disturbed(load: float, since: CpuClock | None, siblings: float = 0.0) -> str | None:
-    """Why a timing that began at load average ``load`` and at ``since`` cannot be kept (None: it
-    can): ``busy`` when it began, or other processes keeping more than ``OTHERS_LIMIT`` of a core
-    busy while it ran beyond ``siblings``, the cores the job's own other ranks on this machine
-    take meanwhile (``LITSCALE_MAX_LOAD`` raises both limits)."""
+def disturbed(load: float, others: float | None, siblings: float = 0.0) -> str | None:
+    """Why a timing that began at load average ``load`` cannot be kept (None: it can): ``busy``
+    when it began, or ``others`` (``others_load`` over the timing; None: unknown) above
+    ``OTHERS_LIMIT`` of a core beyond ``siblings``, the cores the job's own other ranks on this
+    machine take meanwhile (``LITSCALE_MAX_LOAD`` raises both limits)."""
     refused = busy(load)
     if refused:
         return refused
-    others = others_load(since)
     limit = float(os.environ.get(MAX_LOAD_ENV) or OTHERS_LIMIT)
     if others is None or others <= limit + siblings:
         return None

@@ -219,7 +219,7 @@ def calibrate() -> dict:
                "machine": machine.fingerprint(), "torch": torch.__version__}
     others = flops.others_load(clock)  # None where the kernel does not say
     figures["others_load"] = None if others is None else round(others, 2)
-    refused = flops.disturbed(load, clock)
+    refused = flops.disturbed(load, others)
     if refused:
         return {**figures, "refused": f"not written to {calibration_path()}: timed at a {refused}"}
     path = calibration_path()

@@ -279,7 +279,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
                                   compression=identity["compression"], packed_documents=identity["packed_documents"])
         timed = {key: dataclasses.replace(profile, load_average=round(load, 2)) for key, profile in timed.items()}
         profiles = profile_cache.merged(profiles, timed)
-        busy = flops.disturbed(load, clock)
+        busy = flops.disturbed(load, flops.others_load(clock))
         if busy:
             _say(f"profiles {', '.join(sorted(todo))} timed at a {busy}: used for this plan, not cached")
         else:
