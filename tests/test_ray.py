@@ -234,7 +234,8 @@ def test_ray_starts_once_however_many_threads_launch(monkeypatch):
         thread.start()
     for thread in threads:
         thread.join()
-    assert calls == [{"num_cpus": 2, "num_gpus": None, "include_dashboard": False}]
+    # "local": its own cluster, never the newest one started on this machine (RAY_ADDRESS, `ray start`)
+    assert calls == [{"address": "local", "num_cpus": 2, "num_gpus": None, "include_dashboard": False}]
 
 
 def test_a_ray_jobs_record_names_its_run_dir(tmp_path):

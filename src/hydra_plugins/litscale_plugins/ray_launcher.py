@@ -182,15 +182,16 @@ def connect(params: dict[str, Any], environment: dict[str, Any] | None = None) -
             return
         if params.get("address"):
             ray.init(address=params["address"], runtime_env=environment)
-        elif "working_dir" in environment:  # sent even to a local cluster where it is named
-            ray.init(num_cpus=params.get("num_cpus"), num_gpus=params.get("num_gpus"),
-                     include_dashboard=False, runtime_env=environment)
-        else:
-            ray.init(
-                num_cpus=params.get("num_cpus"),
-                num_gpus=params.get("num_gpus"),
-                include_dashboard=False,
-            )
+            return
+        # NOTE: address "local" starts this sweep's own cluster. Without it, ray.init joins the
+        # newest cluster started on this machine (RAY_ADDRESS, or Ray's record of the last
+        # `ray start`) and then refuses num_cpus with a traceback: a test's two-node cluster on
+        # the other pytest worker failed three sweeps here that way.
+        local = {"address": "local", "num_cpus": params.get("num_cpus"), "num_gpus": params.get("num_gpus"),
+                 "include_dashboard": False}
+        if "working_dir" in environment:  # sent even to a local cluster where it is named
+            local["runtime_env"] = environment
+        ray.init(**local)
 
 
 def cluster_resources() -> tuple[dict[str, float], dict[str, float]]:
