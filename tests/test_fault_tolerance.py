@@ -13,6 +13,7 @@ group 2 is SIGKILLed at step 20; 2 FSDP groups; a killed rank in a DDP group of 
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -310,7 +311,8 @@ def test_two_single_rank_groups_train_end_to_end_as_one_process_with_their_globa
     steps = ["trainer.max_steps=4", "trainer.val_check_interval=4"]
     groups = [sys.executable, "train.py", "fault_tolerance=replicas", "fault_tolerance.groups=2", "strategy=single",
               "trainer.devices=1", *RUN[:1], "data.batch_size=4", "trainer.accumulate_grad_batches=2", *RUN[2:4],
-              "trainer.limit_val_batches=12", *RUN[5:], "logger=csv", steps[0], "trainer.val_check_interval=8"]
+              "trainer.limit_val_batches=12", *RUN[5:], "logger=csv", steps[0], "trainer.val_check_interval=8",
+              "trainer.log_every_n_steps=2"]
     process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=240)
     assert process.returncode == 0, explain(process)
     assert stray == []
@@ -322,6 +324,14 @@ def test_two_single_rank_groups_train_end_to_end_as_one_process_with_their_globa
     assert ours["fault_tolerance"]["finished"] == [0, 1] and ours["global_batch"] == theirs["global_batch"] == 16
     assert math.isclose(ours["val/loss"], theirs["val/loss"], rel_tol=1.3e-6, abs_tol=1e-5), (ours["val/loss"],
                                                                                             theirs["val/loss"])
+    # The groups' figures are logged only where the loggers write: they are in every row that
+    # holds the step's loss, in each group's own log (a gate that never opens leaves them out).
+    for group in (0, 1):
+        (metrics,) = (tmp_path / "groups").glob(f"**/replicas/{group}/csv/metrics.csv")
+        written = [row for row in csv.DictReader(metrics.open()) if row["train/loss"]]
+        assert written, metrics
+        assert all((row["fault_tolerance/groups"], row["fault_tolerance/committed"]) == ("2.0", "1.0")
+                   for row in written), written
 
 
 @pytest.mark.slow
@@ -487,13 +497,17 @@ def step_in_groups(modules: list, batches: list) -> None:
 
 
 @pytest.mark.slow  # in-process: two groups' backward in threads, about a second
-def test_a_one_process_group_sums_its_gradients_during_backward_and_holds_the_groups_mean(monkeypatch):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_one_process_group_sums_its_gradients_during_backward_and_holds_the_groups_mean(monkeypatch,
+                                                                                           set_to_none):
     """A group of one process starts its gradients' sum over the groups bucket by bucket while
     the backward that ends the step runs (as DDP overlaps its all-reduce), and ends with the
     groups' mean of the gradients accumulated over the step's two micro batches; a parameter
     that only one group used takes the mean in both, as DDP gives it. The reference is each
-    group's gradients from plain autograd. Without the hooks nothing starts in backward; a sum
-    taken for the mean fails the comparison."""
+    group's gradients from plain autograd, at two steps with ``zero_grad`` between (the
+    gradients become pieces of the sum's buffers, kept from step to step). Without the hooks
+    nothing starts in backward; a sum taken for the mean fails the comparison, and so does a
+    piece of a parameter unused at the second step left holding the first step's mean."""
     import copy
     from concurrent.futures import ThreadPoolExecutor
 
@@ -522,27 +536,36 @@ def test_a_one_process_group_sums_its_gradients_during_backward_and_holds_the_gr
     copies = [(copy.deepcopy(net), copy.deepcopy(extra)) for _ in range(2)]
     started_in_backward = [0, 0]
 
-    def step(group: int) -> list[torch.Tensor]:
+    def steps(group: int) -> list[list[torch.Tensor]]:
         model, used = copies[group]
         parameters = [used, *model.parameters()]  # ``extra`` last in backward's order: the last bucket
         sums = group_sums.OverlappedGradientSum(quorum.manager(group), parameters)
-        backward(model, used, batches[group][0], group)  # inside the accumulation window
-        sums.arm()
-        backward(model, used, batches[group][1], group)
-        started_in_backward[group] = sum(bucket.work is not None for bucket in sums.buckets)
-        sums.start_rest()
-        sums.finish(participants=2)
+        averaged = []
+        for _ in range(2):
+            backward(model, used, batches[group][0], group)  # inside the accumulation window
+            sums.arm()
+            backward(model, used, batches[group][1], group)
+            started_in_backward[group] = sum(bucket.work is not None for bucket in sums.buckets)
+            sums.start_rest()
+            sums.finish(participants=2)
+            averaged.append([p.grad.clone() for p in parameters])
+            for parameter in parameters:  # as ``optimizer.zero_grad`` does
+                if set_to_none:
+                    parameter.grad = None
+                elif parameter.grad is not None:
+                    parameter.grad.zero_()
         sums.remove()
-        return [p.grad for p in parameters]
+        return averaged
 
     with ThreadPoolExecutor(2) as pool:
-        averaged = list(pool.map(step, (0, 1)))
+        averaged = list(pool.map(steps, (0, 1)))
     buckets = len(group_sums.buckets_in_backward_order([extra, *net.parameters()]))
     assert buckets >= 4 and 0 < started_in_backward[0] < buckets, started_in_backward  # ``extra`` unused
     assert started_in_backward[1] == buckets, started_in_backward  # group 1 used every parameter
-    for grads in averaged:
-        for got, want in zip(grads, expected, strict=True):
-            torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-7)
+    for group_steps in averaged:
+        for grads in group_steps:
+            for got, want in zip(grads, expected, strict=True):
+                torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-7)
 
 
 @pytest.mark.slow  # in-process, but builds an MoE and steps it in 3 copies: seconds
@@ -630,7 +653,7 @@ def test_a_dropped_step_takes_its_router_counts_with_it():
     total = SimpleNamespace(ready=4, completed=4)
     loop = SimpleNamespace(automatic_optimization=SimpleNamespace(optim_progress=SimpleNamespace(
         optimizer=SimpleNamespace(step=SimpleNamespace(total=total)))), _batches_that_stepped=4)
-    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), global_step=3)
+    trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop), global_step=3, log_every_n_steps=1)
     callback.on_train_batch_end(trainer, SimpleNamespace(modules=net.modules, log_dict=lambda *a, **k: None),
                                 None, None, 0)
     assert (total.completed, loop._batches_that_stepped) == (3, 3)  # Lightning's count set back

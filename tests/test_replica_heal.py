@@ -74,7 +74,8 @@ def trainer_of(optimizer) -> SimpleNamespace:
         _should_accumulate=lambda: False)  # every batch ends a step
     return SimpleNamespace(global_rank=0, world_size=1, optimizers=[optimizer], lr_scheduler_configs=[],
                            global_step=0, should_stop=False, fit_loop=SimpleNamespace(epoch_loop=loop),
-                           train_dataloader=None, accumulate_grad_batches=1, num_training_batches=100)
+                           train_dataloader=None, accumulate_grad_batches=1, num_training_batches=100,
+                           log_every_n_steps=1)
 
 
 def reference(start: torch.nn.Linear, batches: list[list]) -> list[torch.Tensor]:
