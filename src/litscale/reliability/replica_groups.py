@@ -321,9 +321,10 @@ class ReplicaFaultTolerance(Callback):
             for module in pl_module.modules():
                 getattr(module, "take_statistics", _nothing)()
         self._announce(trainer)
-        # NOTE: logged only where the loggers write (Lightning asks at the step after the one
-        # its loop counted, ``_set_global_step``'s): a value logged at every step cost 1 ms of a
-        # 40 ms GPT-nano step (experiments/reliability/overhead.py), and was overwritten unread.
+        # NOTE: logged only at the steps whose values the loggers write, asked as Lightning asks
+        # right after this hook (its ``_batches_that_stepped + 1``, which ``_set_global_step`` has
+        # just set to the steps committed): a value logged at every step cost 1.0-1.5 ms of a 40
+        # ms GPT-nano step (experiments/reliability/overhead.py) and was overwritten unread.
         # Every step's groups and commit are in the step record below.
         if is_logging_step(trainer, trainer.fit_loop.epoch_loop._batches_that_stepped + 1):
             pl_module.log_dict({"fault_tolerance/groups": float(self.participants),
