@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from helpers.configs import compose_job
+from helpers.configs import compose_job, described
 
 from litscale.app.checks.validation import meta_net
 from litscale.app.plan.runs import facts_of
@@ -37,8 +37,9 @@ def without_network(facts):
 
 @pytest.mark.parametrize("model", ["gpt", "moe"])
 def test_a_model_is_traced_once_and_read_back_equal_with_its_network(tmp_path, traces, model):
-    cfg, _ = compose_job([f"model={model}", "data.seq_len=32"], tmp_path / "job")
-    traced, read = facts_of(cfg), facts_of(cfg)
+    cfg, choices = compose_job([f"model={model}", "data.seq_len=32"], tmp_path / "job")
+    run = described(cfg, choices)
+    traced, read = facts_of(run), facts_of(run)
     assert len(traces) == 1
     assert without_network(read) == without_network(traced)
     fresh = model_facts.model_facts(meta_net(cfg), seq_len=32, vocab_size=int(cfg.data.vocab_size))
@@ -50,10 +51,10 @@ def test_a_model_is_traced_once_and_read_back_equal_with_its_network(tmp_path, t
 def test_another_shape_precision_or_code_is_traced_again(tmp_path, traces, monkeypatch):
     base = ["model=gpt", "data.seq_len=32"]
     for overrides in (base, [*base[:1], "data.seq_len=64"], [*base, "precision=bf16_mixed"]):
-        facts_of(compose_job(overrides, tmp_path / "job")[0])
+        facts_of(described(*compose_job(overrides, tmp_path / "job")))
     assert len(traces) == 3
     monkeypatch.setattr(profile_cache, "code_digest", lambda: "another checkout")
-    facts_of(compose_job(base, tmp_path / "job")[0])
+    facts_of(described(*compose_job(base, tmp_path / "job")))
     assert len(traces) == 4
 
 
@@ -66,9 +67,9 @@ def test_a_network_read_from_files_is_not_cached(tmp_path, read_from):
 
 
 def test_an_unreadable_file_is_traced_again_and_rewritten(tmp_path, traces):
-    cfg, _ = compose_job(["model=gpt", "data.seq_len=32"], tmp_path / "job")
-    first = facts_of(cfg)
+    run = described(*compose_job(["model=gpt", "data.seq_len=32"], tmp_path / "job"))
+    first = facts_of(run)
     (stored,) = (tmp_path / "cache" / "facts").glob("*.json")
     stored.write_text('{"facts": {"num_params": "half a file')
-    assert without_network(facts_of(cfg)) == without_network(first) and len(traces) == 2
-    assert without_network(facts_of(cfg)) == without_network(first) and len(traces) == 2
+    assert without_network(facts_of(run)) == without_network(first) and len(traces) == 2
+    assert without_network(facts_of(run)) == without_network(first) and len(traces) == 2

@@ -15,7 +15,7 @@ import json
 
 import pytest
 from helpers.cli import REPO, explain, summaries
-from helpers.configs import compose_job
+from helpers.configs import compose_job, described
 from helpers.inprocess import train_on_pool
 
 from litscale.app.build import build
@@ -81,7 +81,8 @@ def _predicted_peak(overrides: list[str], tmp_path, cluster: Cluster | None = No
     layout = validate(cfg, choices=choices, this_machine=False)
     cluster = cluster or (dataclasses.replace(build(cfg.cluster), allocator_overhead=0.0) if "cluster=h100_8x"
                           in overrides else CPU)
-    return memory_per_rank(configured_plan(cfg, choices, layout), facts_of(cfg), cluster)["total"]
+    run = described(cfg, choices, layout)
+    return memory_per_rank(configured_plan(run), facts_of(run), cluster)["total"]
 
 
 # The first H100 run's memory rows (experiments/gpu/memory.py): GPT-2 small, bf16 autocast,

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from helpers.cli import REPO, cli_env, explain
-from helpers.configs import compose_full, compose_job, group_options
+from helpers.configs import compose_full, compose_job, described, group_options
 from omegaconf import OmegaConf
 
 optuna = pytest.importorskip("optuna")
@@ -398,8 +398,8 @@ def calibrated(cache, fraction_of_given: float) -> None:
     (cache / "cluster_local_cpu.json").write_text(json.dumps({**SLOW_CPU, "memory_bytes": 2**40}))
     cfg, choices = compose_job([*TRIAL, "cluster=local_cpu"], cache / "job")
     layout = validate(cfg, choices=choices, this_machine=False)
-    facts = plan_module.facts_of(cfg)
-    need = predict(plan_module.configured_plan(cfg, choices, layout), facts, build(cfg.cluster)).peak_bytes
+    run = described(cfg, choices, layout)
+    need = predict(plan_module.configured_plan(run), plan_module.facts_of(run), build(cfg.cluster)).peak_bytes
     memory = int(need * fraction_of_given) * SLOW_CPU["cores"]
     (cache / "cluster_local_cpu.json").write_text(json.dumps({**SLOW_CPU, "memory_bytes": memory}))
 

@@ -128,7 +128,7 @@ def test_packed_sft_rows_state_their_documents_and_the_planner_reads_them(tmp_pa
     rows, as counted here from each row's positions, and the planner's facts of the run count
     attention at that figure."""
     import numpy as np
-    from helpers.configs import compose_job
+    from helpers.configs import compose_job, described
 
     from litscale.app.plan.runs import facts_of
     from litscale.data.sft import SFTDataModule
@@ -144,9 +144,9 @@ def test_packed_sft_rows_state_their_documents_and_the_planner_reads_them(tmp_pa
     assert module.attended_length == pytest.approx(np.mean(pairs) / 128, rel=1e-12)
     assert module.attended_length < 0.5 * 128  # several documents a row
     monkeypatch.setenv("LITSCALE_CACHE", str(tmp_path))
-    cfg, _ = compose_job(["model=llama", "data=sft", "data.pack=true", "data.seq_len=128", "trainer.accelerator=cpu",
-                          f"data.cache_dir={tmp_path / 'data'}"], tmp_path / "run")
-    facts = facts_of(cfg)
+    run = described(*compose_job(["model=llama", "data=sft", "data.pack=true", "data.seq_len=128",
+                                  "trainer.accelerator=cpu", f"data.cache_dir={tmp_path / 'data'}"], tmp_path / "run"))
+    facts = facts_of(run)
     assert facts.attended_length == pytest.approx(module.attended_length, rel=1e-12)
     per_pair = 12 * facts.layers * facts.heads * (facts.hidden // facts.heads)
     dense_row = facts.net.flops_per_token(128) * 128  # the whole row's attention, as before

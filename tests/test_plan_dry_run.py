@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.configs import compose_job
+from helpers.configs import compose_job, described
 from omegaconf import OmegaConf
 
 from litscale.app.checks.validation import meta_net, validate
@@ -48,7 +48,8 @@ def _built(overrides: list[str], world: int, tmp_path) -> tuple[dict, object]:
     found = built_in_this_process(OmegaConf.to_container(cfg, resolve=True), world)
     assert not dist.is_initialized()  # the fake group is gone again
     assert found["ranks"] == world
-    predicted = memory_per_rank(configured_plan(cfg, choices, layout), facts_of(cfg), CLUSTER)["params"]
+    run = described(cfg, choices, layout)
+    predicted = memory_per_rank(configured_plan(run), facts_of(run), CLUSTER)["params"]
     return found, meta_net(cfg), predicted
 
 
@@ -238,7 +239,8 @@ def test_one_step_at_the_configured_world_peaks_within_ten_percent_of_the_predic
     assert "step_skipped" not in found, found.get("step_skipped")
     # Tensors' bytes on both sides: no allocator's reserve.
     cluster = dataclasses.replace(CLUSTER, allocator_overhead=0.0)
-    predicted = memory_per_rank(configured_plan(cfg, choices, layout), facts_of(cfg), cluster)["total"]
+    run = described(cfg, choices, layout)
+    predicted = memory_per_rank(configured_plan(run), facts_of(run), cluster)["total"]
     assert abs(predicted / found["step_peak_bytes"] - 1) <= STEP_WITHIN, (
         f"predicted {predicted / 2**20:.2f} MiB, one step peaked at {found['step_peak_bytes'] / 2**20:.2f} MiB")
 

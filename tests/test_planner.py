@@ -148,7 +148,7 @@ def test_precision_fp8_runs_its_float8_layers_share_of_the_flops_at_the_float8_p
 
 
 def test_a_runs_precision_fp8_is_the_plans_float8(tmp_path):
-    from helpers.configs import compose_job
+    from helpers.configs import compose_job, described
 
     from litscale.app.checks.validation import validate
     from litscale.app.plan import ranking as plan_module
@@ -156,7 +156,7 @@ def test_a_runs_precision_fp8_is_the_plans_float8(tmp_path):
     for precision, float8 in (("fp8", True), ("bf16_mixed", False)):
         cfg, choices = compose_job([f"precision={precision}", "cluster=h100_8x"], tmp_path / precision)
         layout = validate(cfg, choices=choices, this_machine=False)  # float8 needs a GPU to run, not to plan
-        assert plan_module.configured_plan(cfg, choices, layout).float8 is float8
+        assert plan_module.configured_plan(described(cfg, choices, layout)).float8 is float8
 
 
 def test_a_links_latency_and_bandwidth_are_fitted_back_from_times_they_make():
@@ -443,7 +443,7 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
     """An ordinary run's prediction starts no child: compute from FLOPs until ``plan=show``
     has timed this model on this cluster file; then from that cache, which a second plan
     reads instead of timing again (only a new micro batch is timed)."""
-    from helpers.configs import compose_job
+    from helpers.configs import compose_job, described
 
     from litscale.app.build import build
     from litscale.app.checks.validation import validate
@@ -462,29 +462,29 @@ def test_a_run_predicts_its_step_without_timing_anything_and_reads_what_plan_sho
 
     monkeypatch.setattr(plan_profile, "profiles_in_child", child)
     cfg, choices = compose_job(["data.seq_len=32"], tmp_path / "run")
-    layout = validate(cfg, choices=choices)
-    before = predict_run(cfg, choices, layout).figures
+    run = described(cfg, choices, validate(cfg, choices=choices))
+    before = predict_run(run).figures
     assert before["plan/compute_source"] == "flops" and before["plan/predicted_step_s"] > 0
     assert not timed_in_child  # nothing timed for a run
 
     cluster = build(cfg.cluster)
-    plan = plan_module.configured_plan(cfg, choices, layout)
-    facts = plan_module.timed_here(cfg, cluster, plan_module.facts_of(cfg), [plan])  # as plan=show does
+    plan = plan_module.configured_plan(run)
+    facts = plan_module.timed_here(run, cluster, plan_module.facts_of(run), [plan])  # as plan=show does
     assert timed_in_child == [{"plain": {16}}] and facts.profiles["plain"].forward_backward_s == {16: 8.0}
-    after = predict_run(cfg, choices, layout).figures
+    after = predict_run(run).figures
     assert after["plan/compute_source"] == "timed" and len(timed_in_child) == 1
     assert after["plan/predicted_step_s"] == pytest.approx(8.0 + 0.25)  # one rank: compute + optimizer
 
     smaller = dataclasses.replace(plan, micro_batch=8)
-    plan_module.timed_here(cfg, cluster, plan_module.facts_of(cfg), [plan, smaller])
+    plan_module.timed_here(run, cluster, plan_module.facts_of(run), [plan, smaller])
     assert timed_in_child[1:] == [{"plain": {8}}]  # micro batch 16 read back, 8 timed
-    cached = profile_cache.load(plan_module.profile_identity(cfg, cluster))
+    cached = profile_cache.load(plan_module.profile_identity(run, cluster))
     assert cached["plain"].forward_backward_s == {16: 8.0, 8: 4.0}
-    other, _ = compose_job(["data.seq_len=32", "+model.net.n_layer=2"], tmp_path / "other")
+    other = described(*compose_job(["data.seq_len=32", "+model.net.n_layer=2"], tmp_path / "other"))
     assert profile_cache.load(plan_module.profile_identity(other, cluster)) == {}  # another model: not this cache
 
     cfg.plan.predict_run = False  # the opt-out: no prediction at all
-    assert predict_run(cfg, choices, layout).figures == {}
+    assert predict_run(described(cfg, choices, run.layout)).figures == {}
 
 
 def test_a_plan_keeps_the_users_run_and_replaces_its_layout():

@@ -172,18 +172,18 @@ def test_plan_show_ranks_expert_parallel_plans_for_qwen3_moe_at_64_devices(tmp_p
 @pytest.mark.slow
 @pytest.mark.full
 def test_a_runs_tokens_per_expert_set_the_imbalance(tmp_path):
-    from helpers.configs import compose_job
+    from helpers.configs import compose_job, described
 
     from litscale.app.plan.ranking import facts_of
     from litscale.errors import ConfigError
 
     summary = tmp_path / "summary.json"
     summary.write_text(json.dumps({"moe/tokens_per_expert": [[6, 2, 4, 4, 4, 4, 4, 4]] * 2}))
-    cfg, _ = compose_job(["plan=show", "model=moe", f"plan.moe_load_from={summary}"], tmp_path / "run")
-    assert facts_of(cfg).moe.imbalance(4) == 1.0 and facts_of(cfg).moe.imbalance(8) == 6 / 4
+    run = described(*compose_job(["plan=show", "model=moe", f"plan.moe_load_from={summary}"], tmp_path / "run"))
+    assert facts_of(run).moe.imbalance(4) == 1.0 and facts_of(run).moe.imbalance(8) == 6 / 4
     summary.write_text(json.dumps({"moe/tokens_per_expert": [[1, 2]]}))
     with pytest.raises(ConfigError, match=r"^plan.moe_load_from=.* has no moe/tokens_per_expert of 8 experts"):
-        facts_of(cfg)
+        facts_of(run)
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers.configs import compose_job
+from helpers.configs import compose_job, described
 from torch.utils.flop_counter import FlopCounterMode
 
 from litscale.app.checks.contract import chosen_options, run_settings
@@ -20,7 +20,7 @@ from litscale.planner.cost import predict
 from litscale.planner.plan import Plan
 from litscale.planner.strategies import Refusals
 
-SMALL = ["data=synthetic", "data.seq_len=32", "trainer.accelerator=cpu", "trainer.devices=2"]
+SMALL = ["data=synthetic", "data.seq_len=32", "trainer.accelerator=cpu", "strategy=ddp", "trainer.devices=2"]
 
 
 def counted_flops(shapes) -> float:
@@ -38,7 +38,7 @@ def test_the_iterations_flops_are_what_torchs_flop_counter_counts(shapes):
 
 def _facts(tmp_path, *overrides):
     cfg, choices = compose_job([*SMALL, *overrides], tmp_path / "run")
-    return cfg, choices, facts_of(cfg)
+    return cfg, choices, facts_of(described(cfg, choices))
 
 
 @pytest.mark.slow
@@ -84,7 +84,8 @@ def test_muon_adds_its_iterations_to_the_step_and_gathers_what_fsdp_shards(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize(("clipping", "refused"), [([], True), (["trainer.gradient_clip_val=null"], False)])
 def test_the_planner_never_ranks_a_strategy_that_refuses_the_runs_muon_settings(clipping, refused, tmp_path):
-    cfg, choices, facts = _facts(tmp_path, "optimizer=muon", "strategy=deepspeed_zero", *clipping)
+    _, _, facts = _facts(tmp_path, "optimizer=muon", *clipping)  # the model's (validation refuses the run below)
+    cfg, choices = compose_job([*SMALL, "optimizer=muon", "strategy=deepspeed_zero", *clipping], tmp_path / "zero")
     refusals = Refusals(facts.net, facts.seq_len, run_options=chosen_options(cfg, choices), settings=run_settings(cfg))
     reason = refusals("deepspeed_zero", {"stage": 2}, mesh=MeshSizes(data_shard=2), micro_batch=4)
     if refused:

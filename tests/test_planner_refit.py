@@ -87,7 +87,7 @@ def test_a_bad_calibrate_from_is_refused_in_one_line(tmp_path, overrides, messag
 def test_a_folder_with_too_few_runs_is_refused_saying_what_it_skipped(tmp_path):
     import json
 
-    from helpers.configs import compose_job
+    from helpers.configs import compose_job, described
 
     from litscale.app.build import build
     from litscale.errors import ConfigError
@@ -99,7 +99,7 @@ def test_a_folder_with_too_few_runs_is_refused_saying_what_it_skipped(tmp_path):
         (runs / name / "summary.json").write_text(json.dumps(summary))
     cfg, choices = compose_job(["plan=show", "cluster=h100_8x", f"plan.calibrate_from={runs}"], tmp_path / "run")
     with pytest.raises(ConfigError) as error:
-        refit.refit(cfg, choices, build(cfg.cluster))
+        refit.refit(described(cfg, choices), build(cfg.cluster))
     assert str(error.value) == (
         f"plan.calibrate_from={runs}: 0 run(s) with a measured step on cluster=h100_8x (1 x no measured step time "
         "(too few steps), 1 x another cluster (local_cpu)); allowed: run dirs or sweep dirs holding at least 3 "
@@ -114,7 +114,7 @@ def test_a_foreign_run_dirs_own_allowed_targets_are_not_trusted(tmp_path):
     Hydra's own list of dangerous targets already refuses ``os.system``, which would hide a build)."""
     import json
 
-    from helpers.configs import compose_job
+    from helpers.configs import compose_job, described
     from omegaconf import OmegaConf
 
     from litscale.app.build import build
@@ -130,7 +130,7 @@ def test_a_foreign_run_dirs_own_allowed_targets_are_not_trusted(tmp_path):
         (runs / name / "summary.json").write_text(json.dumps({"choices": choices, "perf/step_time_s": 0.1}))
     cfg, choices = compose_job(["plan=show", "cluster=h100_8x", f"plan.calibrate_from={runs}"], tmp_path / "run")
     with pytest.raises(ConfigError) as error:
-        refit.refit(cfg, choices, build(cfg.cluster))
+        refit.refit(described(cfg, choices), build(cfg.cluster))
     assert not marker.exists()
     assert str(error.value) == (
         f"plan.calibrate_from={runs}: 0 run(s) with a measured step on cluster=h100_8x (3 x not rebuilt "

@@ -126,18 +126,18 @@ def plan_auto_in_a_sweep(tmp_path, monkeypatch, nano_spearman: float, *overrides
     from litscale.app import scaling_study
     from litscale.app.checks.validation import validate
     from litscale.app.plan import ranking as plan_module
+    from litscale.app.plan.description import describe
     from litscale.planner import trust
 
     user = ["plan=auto", "cluster=h100_8x", "strategy=ddp", "trainer.devices=2", "data.seq_len=32", *overrides]
     cfg, choices = compose_job(user, tmp_path / "job")
     monkeypatch.setattr(trust, "load_accuracy", lambda: accuracy(nano_spearman))
-    monkeypatch.setattr(scaling_study, "job_context",
-                        lambda cfg: scaling_study.ScalingContext(overrides=user, sweep_dir=str(tmp_path)))
-    monkeypatch.setattr(plan_module, "_dry_run", lambda cfg, layout: (None, None))  # not what is tested here
+    monkeypatch.setattr(plan_module, "_dry_run", lambda run: (None, None))  # not what is tested here
     monkeypatch.setattr(plan_module, "_trace_collectives", lambda *args: None)
     printed: list[str] = []
     monkeypatch.setattr(plan_module, "_say", printed.append)
-    result = plan_module.run_plan(cfg, validate(cfg, choices=choices, this_machine=False), choices)
+    job = scaling_study.ScalingContext(overrides=user, sweep_dir=str(tmp_path))  # a job of a sweep
+    result = plan_module.run_plan(describe(cfg, choices, validate(cfg, choices=choices, this_machine=False), job=job))
     experiment = OmegaConf.to_container(OmegaConf.load(tmp_path / "job" / "plan" / "experiment" / "planned.yaml"))
     return result, "\n".join(printed), experiment
 
@@ -209,15 +209,15 @@ def test_a_job_is_trusted_by_the_group_measured_at_its_sequence_length(tmp_path,
     """The shipped study measured Llama-tiny at 128 and at 512 tokens: a Llama-tiny job reads the
     group at its own ``data.seq_len``, and the lower interval of the two at a length measured in
     neither (each given held-out figures here); a group without a held-out study keeps the layout."""
-    from helpers.configs import compose_job
+    from helpers.configs import compose_job, described
 
     from litscale.app.plan import ranking
     from litscale.planner import trust
 
     shipped = trust.load_accuracy()
     for seq_len in (128, 512):
-        cfg, _ = compose_job(["model=llama", f"data.seq_len={seq_len}"], tmp_path / f"shipped{seq_len}")
-        found = ranking.configured_trust(cfg)
+        found = ranking.configured_trust(described(*compose_job(["model=llama", f"data.seq_len={seq_len}"],
+                                                                 tmp_path / f"shipped{seq_len}")))
         group = next(name for name, g in shipped["groups"].items() if name.startswith("Llama-tiny")
                      and g["seq_len"] == seq_len)
         if "held_out" not in shipped["groups"][group]:
@@ -227,7 +227,7 @@ def test_a_job_is_trusted_by_the_group_measured_at_its_sequence_length(tmp_path,
     groups = {name: {**g, "held_out": held(lows[g["seq_len"]])} for name, g in shipped["groups"].items()}
     monkeypatch.setattr(trust, "load_accuracy", lambda: {**shipped, "groups": groups})
     for seq_len, expected in (*lows.items(), (256, min(lows.values()))):
-        cfg, _ = compose_job(["model=llama", f"data.seq_len={seq_len}"], tmp_path / str(seq_len))
-        found = ranking.configured_trust(cfg)
+        found = ranking.configured_trust(described(*compose_job(["model=llama", f"data.seq_len={seq_len}"],
+                                                                 tmp_path / str(seq_len))))
         assert f"95% interval {expected:.3f} to 1.000" in found.reason
         assert found.picks is (expected >= trust.SPEARMAN_BAR)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.configs import compose_job
+from helpers.configs import compose_job, described
 
 from litscale.measure import flops
 from litscale.planner import calibrate, machine, profile_cache
@@ -44,16 +44,16 @@ def cached_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(plan_profile, "profiles_in_child", child)
     cfg, choices = compose_job(["data.seq_len=32"], tmp_path / "run")
-    layout = validate(cfg, choices=choices)
-    plan = ranking.configured_plan(cfg, choices, layout)
+    run = described(cfg, choices, validate(cfg, choices=choices))
+    plan = ranking.configured_plan(run)
 
     def plan_show():
-        return ranking.timed_here(cfg, build(cfg.cluster), ranking.facts_of(cfg), [plan])
+        return ranking.timed_here(run, build(cfg.cluster), ranking.facts_of(run), [plan])
 
     def predicted(measured_step_s=None):
         """As a run does: ``train()`` predicts before launch, rank 0's summary holds the
         measured step to it, and ``train()`` records a contradiction once the ranks are done."""
-        prediction = predict_run(cfg, choices, layout)
+        prediction = predict_run(run)
         held = prediction.held_to(measured_step_s)
         record_contradiction(prediction, {**held, "perf/step_time_s": measured_step_s,
                                           "output_dir": str(tmp_path / "run")})

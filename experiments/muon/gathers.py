@@ -79,6 +79,8 @@ def predicted(world: int) -> tuple[float, int]:
     """The planner's Muon update all-gather for GPT-nano under FSDP on ``world`` ranks."""
     from hydra import compose, initialize_config_dir
 
+    from litscale.app.checks.validation import validate
+    from litscale.app.plan.description import describe
     from litscale.app.plan.runs import facts_of
     from litscale.parallel.layout import MeshSizes
     from litscale.planner.cluster import Cluster, Link
@@ -87,7 +89,8 @@ def predicted(world: int) -> tuple[float, int]:
 
     with initialize_config_dir(config_dir=str(HERE.parents[1] / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=["optimizer=muon", "data.seq_len=64", f"trainer.devices={world}"])
-    facts = facts_of(cfg)
+    cfg.paths.output_dir = str(HERE / "outputs")  # outside a Hydra run: its run dir, named (nothing is written)
+    facts = facts_of(describe(cfg, {}, validate(cfg, choices={}, this_machine=False)))
     link = Link(bandwidth_bytes_s=1e10, latency_s=0.0)  # bytes are what is compared: any link
     cluster = Cluster(name="bytes only", nodes=1, devices_per_node=world, device_memory_bytes=2**34,
                       peak_flops={"float32": 1e12}, intra_node=link, inter_node=link)

@@ -106,6 +106,15 @@ def compose_job(overrides: list[str], output_dir: Path) -> tuple[DictConfig, dic
     return as_job(compose_full(overrides), output_dir)
 
 
+def described(cfg: DictConfig, choices: dict[str, str], layout=None):
+    """The job as the planner reads it (``litscale.app.plan.description``), validated as a plan
+    is (``this_machine=False``) where no ``layout`` is given."""
+    from litscale.app.checks.validation import validate
+    from litscale.app.plan.description import describe
+
+    return describe(cfg, choices, layout or validate(cfg, choices=choices, this_machine=False))
+
+
 def compose_options(options: list[tuple[str, str]]) -> DictConfig:
     """Each ``(group, option)`` as Hydra composes it for ``group=option`` (its defaults list
     followed), all in one composition: option ``o`` of group ``g`` at ``options.<g>.<o>``."""

@@ -7,11 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from litscale.app.checks.safety import config_without_environment
 from litscale.app.checks.validation import only_planned, planning, resume_search_dir, validate
 from litscale.app.launch import external_rank, launch, wait_for_the_cause
+from litscale.app.plan.description import RunDescription, describe
 from litscale.app.prediction import RunPrediction
 from litscale.app.run_log import log_printed_lines
 from litscale.app.scaling_study import ScalingContext, job_context
@@ -52,13 +53,14 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     choices = hydra_choices() if choices is None else choices
     layout = validate(cfg, choices=choices, this_machine=not only_planned(cfg))
     say_skipped_checkpoints(cfg, layout.ckpt_path)
+    # The run as the planner reads it, once: plan=show|auto ranks it; a run is predicted from it.
+    run = describe(cfg, choices, layout, job=job_context(cfg))
     if planning(cfg):
         from litscale.app.plan.ranking import run_plan
 
-        return run_plan(cfg, layout, choices)
-    spec = RunSpec(config=OmegaConf.to_container(cfg, resolve=True), layout=layout, choices=choices,
-                   loggable_config=config_without_environment(cfg), scaling=job_context(cfg),
-                   prediction=predict_once(cfg, choices, layout))
+        return run_plan(run)
+    spec = RunSpec(config=run.config, layout=layout, choices=choices,
+                   loggable_config=config_without_environment(cfg), scaling=run.job, prediction=predict_once(run))
     if layout.replica_groups > 1:
         from litscale.app.build import build, trusted_targets
         from litscale.app.replica_launch import launch_replica_groups
@@ -75,7 +77,7 @@ def train(cfg: DictConfig, *, choices: dict[str, str] | None = None) -> dict:
     return result
 
 
-def predict_once(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> RunPrediction | None:
+def predict_once(run: RunDescription) -> RunPrediction | None:
     """The planner's prediction for this run, made once per job before its ranks start, in the
     process whose summary holds it (rank 0's under torchrun or srun; None on the others)."""
     from litscale.app.plan.runs import predict_run
@@ -83,7 +85,7 @@ def predict_once(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) ->
     if external_rank() not in (None, 0):
         return None
     try:
-        return predict_run(cfg, choices, layout)
+        return predict_run(run)
     except Exception as error:  # a prediction is a comparison, never a reason for a run to fail
         return RunPrediction(figures={"plan/error": f"{type(error).__name__}: {error}".splitlines()[0]})
 

@@ -8,9 +8,9 @@ import os
 from collections import Counter
 from typing import NamedTuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from litscale.app.checks.contract import chosen_options, run_settings
+from litscale.app.plan.description import RunDescription
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
 from litscale.app.plan.verify import aligned
 from litscale.errors import ConfigError
@@ -31,16 +31,17 @@ MAX_TRACED_RANKS = 16
 MAX_TRACED_PARAMS_BYTES = 2 * GiB
 
 
-def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dict:
-    """Rank every plan for ``cfg``'s model and global batch on ``cfg.cluster``; print the top
-    ``cfg.plan.top`` and why the others cannot run, then the run as configured (at any world
+def run_plan(run: RunDescription) -> dict:
+    """Rank every plan for the run's model and global batch on its cluster; print the top
+    ``plan.top`` and why the others cannot run, then the run as configured (at any world
     size: no process starts); return the winner's overrides. Raise ``ConfigError`` when the
     run as configured would not fit in the cluster's device memory."""
-    cluster, facts, configured, ranked, pruned, cluster_overrides = _ranking(cfg, layout, choices)
+    cluster, facts, configured, ranked, pruned, cluster_overrides = _ranking(run)
+    layout, settings = run.layout, run.plan
     _say(f"plan: {facts.num_params / 1e6:.2f}M params, {facts.layers} layers, seq {facts.seq_len}, global batch "
          f"{layout.global_batch} on {cluster.name} ({cluster.nodes} x {cluster.devices_per_node} devices, "
          f"{cluster.device_memory_bytes / GiB:.0f} GiB each; {cluster.source or 'figures as configured'})")
-    print(table(ranked[: int(cfg.plan.top)], cluster), flush=True)
+    print(table(ranked[: int(settings["top"])], cluster), flush=True)
     reasons = Counter(p.reason for p in pruned)
     if pruned:
         _say(f"{len(pruned)} plan(s) cannot run; the commonest reasons:")
@@ -48,27 +49,27 @@ def run_plan(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> dic
         _say(f"  {count} x {reason}")
     if not ranked:
         _say("no plan fits: see the reasons above")
-    too_big = _as_configured(cfg, choices, layout, cluster, facts, configured, fitting=bool(ranked))
+    too_big = _as_configured(run, cluster, facts, configured, fitting=bool(ranked))
     if ranked:
         _say(f"fastest: {ranked[0].plan.describe()} -> python train.py {' '.join(overrides(ranked[0].plan, cluster))}")
-    if too_big and cfg.plan.mode == "show":  # a dry run: refused as the launch would be, after the plans that fit
+    if too_big and settings["mode"] == "show":  # a dry run: refused as the launch would be, after the plans that fit
         raise ConfigError(too_big)
     if not ranked:
         return {}
-    plan_dir = os.path.join(cfg.paths.output_dir, "plan")
-    top = ranked[: int(cfg.plan.verify)]
-    best = (_verify(cfg, cluster, choices, top, plan_dir) if top else None) or ranked[0]
+    plan_dir = os.path.join(run.output_dir, "plan")
+    top = ranked[: int(settings["verify"])]
+    best = (_verify(run, cluster, top, plan_dir) if top else None) or ranked[0]
     winner = overrides(best.plan, cluster)
-    if cfg.plan.mode != "auto":
+    if settings["mode"] != "auto":
         return {"plan/winner": winner, "plan/predicted_step_s": best.step_s}
-    trust = sweep_trust(cfg, verified=bool(top))
+    trust = sweep_trust(run, verified=bool(top))
     if trust is not None:
         _say(trust.line(given_fits=not too_big))
     if trust is None or trust.picks or too_big:
-        left = _experiment(cfg, choices, winner + cluster_overrides, plan_dir, "planned", "plan=auto's pick")
+        left = _experiment(run, winner + cluster_overrides, plan_dir, "planned", "plan=auto's pick")
     else:
         winner = []
-        left = _experiment(cfg, choices, cluster_overrides, plan_dir, "planned",
+        left = _experiment(run, cluster_overrides, plan_dir, "planned",
                            "the given layout (plan=auto did not pick)", keep_layout=True)
     _say(f"written: {os.path.join(plan_dir, 'experiment', 'planned.yaml')}; run it with python train.py "
          f"--config-dir {plan_dir} experiment=planned{''.join(' ' + o for o in left)}")
@@ -89,30 +90,29 @@ class Ranking(NamedTuple):
     cluster_overrides: list[str]
 
 
-def _ranking(cfg: DictConfig, layout: RunLayout, choices: dict[str, str]) -> Ranking:
-    """The planner's ``Ranking`` for ``cfg``'s model and global batch on ``cfg.cluster``."""
-    from litscale.app.build import build, trusted_targets
+def _ranking(run: RunDescription) -> Ranking:
+    """The planner's ``Ranking`` for the run's model and global batch on its cluster."""
+    from litscale.app.build import build
 
-    cluster: Cluster = build(cfg.cluster, trusted=trusted_targets(cfg))
-    check_devices_per_node(layout, cluster, choices)
+    layout = run.layout
+    cluster: Cluster = build(run.cluster, trusted=run.trusted)
+    check_devices_per_node(layout, cluster, run.choices)
     if layout.world_size > cluster.world_size:  # a what-if: the configured world, of this cluster's devices
         cluster = dataclasses.replace(cluster, nodes=layout.num_nodes, devices_per_node=layout.processes_per_node)
     refit_overrides: list[str] = []
-    if cfg.plan.get("calibrate_from") is not None:
+    if run.plan.get("calibrate_from") is not None:
         from litscale.app.plan.refit import refit
 
-        cluster, refit_overrides = refit(cfg, choices, cluster)
-    dtypes = {"compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype,
-              "float8": bool(cfg.precision.get("float8"))}
-    facts = facts_of(cfg)
+        cluster, refit_overrides = refit(run, cluster)
+    dtypes = {"compute_dtype": run.compute_dtype, "param_dtype": run.param_dtype, "float8": run.float8}
+    facts = facts_of(run)
     # Each layout asked once, for the timing and the ranking, with the run's own options (Muon,
     # the determinism mode, ...): a strategy that refuses them is never ranked.
-    refusals = Refusals(facts.net, facts.seq_len, run_options=chosen_options(cfg, choices),
-                        settings=run_settings(cfg))
+    refusals = Refusals(facts.net, facts.seq_len, run_options=run.run_options, settings=run.settings)
     runnable = [p for p in plans(cluster, facts, layout.global_batch, **dtypes)
                 if why_not(p, cluster, facts, layout.global_batch, refusals) is None]
-    configured = configured_plan(cfg, choices, layout)
-    facts = timed_here(cfg, cluster, facts, runnable + ([configured] if configured else []))
+    configured = configured_plan(run)
+    facts = timed_here(run, cluster, facts, runnable + ([configured] if configured else []))
     ranked, pruned = search(cluster, facts, layout.global_batch, refusals=refusals, **dtypes)
     return Ranking(cluster, facts, configured, ranked, pruned, refit_overrides)
 
@@ -125,34 +125,31 @@ def pick_layout(cfg: DictConfig, choices: dict[str, str]) -> tuple[list[str], st
     or where the given layout would not fit the device's memory (by the formula: no strategy is
     built here, as ``plan=show`` builds one, to keep each trial's planning to the cost model)."""
     from litscale.app.checks.validation import validate
+    from litscale.app.plan.description import describe
     from litscale.planner.cost import predict
 
-    layout = validate(cfg, choices=choices, this_machine=False)
-    cluster, facts, configured, ranked, _, _ = _ranking(cfg, layout, choices)
+    run = describe(cfg, choices, validate(cfg, choices=choices, this_machine=False))
+    cluster, facts, configured, ranked, _, _ = _ranking(run)
     if not ranked:
         return [], f"plan=auto: no plan fits on cluster={choices.get('cluster', cluster.name)}: this job keeps its given layout"
     fits = configured is None or predict(configured, facts, cluster).peak_bytes <= cluster.device_memory_bytes
-    trust = configured_trust(cfg)
+    trust = configured_trust(run)
     picked = overrides(ranked[0].plan, cluster) if trust.picks or not fits else []
     return picked, trust.line(given_fits=fits)
 
 
-def sweep_trust(cfg: DictConfig, *, verified: bool) -> Trust | None:
+def sweep_trust(run: RunDescription, *, verified: bool) -> Trust | None:
     """In a sweep's job whose pick is not measured (no ``plan.verify``), whether the planner may
     pick its layout (``litscale.planner.trust``: the model group's held-out Spearman); None
     elsewhere (a single ``plan=auto`` prints its ranking for the user to judge)."""
-    from litscale.app.scaling_study import job_context
-
-    if verified or job_context(cfg).sweep_dir is None:
+    if verified or run.job.sweep_dir is None:
         return None
-    return configured_trust(cfg)
+    return configured_trust(run)
 
 
-def configured_trust(cfg: DictConfig) -> Trust:
+def configured_trust(run: RunDescription) -> Trust:
     """``trust_for`` the job's network (``model.net`` as composed) at its sequence length."""
-    net = cfg.model.get("net") or {"_target_": cfg.model.get("_target_")}
-    seq_len = cfg.get("data", {}).get("seq_len")
-    return trust_for(OmegaConf.to_container(net, resolve=True), seq_len=int(seq_len) if seq_len is not None else None)
+    return trust_for(run.net, seq_len=run.seq_len)
 
 
 def check_devices_per_node(layout: RunLayout, cluster: Cluster, choices: dict[str, str]) -> None:
@@ -166,8 +163,8 @@ def check_devices_per_node(layout: RunLayout, cluster: Cluster, choices: dict[st
             f"trainer.devices={cluster.devices_per_node} trainer.num_nodes={nodes}")
 
 
-def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, cluster: Cluster,
-                   facts: ModelFacts, plan: Plan | None, *, fitting: bool) -> str | None:
+def _as_configured(run: RunDescription, cluster: Cluster, facts: ModelFacts, plan: Plan | None, *,
+                   fitting: bool) -> str | None:
     """Print the run as configured: its layout, LR, the strategy built on a fake process group
     at the configured world, and the predicted memory per rank; return why it does not fit when
     that memory, with the parameters as built, exceeds the device's (None: it fits): ``plan=show``
@@ -175,17 +172,20 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     from litscale.optim.lr_scaling import scaled_lr
     from litscale.planner.cost import predict
 
+    layout = run.layout
     _say(f"as configured: {layout.describe()}")
-    rule = (cfg.get("lr_scaling") or {}).get("rule", "none")
+    scaling = run.config.get("lr_scaling") or {}
+    rule = scaling.get("rule", "none")
     if rule != "none":
-        lr = scaled_lr(float(cfg.optimizer.lr), global_batch=layout.global_batch,
-                       base_batch_size=int(cfg.lr_scaling.base_batch_size), rule=rule)
-        _say(f"as configured: lr {cfg.optimizer.lr:g} scaled by the {rule} rule to {lr:.4g} "
-             f"(global batch {layout.global_batch}, base {cfg.lr_scaling.base_batch_size})")
-    built, step_peak = _dry_run(cfg, layout)
-    _trace_collectives(cfg, choices, layout, built)
+        base_lr = float(run.optimizer["lr"])
+        lr = scaled_lr(base_lr, global_batch=layout.global_batch,
+                       base_batch_size=int(scaling["base_batch_size"]), rule=rule)
+        _say(f"as configured: lr {base_lr:g} scaled by the {rule} rule to {lr:.4g} "
+             f"(global batch {layout.global_batch}, base {scaling['base_batch_size']})")
+    built, step_peak = _dry_run(run)
+    _trace_collectives(run, built)
     if plan is None:
-        _say(f"as configured: strategy={choices.get('strategy')} is not in the planner's model; no prediction")
+        _say(f"as configured: strategy={run.choices.get('strategy')} is not in the planner's model; no prediction")
         return None
     prediction = predict(plan, facts, cluster)
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in prediction.memory.items() if k != "total" and (v or k != "buffers"))
@@ -205,20 +205,20 @@ def _as_configured(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, 
     if peak > cluster.device_memory_bytes:
         too_big = (f"the run as configured needs {peak / GiB:.1f} GiB per rank, more than "
                    f"cluster={cluster.name}'s {cluster.device_memory_bytes / GiB:.0f} GiB per device")
-        if cfg.plan.mode == "show":
+        if run.plan["mode"] == "show":
             return too_big + ("; the plans above fit" if fitting else "")
         _say(f"{too_big}; plan=auto writes the fastest plan that fits instead")
         return too_big
     return None
 
 
-def _dry_run(cfg: DictConfig, layout: RunLayout) -> tuple[float | None, int | None]:
+def _dry_run(run: RunDescription) -> tuple[float | None, int | None]:
     """Build the configured strategy at the configured world on a fake process group (no rank
     starts); say what rank 0 holds and return its parameters' bytes (None: not built) and, with
     ``plan.fake_step``, one step's peak bytes there (None: not run, and the line says why)."""
     from litscale.app.plan.dry_run import REPLICATED_MESH, built_on_fake_world
 
-    built = built_on_fake_world(OmegaConf.to_container(cfg, resolve=True), layout.world_size)
+    built = built_on_fake_world(run.config, run.layout.world_size)
     if built["params_bytes"] is None:
         _say(f"as configured: not built ({built['skipped']})")
     elif built["mesh"] == REPLICATED_MESH:
@@ -226,13 +226,13 @@ def _dry_run(cfg: DictConfig, layout: RunLayout) -> tuple[float | None, int | No
     else:
         _say(f"as configured: built on a fake process group of {built['ranks']} ranks (mesh {built['mesh']}): rank 0 "
              f"holds {_size(built['params_bytes'])} of parameters")
-    if cfg.plan.get("fake_step") and "step_peak_bytes" not in built:
+    if run.plan.get("fake_step") and "step_peak_bytes" not in built:
         _say(f"as configured: no training step traced ({built.get('step_skipped') or built.get('skipped')})")
     params = None if built["params_bytes"] is None else float(built["params_bytes"])
     return params, built.get("step_peak_bytes")
 
 
-def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayout, built: float | None) -> None:
+def _trace_collectives(run: RunDescription, built: float | None) -> None:
     """Each rank's first step traced on a fake process group at the configured world; raises
     ``ConfigError`` (refused, as the launch would be) where the ranks' collectives differ.
     ``built``: the bytes of parameters rank 0 holds. NOTE: each rank's step runs here for real,
@@ -240,18 +240,18 @@ def _trace_collectives(cfg: DictConfig, choices: dict[str, str], layout: RunLayo
     machine is not traced (``preflight.collectives=true`` traces any run that starts here)."""
     from litscale.app.checks.collectives import check_collectives, not_traced_reason
 
-    strategy = choices.get("strategy", "")
-    reason = not_traced_reason(strategy, cfg) if layout.world_size > 1 else None
+    strategy, layout = run.choices.get("strategy", ""), run.layout
+    reason = not_traced_reason(strategy, run.as_config) if layout.world_size > 1 else None
     if reason is None and layout.world_size > MAX_TRACED_RANKS:
         reason = f"{layout.world_size} ranks: plan=show traces at most {MAX_TRACED_RANKS}, one after the other here"
     elif reason is None and (built or 0) > MAX_TRACED_PARAMS_BYTES:
         reason = (f"rank 0 holds {_size(built)} of parameters: plan=show traces at most "
                   f"{_size(MAX_TRACED_PARAMS_BYTES)} per rank here")
     _say(f"as configured: collectives not traced ({reason})" if reason else
-         f"as configured: {check_collectives(cfg, strategy, layout)}")
+         f"as configured: {check_collectives(run.as_config, strategy, layout)}")
 
 
-def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: list[Plan]) -> ModelFacts:
+def timed_here(run: RunDescription, cluster: Cluster, facts: ModelFacts, plans_: list[Plan]) -> ModelFacts:
     """On this machine, ``facts`` with the network timed as each of ``plans_`` runs it, at
     the micro batches that take under ``PROFILE_LIMIT_S``; elsewhere ``facts`` as they are.
     What an earlier plan timed for this model and cluster file is read back, not timed again;
@@ -270,7 +270,7 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
             keys.setdefault(profile_key(plan), set()).add(micro)
     if not cluster.is_this_machine or not keys:
         return facts
-    identity = profile_identity(cfg, cluster)
+    identity = profile_identity(run, cluster)
     profiles = profile_cache.load(identity)
     todo = profile_cache.missing(profiles, keys)
     if todo:
@@ -287,21 +287,19 @@ def timed_here(cfg: DictConfig, cluster: Cluster, facts: ModelFacts, plans_: lis
     return dataclasses.replace(facts, profiles={key: profiles[key] for key in keys})
 
 
-def _experiment(cfg: DictConfig, choices: dict[str, str], plan_overrides: list[str], plan_dir: str, name: str,
-                what: str, *, keep_layout: bool = False) -> list[str]:
+def _experiment(run: RunDescription, plan_overrides: list[str], plan_dir: str, name: str, what: str, *,
+                keep_layout: bool = False) -> list[str]:
     """Write ``<plan_dir>/experiment/<name>.yaml``: the user's run with ``plan_overrides``
     (``keep_layout``: with its own strategy, devices and batch split); return the overrides a
     file cannot hold."""
     from litscale.app.experiment_file import carried_overrides, write_experiment
-    from litscale.app.scaling_study import job_context
 
-    run = carried_overrides(job_context(cfg).overrides, keep_layout=keep_layout)
-    return write_experiment([*run, *plan_overrides], os.path.join(plan_dir, "experiment", f"{name}.yaml"),
-                            groups=set(choices), comment=f"Written by litscale's planner: {what}.")
+    carried = carried_overrides(run.job.overrides, keep_layout=keep_layout)
+    return write_experiment([*carried, *plan_overrides], os.path.join(plan_dir, "experiment", f"{name}.yaml"),
+                            groups=set(run.choices), comment=f"Written by litscale's planner: {what}.")
 
 
-def _verify(cfg: DictConfig, cluster: Cluster, choices: dict[str, str], top: list[Prediction],
-            plan_dir: str) -> Prediction | None:
+def _verify(run: RunDescription, cluster: Cluster, top: list[Prediction], plan_dir: str) -> Prediction | None:
     """Measure ``top`` here, each written as ``<plan_dir>/experiment/verify_<i>.yaml``; return the
     plan measured fastest (None when none could be measured), after saying where the predicted
     order was wrong."""
@@ -314,10 +312,10 @@ def _verify(cfg: DictConfig, cluster: Cluster, choices: dict[str, str], top: lis
         return None
     names = [f"verify_{i}" for i in range(1, len(top) + 1)]
     for i, (prediction, name) in enumerate(zip(top, names, strict=True), 1):
-        left = _experiment(cfg, choices, overrides(prediction.plan, cluster), plan_dir, name,
+        left = _experiment(run, overrides(prediction.plan, cluster), plan_dir, name,
                            f"plan #{i} ({prediction.plan.describe()})")
-    records = verify(top, names, config_dir=plan_dir, extra=left, steps=int(cfg.plan.verify_steps),
-                     accelerator=resolve_accelerator(str(cfg.trainer.get("accelerator", "auto"))))
+    records = verify(top, names, config_dir=plan_dir, extra=left, steps=int(run.plan["verify_steps"]),
+                     accelerator=resolve_accelerator(str(run.config["trainer"].get("accelerator", "auto"))))
     _say(f"predicted vs measured (also in {os.path.join(plan_dir, 'verify.json')}):")
     print(table(records), flush=True)
     measured = [(r, p) for r, p in zip(records, top, strict=True) if r["measured_step_s"]]

@@ -25,9 +25,10 @@ import os
 import statistics
 from collections import Counter
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from litscale.app.checks.validation import calibrate_from_paths
+from litscale.app.plan.description import RunDescription, describe
 from litscale.app.plan.runs import configured_plan, facts_of, profile_identity
 from litscale.errors import ConfigError
 from litscale.planner.cluster import Cluster
@@ -51,13 +52,13 @@ class Sample:
     measured_step_s: float
 
 
-def refit(cfg: DictConfig, choices: dict[str, str], cluster: Cluster) -> tuple[Cluster, list[str]]:
+def refit(run: RunDescription, cluster: Cluster) -> tuple[Cluster, list[str]]:
     """``cluster`` with its constants refit from the runs under ``plan.calibrate_from`` and the
     overrides that keep them, where that lowers the error on held-out runs; else ``cluster``
     as it is and no overrides. Prints what it found, and writes it to ``<run dir>/plan/calibration.json``."""
-    paths = calibrate_from_paths(cfg.plan.calibrate_from)
-    samples, skipped = gather(paths, choices.get("cluster", cluster.name), cluster,
-                              allowed_targets=list(cfg.get("allowed_targets") or ()))
+    paths = calibrate_from_paths(run.plan["calibrate_from"])
+    samples, skipped = gather(paths, run.choices.get("cluster", cluster.name), cluster,
+                              allowed_targets=list(run.config.get("allowed_targets") or ()))
     shown = ", ".join(f"{count} x {reason}" for reason, count in skipped.most_common(3))
     if len(samples) < MIN_RUNS:
         raise ConfigError(f"{KEY}={_shown(paths)}: {len(samples)} run(s) with a measured step on "
@@ -71,7 +72,7 @@ def refit(cfg: DictConfig, choices: dict[str, str], cluster: Cluster) -> tuple[C
     folds = min(FOLDS, len(samples))
     after = held_out_mape(samples, cluster, folds)
     _say("  ".join(f"{name} {given[name]:.4g} -> {fitted[name]:.4g}" for name in CONSTANTS))
-    _write_record(cfg, samples, cluster, given, fitted, before, after)
+    _write_record(run.output_dir, samples, cluster, given, fitted, before, after)
     if after >= before:
         _say(f"held-out MAPE {before:.1%} (the cluster file's) -> {after:.1%} ({folds}-fold over "
              f"{len(samples)} runs): no better, so the ranking keeps the cluster file's constants")
@@ -123,16 +124,15 @@ def _sample(summary: dict, cluster_choice: str, cluster: Cluster, facts_cache: d
         # allowed_targets it wrote itself (validation imports and builds its _target_s).
         cfg.allowed_targets = allowed_targets
         cfg.ckpt_path = None  # its resume point changes no step time, and its files are not read
-        layout = validate(cfg, choices=choices, this_machine=False)
-        plan = configured_plan(cfg, choices, layout)
+        run = describe(cfg, choices, validate(cfg, choices=choices, this_machine=False))
+        plan = configured_plan(run)
         if plan is None:
             return f"strategy={choices.get('strategy')} not in the planner's model"
-        identity = json.dumps([OmegaConf.to_container(cfg.model, resolve=True), cfg.data.seq_len,
-                               cfg.data.vocab_size, OmegaConf.to_container(cfg.optimizer, resolve=True)], default=str)
+        identity = json.dumps([run.config["model"], run.seq_len, run.vocab_size, run.optimizer], default=str)
         if identity not in facts_cache:
-            facts = facts_of(cfg)
+            facts = facts_of(run)
             if cluster.is_this_machine:  # what the run's own prediction read
-                facts = dataclasses.replace(facts, profiles=profile_cache.load(profile_identity(cfg, cluster)))
+                facts = dataclasses.replace(facts, profiles=profile_cache.load(profile_identity(run, cluster)))
             facts_cache[identity] = facts
     except Exception as error:  # a run this checkout cannot rebuild: said, not fatal
         return f"not rebuilt ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
@@ -193,10 +193,11 @@ def _geometric(low: float, high: float, points: int) -> list[float]:
     return [low * (high / low) ** (i / (points - 1)) for i in range(points)]
 
 
-def _write_record(cfg: DictConfig, samples: list[Sample], cluster: Cluster, given: dict, fitted: dict,
+def _write_record(output_dir: str, samples: list[Sample], cluster: Cluster, given: dict, fitted: dict,
                   before: float, after: float) -> None:
-    """Each run's measured step and the steps predicted with the given and the fitted constants."""
-    path = os.path.join(cfg.paths.output_dir, "plan", "calibration.json")
+    """Each run's measured step and the steps predicted with the given and the fitted constants,
+    in ``<output_dir>/plan/calibration.json``."""
+    path = os.path.join(output_dir, "plan", "calibration.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     runs = [{"run_dir": s.run_dir, "plan": s.plan.describe(), "measured_step_s": s.measured_step_s,
              "predicted_given_s": predicted_step_s(s, cluster, given),

@@ -6,53 +6,51 @@ from __future__ import annotations
 
 import dataclasses
 
-from omegaconf import DictConfig, OmegaConf
-
+from litscale.app.plan.description import RunDescription
 from litscale.app.prediction import RunPrediction
-from litscale.data.token_batch import packs_documents
 from litscale.errors import ConfigError
-from litscale.parallel.layout import RunLayout
 from litscale.planner.cluster import Cluster
 from litscale.planner.cost import Plan
 from litscale.planner.model_facts import ModelFacts, model_facts
 from litscale.user_paths import user_path
 
 
-def configured_plan(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> Plan | None:
+def configured_plan(run: RunDescription) -> Plan | None:
     """The run as configured, as the planner's ``Plan``; None where its strategy is not one the
     planner costs (not a registered litscale strategy, or not ``plannable``)."""
     from litscale.parallel.contract import contract_value
     from litscale.planner.strategies import registered, takes
     from litscale.strategies.pipeline import default_virtual_stages
 
-    name = choices.get("strategy", "")
+    name = run.choices.get("strategy", "")
     cls = registered().get(name)
     if cls is None or not contract_value(cls, "plannable"):
         return None
-    microbatches, schedule = int(cfg.strategy.get("microbatches", 1)), str(cfg.strategy.get("schedule", "1f1b"))
+    strategy, layout = run.strategy, run.layout
+    microbatches, schedule = int(strategy.get("microbatches", 1)), str(strategy.get("schedule", "1f1b"))
     return Plan(name, layout.mesh, layout.micro_batch, layout.accumulation,
-                bool(cfg.strategy.get("activation_checkpointing", False)), cfg.precision.compute_dtype,
-                cfg.precision.param_dtype, microbatches, schedule,
-                int(cfg.strategy.get("virtual_stages") or default_virtual_stages(schedule)),
-                choices.get("compression", "none") if takes(cls, "compression") else "none",
-                bool(cfg.precision.get("float8")), options=configured_options(cfg, cls, layout))
+                bool(strategy.get("activation_checkpointing", False)), run.compute_dtype, run.param_dtype,
+                microbatches, schedule, int(strategy.get("virtual_stages") or default_virtual_stages(schedule)),
+                run.choices.get("compression", "none") if takes(cls, "compression") else "none",
+                run.float8, options=configured_options(run, cls))
 
 
-def configured_options(cfg: DictConfig, cls: type, layout: RunLayout) -> dict:
+def configured_options(run: RunDescription, cls: type) -> dict:
     """The configured strategy's options as the planner's plans state them: the keys its
     ``candidate_meshes`` sets (so the run reads as the ranked plans do) and every other plain
     value that differs from its constructor's default (what may change how a rank holds its share)."""
     import inspect
 
+    layout = run.layout
     stated = {key for options, _ in cls.candidate_meshes(world_size=layout.world_size, nodes=layout.num_nodes,
                                                            devices_per_node=layout.processes_per_node,
                                                            context_sizes=[1]) for key in options}
     defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()}
-    return {key: value for key, value in cfg.strategy.items() if key in defaults
+    return {key: value for key, value in run.strategy.items() if key in defaults
             and isinstance(value, (bool, int, float, str)) and (key in stated or value != defaults[key])}
 
 
-def predict_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> RunPrediction:
+def predict_run(run: RunDescription) -> RunPrediction:
     """The planner's prediction for the run as configured, made once in ``train()`` before
     launch and carried to rank 0's summary (no figures where ``plan.predict_run`` is off, the
     strategy is not modelled, or the cluster is this machine and has no calibration of it).
@@ -60,20 +58,20 @@ def predict_run(cfg: DictConfig, choices: dict[str, str], layout: RunLayout) -> 
     model and cluster file where it did (``plan/compute_source``: ``timed``), else FLOPs at the
     cluster's throughput. A model and layout whose prediction a run on this machine
     contradicted get none (``plan/withheld``) until ``plan=show|auto`` times them again."""
-    from litscale.app.build import build, trusted_targets
+    from litscale.app.build import build
     from litscale.planner import profile_cache
     from litscale.planner.calibrate import calibrated_figures
     from litscale.planner.compute_cost import profile_key, timed_forward_backward_s
     from litscale.planner.cost import predict
 
-    plan = configured_plan(cfg, choices, layout)
-    cluster_node = cfg.get("cluster")
-    if not cfg.plan.get("predict_run", True) or plan is None or cluster_node is None or "_target_" not in cluster_node or (
-            cluster_node._target_.endswith(".local_cpu") and calibrated_figures() is None):
+    plan = configured_plan(run)
+    cluster_node = run.cluster
+    if not run.plan.get("predict_run", True) or plan is None or cluster_node is None or "_target_" not in cluster_node or (
+            cluster_node["_target_"].endswith(".local_cpu") and calibrated_figures() is None):
         return RunPrediction()
-    cluster = build(cluster_node, trusted=trusted_targets(cfg))
-    facts = facts_of(cfg)
-    identity = profile_identity(cfg, cluster) if cluster.is_this_machine else None
+    cluster = build(cluster_node, trusted=run.trusted)
+    facts = facts_of(run)
+    identity = profile_identity(run, cluster) if cluster.is_this_machine else None
     if identity is not None:
         earlier = profile_cache.contradiction(identity, plan.describe())
         if earlier is not None:
@@ -122,7 +120,7 @@ def with_muon(facts: ModelFacts, *, ns_steps: int = 5, ns_dtype: str = "float32"
         newton_schulz_flops=newton_schulz_flops((p.shape for p in matrices), ns_steps), newton_schulz_dtype=ns_dtype)
 
 
-def facts_of(cfg: DictConfig) -> ModelFacts:
+def facts_of(run: RunDescription) -> ModelFacts:
     """The composed model's facts, read off a meta-device copy (traced once per model and code:
     ``planner.facts_cache``); a mixture of experts' load
     imbalance as ``plan.moe_load_imbalance`` states it, or measured from the tokens per expert
@@ -132,20 +130,20 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     from litscale.optim.muon import wants_parameter_roles
     from litscale.planner import facts_cache
 
-    shape = {"seq_len": int(cfg.data.seq_len), "vocab_size": int(cfg.data.vocab_size),
-             "compute_dtype": cfg.precision.compute_dtype, "param_dtype": cfg.precision.param_dtype,
-             "packed_documents": packs_documents(cfg.data) is not None}
-    key = facts_cache.identity(OmegaConf.to_container(cfg.model.net, resolve=True), **shape)
-    net = meta_net(cfg)
+    shape = {"seq_len": run.seq_len, "vocab_size": run.vocab_size, "compute_dtype": run.compute_dtype,
+             "param_dtype": run.param_dtype, "packed_documents": run.packed_documents}
+    key = facts_cache.identity(run.net, **shape)
+    net = meta_net(run.as_config)
     facts = facts_cache.load(key, net)
     if facts is None:
         facts = model_facts(net, **shape)
         facts_cache.store(key, facts)
-    facts = facts.with_attended_length(data_attended_length(cfg))
-    if wants_parameter_roles(locate_target(cfg.optimizer._target_, "optimizer")):
-        facts = with_muon(facts, ns_steps=int(cfg.optimizer.get("ns_steps", 5)),
-                          ns_dtype=str(cfg.optimizer.get("ns_dtype", "float32")))
-    plan = cfg.get("plan") or {}
+    facts = facts.with_attended_length(data_attended_length(run))
+    optimizer = run.optimizer
+    if wants_parameter_roles(locate_target(optimizer["_target_"], "optimizer")):
+        facts = with_muon(facts, ns_steps=int(optimizer.get("ns_steps", 5)),
+                          ns_dtype=str(optimizer.get("ns_dtype", "float32")))
+    plan = run.plan
     if facts.moe is None:
         return facts
     moe = dataclasses.replace(facts.moe, load_imbalance=float(plan.get("moe_load_imbalance", 1.0)))
@@ -154,18 +152,18 @@ def facts_of(cfg: DictConfig) -> ModelFacts:
     return dataclasses.replace(facts, moe=moe)
 
 
-def data_attended_length(cfg: DictConfig) -> float | None:
+def data_attended_length(run: RunDescription) -> float | None:
     """Where the rows pack documents: the keys a token attends to on average, as the data module
     states it once its rows are set up (``attended_length``), so the planner counts the masked
     attention's FLOPs as the run's MFU does; None for rows of one document, or where the data
     cannot be set up here (a prediction never fails a run: the whole row's attention is then
     counted, as before)."""
-    if packs_documents(cfg.data) is None:
+    if not run.packed_documents:
         return None
-    from litscale.app.build import build, trusted_targets
+    from litscale.app.build import build
 
     try:
-        datamodule = build(cfg.data, trusted=trusted_targets(cfg))
+        datamodule = build(run.data, trusted=run.trusted)
         datamodule.prepare_data()  # found, not made, where validation prepared it before launch
         datamodule.setup("fit")
     except (OSError, ValueError):
@@ -190,12 +188,11 @@ def measured_tokens_per_expert(path: str, moe) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(count) for count in row) for row in rows)
 
 
-def profile_identity(cfg: DictConfig, cluster: Cluster) -> dict:
-    """What a profile of ``cfg``'s network on ``cluster`` depends on: the cache's key."""
+def profile_identity(run: RunDescription, cluster: Cluster) -> dict:
+    """What a profile of the run's network on ``cluster`` depends on: the cache's key."""
     from litscale.planner.profile_cache import code_identity
 
-    compression = cfg.get("compression") or {}
-    return {"net": OmegaConf.to_container(cfg.model.net, resolve=True), "seq_len": int(cfg.data.seq_len),
-            "vocab_size": int(cfg.data.vocab_size), "packed_documents": packs_documents(cfg.data) is not None,
-            "cluster": cluster.source, **code_identity(),
-            "compression": OmegaConf.to_container(compression, resolve=True) if "_target_" in compression else None}
+    compression = run.config.get("compression") or {}
+    return {"net": run.net, "seq_len": run.seq_len, "vocab_size": run.vocab_size,
+            "packed_documents": run.packed_documents, "cluster": cluster.source, **code_identity(),
+            "compression": compression if "_target_" in compression else None}
