@@ -348,7 +348,8 @@ def test_three_groups_without_a_fault_match_one_process_with_their_global_batch(
                                        outputs=tmp_path / "reference", timeout=300)
     assert reference.returncode == 0, explain(reference)
     ours, theirs = job_summary(tmp_path / "groups"), job_summary(tmp_path / "reference")
-    assert ours["fault_tolerance"]["steps_with_fewer_groups"] == 0
+    assert ours["fault_tolerance"]["steps_with_fewer_groups"] == ours["fault_tolerance"]["steps_dropped"] == 0, (
+        ours["fault_tolerance"])
     expected = final_weights(theirs)
     for group in range(3):  # every group ends with the one process's weights
         weights = final_weights(json.loads((Path(ours["output_dir"]) / "replicas" / str(group) /
@@ -675,7 +676,10 @@ def test_two_moe_groups_match_one_process_with_their_global_batch_bias_and_logge
 
     moe = ["model=moe", "model.net.aux_loss_coef=0", "trainer.max_steps=6", "trainer.val_check_interval=6",
            "trainer.limit_val_batches=1"]
-    groups = [sys.executable, *(o for o in TRAIN[1:] if "limit_val" not in o), "fault_tolerance.groups=2", *moe]
+    # A sum slower than its 10 s timeout on a machine the soak set loads drops its step (one
+    # process then saw a batch the groups did not): the claim here is the sum's, not its speed.
+    groups = [sys.executable, *(o for o in TRAIN[1:] if "limit_val" not in o), "fault_tolerance.groups=2",
+              "fault_tolerance.timeout_s=120", *moe]
     process, _, stray = run_in_own_group(groups, outputs=tmp_path / "groups", timeout=420)
     assert process.returncode == 0, explain(process)
     assert stray == []
@@ -685,6 +689,9 @@ def test_two_moe_groups_match_one_process_with_their_global_batch_bias_and_logge
     assert reference.returncode == 0, explain(reference)
     ours, theirs = job_summary(tmp_path / "groups"), job_summary(tmp_path / "reference")
     assert ours["global_batch"] == theirs["global_batch"] == 16
+    # every step summed over both groups and committed: what one process is compared with
+    assert ours["fault_tolerance"]["steps_with_fewer_groups"] == ours["fault_tolerance"]["steps_dropped"] == 0, (
+        ours["fault_tolerance"])
     expected = final_weights(theirs)
     biases = [name for name in expected if name.endswith("selection_bias")]
     assert biases and all(expected[name].abs().sum() > 0 for name in biases)  # the update moved them

@@ -4,7 +4,8 @@ time each, cut alike in every process; CI runs the commit's."""
 from __future__ import annotations
 
 import pytest
-from helpers.soak_slices import SLICES, parse_slice, slices
+from helpers import soak_slices
+from helpers.soak_slices import SLICES, expected_wall_seconds, parse_slice, slices
 
 
 def test_every_test_is_in_exactly_one_slice_and_the_slices_take_about_equal_time():
@@ -25,3 +26,11 @@ def test_the_cut_is_the_same_whatever_order_the_tests_come_in():
 def test_a_slice_outside_the_set_is_refused(text):
     with pytest.raises(ValueError):
         parse_slice(text)
+
+
+def test_a_slices_expected_time_is_its_tests_recorded_seconds_shared_by_the_workers(monkeypatch):
+    """What ``.ci/run`` weighs against the time CI has left before it starts the commit's slice."""
+    seconds = {"a": 100.0, "b": 60.0, "c": 50.0, "d": 30.0}
+    monkeypatch.setattr(soak_slices, "recorded_seconds", lambda: seconds)
+    # longest first, each to the lightest slice so far: [a], [b], [c, d]
+    assert [expected_wall_seconds(index, count=3, workers=2) for index in range(3)] == [50, 30, 40]

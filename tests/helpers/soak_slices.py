@@ -61,5 +61,19 @@ def slice_of_this_commit(count: int = SLICES) -> int:
         return 0
 
 
+def expected_wall_seconds(index: int, count: int = SLICES, workers: int = 2) -> int:
+    """About how long slice ``index`` runs on ``workers`` test processes: its tests' seconds in
+    the last whole soak run (the tests of that run, cut as ``slices`` cuts them), shared out."""
+    seconds = recorded_seconds()
+    part = slices(list(seconds), seconds, count)[index]
+    return round(sum(seconds[node] for node in part) / workers)
+
+
 if __name__ == "__main__":
-    print(slice_of_this_commit())
+    import sys
+
+    # `soak_slices.py`: the commit's slice; `soak_slices.py --seconds K`: slice K's expected wall time.
+    if sys.argv[1:2] == ["--seconds"]:
+        print(expected_wall_seconds(int(sys.argv[2])))
+    else:
+        print(slice_of_this_commit())
