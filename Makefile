@@ -3,8 +3,8 @@
 #   make test    install the dev extras and run the test suite (all but the `full` set): the
 #                in-process tests, the 2-rank parity table, the combination sample, the refusals
 #   make test-full  the `full` set: the end-to-end runs, parity at 4 and 8 ranks (CI runs it too)
-#   make test-soak  the `soak` set: long end-to-end runs beyond CI's time (run it whole before a release)
-#   make test-soak-slice  one fifth of it, by time (the commit count's slice; CI's once soak passes whole)
+#   make test-soak  the `soak` set: the longest end-to-end runs (CI runs a fifth; run it whole before a release)
+#   make test-soak-slice  one fifth of it, by time (the commit count's slice, as .ci/run runs it)
 #   make image      the Docker image cluster jobs run (make image-cuda: its CUDA variant)
 #   make durations  the slowest tests and the seconds per file of the last make test / test-full
 #   make mutants    plant each defect of tests/mutants/catalog.py and run the tests that must catch it

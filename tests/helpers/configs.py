@@ -94,7 +94,7 @@ def faster_composition():
 
 def as_job(cfg: DictConfig, output_dir: Path) -> tuple[DictConfig, dict[str, str]]:
     """``(config, choices)`` as a job sees them: no ``hydra`` node, a real run dir (as
-    ``litscale.app.preflight._as_job_config`` does, with a path instead of a placeholder)."""
+    ``litscale.app.preflight.as_job_config`` does, with a path instead of a placeholder)."""
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
     with open_dict(cfg):
         del cfg["hydra"]

@@ -32,7 +32,7 @@ from typing import Any
 from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn
 from hydra.plugins.sweeper import Sweeper
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 # NOTE: optuna_study.NoObjective is looked up where it is caught: Hydra's plugin scan executes
 # the plugin modules again (load_module), which replaces the class a name imported earlier holds.
@@ -254,14 +254,13 @@ class OptunaSweeper(Sweeper):
             return overrides
         from litscale.app.experiment_file import PLAN_KEYS, without
         from litscale.app.plan.ranking import pick_layout
-        from litscale.app.preflight import fail
+        from litscale.app.preflight import as_job_config, fail
         from litscale.errors import ConfigError
 
         with self._lock:  # one trial's planning at a time: each may time the model on this machine
             cfg = compose_job(self.hydra_context, self.config, overrides)
             choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if isinstance(v, str)}
-            with open_dict(cfg):
-                del cfg.hydra  # as the job's own config is: Hydra's node is not the run's
+            cfg = as_job_config(cfg)  # as the job's own config is: no Hydra node, a run dir not made yet
             try:
                 picked, line = pick_layout(cfg, choices)
             except ConfigError as error:

@@ -127,7 +127,7 @@ def validate_job(cfg, *, multirun: bool) -> None:
         check_sweep_extras(cfg, choices)
     on_cluster = multirun and runs_jobs_elsewhere(cfg)
     elastic = on_cluster and check_cluster_resources(cfg)
-    job = _as_job_config(cfg)
+    job = as_job_config(cfg)
     if elastic:  # as the launcher hands the job to its ranks (the Ray and k8s launchers' elastic=true)
         job.elastic = True
     here = not on_cluster and not only_planned(job)
@@ -222,7 +222,7 @@ def check_cluster_resources(cfg) -> bool:
                           strategy_target=str(OmegaConf.select(cfg, "strategy._target_") or "")))
 
 
-def _as_job_config(cfg):
+def as_job_config(cfg):
     """The composed config as the job will see it: no ``hydra`` node, and a placeholder for
     the run dir, which is not known before Hydra creates it."""
     from omegaconf import open_dict
