@@ -148,7 +148,7 @@ def facts_of(run: RunDescription) -> ModelFacts:
         return facts
     moe = dataclasses.replace(facts.moe, load_imbalance=float(plan.get("moe_load_imbalance", 1.0)))
     if plan.get("moe_load_from"):
-        moe = dataclasses.replace(moe, tokens_per_expert=measured_tokens_per_expert(str(plan.moe_load_from), moe))
+        moe = dataclasses.replace(moe, tokens_per_expert=measured_tokens_per_expert(str(plan["moe_load_from"]), moe))
     return dataclasses.replace(facts, moe=moe)
 
 
