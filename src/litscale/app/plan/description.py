@@ -97,9 +97,9 @@ class RunDescription:
     @property
     def trusted(self) -> tuple[str, ...]:
         """The packages this run may build from (litscale's and its ``allowed_targets``)."""
-        from litscale.app.checks.safety import allowed_prefixes
+        from litscale.app.build import trusted_targets
 
-        return allowed_prefixes(self.config.get("allowed_targets") or ())
+        return trusted_targets(self.config)
 
     @property
     def output_dir(self) -> str:
