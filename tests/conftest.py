@@ -63,6 +63,8 @@ LONGEST_FIRST = ("test_parity.py", "test_combinations.py", "test_moving_runs.py"
 def pytest_addoption(parser) -> None:
     parser.addoption("--soak-slice", default=None, metavar="K/N",
                      help="of the soak tests, run only slice K of N (cut by time: tests/helpers/soak_slices.py)")
+    parser.addoption("--soak-slice-seconds", default=None, metavar="FILE",
+                     help="with --soak-slice: write the slice's expected wall seconds there (.ci/run, with --collect-only)")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -79,16 +81,32 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def _keep_soak_slice(config, items) -> None:
-    from helpers.soak_slices import parse_slice, recorded_seconds, slices
+    from helpers.soak_slices import (
+        expected_wall_seconds,
+        groups_sharing,
+        parse_slice,
+        recorded_seconds,
+        slices,
+    )
 
     index, count = parse_slice(config.getoption("--soak-slice"))
-    soak = [item.nodeid for item in items if item.get_closest_marker("soak")]
-    kept = set(slices(soak, recorded_seconds(), count)[index])
+    seconds = recorded_seconds()
+    soak = {item.nodeid: _module_fixtures(item) for item in items if item.get_closest_marker("soak")}
+    part = slices(groups_sharing(soak), seconds, count)[index]
+    if config.getoption("--soak-slice-seconds"):
+        Path(config.getoption("--soak-slice-seconds")).write_text(f"{expected_wall_seconds(part, seconds)}\n")
+    kept = set(part)
     dropped = [item for item in items if item.get_closest_marker("soak") and item.nodeid not in kept]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         gone = {id(item) for item in dropped}
         items[:] = [item for item in items if id(item) not in gone]
+
+
+def _module_fixtures(item) -> list[str]:
+    """The module-scoped fixtures ``item`` asks for, directly or through other fixtures."""
+    definitions = item._fixtureinfo.name2fixturedefs
+    return [name for name in item.fixturenames if definitions.get(name) and definitions[name][-1].scope == "module"]
 
 
 def pytest_sessionfinish(session) -> None:

@@ -14,6 +14,7 @@ group 2 is SIGKILLed at step 20; 2 FSDP groups; a killed rank in a DDP group of 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 from pathlib import Path
@@ -396,20 +397,38 @@ def test_a_rank_killed_in_a_ddp_group_of_two_restarts_its_group_alone(tmp_path):
 
     NOTE: 150 steps, as the restart (2 processes importing torch and Lightning beside 4 that
     train) took 8-10 s here and the other groups' 30 steps after step 10 about 6 s: at 40 the
-    run ended while the group was starting again."""
+    run ended while the group was starting again. The sum's timeout is 60 s, not 10: in a soak
+    slice beside a 4-rank run the whole machine stalled 15 s at step 104, group 1's sum timed out,
+    and a group lost to the load (not to the kill) was restarted again; the claim here is the
+    kill's, so the pause is measured from the kill to the rejoin."""
     import sys
 
     command = [sys.executable, "train.py", "fault_tolerance=replicas", "strategy=ddp", "trainer.devices=2", *RUN,
                "logger=csv", "launcher.oversubscribe=true", "trainer.max_steps=150", "trainer.val_check_interval=150",
+               "fault_tolerance.timeout_s=60",
                "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.at_step=10",
                "+callbacks.fault.kind=sigkill", "+callbacks.fault.replica_group=1", "+callbacks.fault.rank=1"]
     process, _, stray = run_in_own_group(command, outputs=tmp_path, timeout=840)
     assert process.returncode == 0, explain(process)
     assert stray == []
-    cost = job_summary(tmp_path)["fault_tolerance"]
+    summary = job_summary(tmp_path)
+    cost = summary["fault_tolerance"]
     assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 150, cost
     assert cost["restarted"] == [1] and cost["rejoined_at_step"]["1"] > 10, cost
-    assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost
+    rejoined = cost["rejoined_at_step"]["1"]
+    pauses = pauses_between(summary["output_dir"], groups=(0, 2), steps=range(10, rejoined + 2))
+    assert pauses and max(pauses) - cost["median_step_s"] < 10.0, (max(pauses, default=None), cost)
+
+
+def pauses_between(run_dir: str, *, groups: tuple[int, ...], steps: range) -> list[float]:
+    """The seconds between each two consecutive steps of ``groups`` (their step records) whose
+    later step is in ``steps``."""
+    pauses = []
+    for group in groups:
+        rows = [json.loads(line) for line in Path(steps_log_path(group_dir(run_dir, group))).read_text().splitlines()]
+        rows = [row for row in rows if "started" not in row]
+        pauses += [b["time"] - a["time"] for a, b in itertools.pairwise(rows) if b["step"] in steps]
+    return pauses
 
 
 def test_a_group_rejoining_past_an_epoch_with_a_partial_window_reads_the_step_it_rejoins_at():

@@ -2,37 +2,78 @@
 
 CI's 30 minutes hold ``make test``, ``make test-full`` and one fifth of ``make test-soak``:
 ``.ci/run`` runs slice ``(number of commits) mod SLICES`` (``make test-soak-slice``), so over any
-``SLICES`` consecutive commits every soak test runs once. A test goes to the slice with the
-least time so far, longest first, by its seconds in the last whole soak run
-(``tests/soak_seconds.json``, written by ``make soak-seconds`` from that run's JUnit XML); a test
-that run did not time counts as the median and takes its place among the others.
+``SLICES`` consecutive commits every soak test runs once.
+
+The cut's unit is a group of tests that must run together: the soak tests of one module that
+share a module-scoped fixture (a Ray cluster and its sweeps, a killed Optuna study), which a
+slice holding any of them pays for whole. Cut test by test, such a fixture was paid in every
+slice that held one of its tests, and counted in one (slice 0 of 2026-12-07: 806 s where its
+recorded tests said 649, the Ray cluster's 360 s set-up paid twice). ``UNBINDING_FIXTURES``
+names the module fixtures that only make a directory and so bind nothing.
+
+A group goes to the slice with the least time so far, longest first, by its tests' seconds in
+the last whole soak run (``tests/soak_seconds.json``, written by ``make soak-seconds`` from that
+run's JUnit XML: a shared fixture is counted once there, in the test that set it up); a test
+that run did not time counts as the median.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterable
 from pathlib import Path
 
 SLICES = 5
 SECONDS = Path(__file__).resolve().parents[1] / "soak_seconds.json"
+# Module-scoped fixtures that tie no tests together: a directory for the tests' runs (the
+# combination draw's chunks share one, and are cut apart so that no slice holds the whole draw).
+UNBINDING_FIXTURES = frozenset({"root"})
 
 
 def recorded_seconds() -> dict[str, float]:
     return json.loads(SECONDS.read_text()) if SECONDS.exists() else {}
 
 
-def slices(node_ids: list[str], seconds: dict[str, float], count: int = SLICES) -> list[list[str]]:
-    """``node_ids`` cut into ``count`` slices of about equal recorded time (longest first, each to
-    the slice with the least so far; ties by node id, so every process cuts alike)."""
+def groups_sharing(node_fixtures: dict[str, Iterable[str]]) -> list[list[str]]:
+    """Node ids grouped by the module-scoped fixtures they share (``node -> those fixtures'
+    names``; a node id's module is the part before ``::``): two tests of one module asking for
+    the same binding fixture are in one group, transitively; a test sharing none is alone."""
+    parent = {node: node for node in node_fixtures}
+
+    def root(node: str) -> str:
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    first_with: dict[tuple[str, str], str] = {}
+    for node in sorted(node_fixtures):
+        module = node.split("::", 1)[0]
+        for fixture in sorted(set(node_fixtures[node]) - UNBINDING_FIXTURES):
+            other = first_with.setdefault((module, fixture), node)
+            parent[root(node)] = root(other)
+    members: dict[str, list[str]] = {}
+    for node in sorted(node_fixtures):
+        members.setdefault(root(node), []).append(node)
+    return list(members.values())
+
+
+def slices(groups: list[list[str]], seconds: dict[str, float], count: int = SLICES) -> list[list[str]]:
+    """``groups`` (lists of node ids that run together) cut into ``count`` slices of about equal
+    recorded time (longest first, each to the slice with the least so far; ties by node id, so
+    every process cuts alike)."""
     usual = statistics.median(seconds.values()) if seconds else 1.0
-    cost = {node: seconds.get(node, usual) for node in node_ids}
+
+    def cost(group: list[str]) -> float:
+        return sum(seconds.get(node, usual) for node in group)
+
     cut: list[list[str]] = [[] for _ in range(count)]
     totals = [0.0] * count
-    for node in sorted(node_ids, key=lambda node: (-cost[node], node)):
+    for group in sorted((sorted(group) for group in groups), key=lambda group: (-cost(group), group)):
         lightest = min(range(count), key=lambda index: (totals[index], index))
-        cut[lightest].append(node)
-        totals[lightest] += cost[node]
+        cut[lightest] += group
+        totals[lightest] += cost(group)
     return cut
 
 
@@ -61,19 +102,18 @@ def slice_of_this_commit(count: int = SLICES) -> int:
         return 0
 
 
-def expected_wall_seconds(index: int, count: int = SLICES, workers: int = 2) -> int:
-    """About how long slice ``index`` runs on ``workers`` test processes: its tests' seconds in
-    the last whole soak run (the tests of that run, cut as ``slices`` cuts them), shared out."""
-    seconds = recorded_seconds()
-    part = slices(list(seconds), seconds, count)[index]
-    return round(sum(seconds[node] for node in part) / workers)
+def expected_wall_seconds(part: list[str], seconds: dict[str, float], workers: int = 2) -> int:
+    """About how long a slice of these node ids runs on ``workers`` test processes: its tests'
+    recorded seconds shared out, but no less than its longest module's (each module runs whole
+    on one worker: pyproject's ``--dist loadfile``)."""
+    usual = statistics.median(seconds.values()) if seconds else 1.0
+    by_module: dict[str, float] = {}
+    for node in part:
+        module = node.split("::", 1)[0]
+        by_module[module] = by_module.get(module, 0.0) + seconds.get(node, usual)
+    return round(max(sum(by_module.values()) / workers, max(by_module.values(), default=0.0)))
 
 
 if __name__ == "__main__":
-    import sys
-
-    # `soak_slices.py`: the commit's slice; `soak_slices.py --seconds K`: slice K's expected wall time.
-    if sys.argv[1:2] == ["--seconds"]:
-        print(expected_wall_seconds(int(sys.argv[2])))
-    else:
-        print(slice_of_this_commit())
+    # The commit's slice (``.ci/run``; its time: pytest --soak-slice=K/5 --soak-slice-seconds=FILE).
+    print(slice_of_this_commit())
