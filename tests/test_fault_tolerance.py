@@ -414,10 +414,11 @@ def test_a_rank_killed_in_a_ddp_group_of_two_restarts_its_group_alone(tmp_path):
     summary = job_summary(tmp_path)
     cost = summary["fault_tolerance"]
     assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 150, cost
-    assert cost["restarted"] == [1] and cost["rejoined_at_step"]["1"] > 10, cost
+    assert cost["restarted"] == [1], cost
     rejoined = cost["rejoined_at_step"]["1"]
     pauses = pauses_between(summary["output_dir"], groups=(0, 2), steps=range(10, rejoined + 2))
     assert pauses and max(pauses) - cost["median_step_s"] < 10.0, (max(pauses, default=None), cost)
+    assert rejoined > 10, cost  # the others trained on while the group started again
 
 
 def pauses_between(run_dir: str, *, groups: tuple[int, ...], steps: range) -> list[float]:
