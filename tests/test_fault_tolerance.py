@@ -270,8 +270,11 @@ def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tm
     # NOTE: killed at step 20 of 90, not 30 of 60: the group's new interpreter takes 20 s to import
     # and build on 2 idle cores (27 of the others' 0.8 s steps, measured) and more than 32 s on a
     # loaded one (CI's run of 60 steps ended before it was back), and a group not back when the
-    # run ends is stopped, not waited for.
+    # run ends is stopped, not waited for. The sum's timeout is 60 s, as in the DDP-group test
+    # below: in a soak slice the three groups all stalled 10-12 s at steps 86-89, long after the
+    # kill's 2.2 s, and the pause is the kill's claim, so it is bounded from the kill to the rejoin.
     command = [sys.executable, *TRAIN[1:], "trainer.max_steps=90", "trainer.val_check_interval=90",
+               "fault_tolerance.timeout_s=60",
                "+callbacks.fault._target_=litscale.callbacks.faults.InjectFault", "+callbacks.fault.at_step=20",
                "+callbacks.fault.kind=sigkill", "+callbacks.fault.replica_group=2"]
     process, _, stray = run_in_own_group(command, outputs=tmp_path / "killed", timeout=540)
@@ -280,10 +283,13 @@ def test_three_groups_train_on_while_one_is_killed_and_it_rejoins_from_a_peer(tm
     summary = job_summary(tmp_path / "killed")
     cost = summary["fault_tolerance"]
     assert cost["finished"] == [0, 1, 2] and cost["final_step"] == 90, cost  # every group ends the run
-    assert cost["restarted"] == [2] and cost["rejoined_at_step"]["2"] > 20, cost
-    # The survivors never stopped for long: their longest step, less a step's own time (a loaded
-    # 2-core machine runs 3 processes at seconds a step), under 10 s.
-    assert cost["longest_pause_s"] - cost["median_step_s"] < 10.0, cost
+    assert cost["restarted"] == [2], cost
+    # The survivors never stopped for long from the kill to the rejoin: their longest step, less a
+    # step's own time (a loaded 2-core machine runs 3 processes at seconds a step), under 10 s.
+    rejoined = cost["rejoined_at_step"]["2"]
+    pauses = pauses_between(summary["output_dir"], groups=(0, 1), steps=range(20, rejoined + 2))
+    assert pauses and max(pauses) - cost["median_step_s"] < 10.0, (max(pauses, default=None), cost)
+    assert rejoined > 20, cost  # the others trained on while the group started again
     assert 0 < cost["steps_with_fewer_groups"] < 90, cost
     assert "litscale: fault tolerance: replica group 2 rejoined at step" in process.stdout + process.stderr
 
