@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 SLICES = 5
@@ -33,6 +33,12 @@ UNBINDING_FIXTURES = frozenset({"root"})
 
 def recorded_seconds() -> dict[str, float]:
     return json.loads(SECONDS.read_text()) if SECONDS.exists() else {}
+
+
+def seconds_of(seconds: dict[str, float]) -> Callable[[str], float]:
+    """A test's recorded seconds; a test the record did not time counts as the median."""
+    usual = statistics.median(seconds.values()) if seconds else 1.0
+    return lambda node: seconds.get(node, usual)
 
 
 def groups_sharing(node_fixtures: dict[str, Iterable[str]]) -> list[list[str]]:
@@ -63,10 +69,10 @@ def slices(groups: list[list[str]], seconds: dict[str, float], count: int = SLIC
     """``groups`` (lists of node ids that run together) cut into ``count`` slices of about equal
     recorded time (longest first, each to the slice with the least so far; ties by node id, so
     every process cuts alike)."""
-    usual = statistics.median(seconds.values()) if seconds else 1.0
+    recorded = seconds_of(seconds)
 
     def cost(group: list[str]) -> float:
-        return sum(seconds.get(node, usual) for node in group)
+        return sum(recorded(node) for node in group)
 
     cut: list[list[str]] = [[] for _ in range(count)]
     totals = [0.0] * count
@@ -106,11 +112,11 @@ def expected_wall_seconds(part: list[str], seconds: dict[str, float], workers: i
     """About how long a slice of these node ids runs on ``workers`` test processes: its tests'
     recorded seconds shared out, but no less than its longest module's (each module runs whole
     on one worker: pyproject's ``--dist loadfile``)."""
-    usual = statistics.median(seconds.values()) if seconds else 1.0
+    recorded = seconds_of(seconds)
     by_module: dict[str, float] = {}
     for node in part:
         module = node.split("::", 1)[0]
-        by_module[module] = by_module.get(module, 0.0) + seconds.get(node, usual)
+        by_module[module] = by_module.get(module, 0.0) + recorded(node)
     return round(max(sum(by_module.values()) / workers, max(by_module.values(), default=0.0)))
 
 
