@@ -17,18 +17,39 @@ BIN := $(VENV)/bin
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 
-# Stamps keep re-runs fast: pip runs again only when pyproject.toml or constraints.txt changes.
-# constraints.txt: the versions of a working install, so pip resolves nothing on a fresh
-# machine (an index listing a release before its wheels broke set-up once: regex's sdist).
+# uv installs the pinned set in about 10 s where pip took 75 (2 cores, wheels cached; a fresh
+# clone, as CI's, pays it every time). uv reads no pip.conf, so the PIP_* variables a machine
+# sets for pip are handed on; INSTALLER=pip installs with pip instead.
+INSTALLER ?= uv
+$(BIN)/uv: | $(BIN)/python
+	$(BIN)/pip install --quiet -c constraints.txt uv
+ifdef PIP_FIND_LINKS
+export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
+endif
+ifdef PIP_INDEX_URL
+export UV_INDEX_URL ?= $(PIP_INDEX_URL)
+endif
+ifdef PIP_EXTRA_INDEX_URL
+export UV_EXTRA_INDEX_URL ?= $(PIP_EXTRA_INDEX_URL)
+endif
+
+# Stamps keep re-runs fast: the installer runs again only when pyproject.toml or constraints.txt
+# changes. constraints.txt: the versions of a working install, so nothing is resolved anew on a
+# fresh machine (an index listing a release before its wheels broke set-up once: regex's sdist).
+ifeq ($(INSTALLER),pip)
+INSTALLER_BIN := $(BIN)/python
 PIP_INSTALL := $(BIN)/pip install --quiet -c constraints.txt
+else
+INSTALLER_BIN := $(BIN)/uv
+PIP_INSTALL := $(BIN)/uv pip install --python $(BIN)/python --quiet -c constraints.txt
+endif
 
-$(VENV)/.installed: pyproject.toml constraints.txt | $(BIN)/python
+$(VENV)/.installed: pyproject.toml constraints.txt | $(INSTALLER_BIN)
 	$(PIP_INSTALL) -e .
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml constraints.txt | $(BIN)/python
+$(VENV)/.installed-dev: pyproject.toml constraints.txt | $(INSTALLER_BIN)
 	$(PIP_INSTALL) -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
