@@ -236,7 +236,7 @@ def test_the_costs_of_a_lost_group_are_read_from_the_step_records(tmp_path):
                                {"step": 38, "started": True, "time": 41.0, "groups": 3},
                                *steps(38, 40, 3.5, lambda s: 3)])
     cost = costs(str(tmp_path), 3, [0, 1, 2])
-    assert cost == {"groups": 3, "finished": [0, 1, 2], "not_finished": [], "restarted": [2], "rejoined_at_step": {"2": 38},
+    assert cost == {"groups": 3, "finished": [0, 1, 2], "not_finished": [], "fell_behind": [], "restarted": [2], "rejoined_at_step": {"2": 38},
                     "seconds_to_rejoin": {"2": pytest.approx(12.0)},
                     "longest_pause_s": pytest.approx(4.5), "median_step_s": pytest.approx(1.0),
                     "steps_with_fewer_groups": 7, "steps_dropped": 1,
@@ -782,3 +782,60 @@ def test_a_one_rank_groups_commit_vote_is_its_own_and_everything_else_goes_to_to
     assert own.should_commit(0, 7, False, timeout=None) is False
     assert own.should_commit(0, 7, True, timeout=None) is True
     assert own._quorum() == "quorum"
+
+
+def test_a_group_that_fell_behind_stops_once_another_group_has_finished_the_run(tmp_path):
+    """A group that stalls past ``fault_tolerance.timeout_s`` (its heartbeat lapses: a machine
+    under load, a paused VM) is dropped from the quorum, and the others may finish the run
+    without it. Back, it found a quorum of itself alone and trained the run's last steps on its
+    own share of the batch, and the job's summary was its own (reproduced: one group of three
+    stopped 14 s at step 19 of 60, the others finished, and it took steps 19-60 alone, "3
+    finished, no group lost"). Now a group stepping with fewer groups reads whether another has
+    committed the run's final step, and stops without this step; with every group stepping it
+    reads nothing."""
+    from types import SimpleNamespace
+
+    from litscale.reliability.replica_groups import ReplicaFaultTolerance
+
+    run = tmp_path / "run"
+    write_record(run, 0, [{"step": 0, "started": True, "groups": 2, "time": 0.0},
+                          *({"step": s, "groups": 2, "committed": True, "time": s} for s in range(1, 20))])
+    write_record(run, 1, [{"step": 0, "started": True, "groups": 2, "time": 0.0},
+                          *({"step": s, "groups": 2 if s < 20 else 1, "committed": True, "time": s} for s in range(1, 61))])
+    votes: list[bool] = []
+    callback = ReplicaFaultTolerance(run_dir=group_dir(str(run), 0))
+    callback.groups, callback._final_step, callback._agree = 2, 60, lambda flag: flag
+    callback.manager = SimpleNamespace(num_participants=lambda: 2, should_commit=lambda: votes.append(True) or True)
+    assert callback.commit() is True and votes == [True]  # every group stepping: torchft's vote, nothing read
+
+    callback.manager.num_participants = lambda: 1
+    callback._record = open(steps_log_path(group_dir(str(run), 0)), "a")  # noqa: SIM115
+    assert callback.commit() is False and votes == [True]  # not stepped, no vote asked
+    trainer = SimpleNamespace(global_step=19, should_stop=False)
+    callback.on_train_batch_end(trainer, None, None, None, 0)
+    callback._record.close()
+    assert trainer.should_stop is True
+    last = json.loads(Path(steps_log_path(group_dir(str(run), 0))).read_text().splitlines()[-1])
+    assert (last["step"], last["stopped_as_finished"], last["behind_the_finished_run"]) == (19, True, True)
+    cost = costs(str(run), 2, [1])
+    assert (cost["finished"], cost["fell_behind"], cost["not_finished"]) == ([1], [0], [])
+    assert "group(s) 0 fell behind and stopped when the others had finished the run" in describe(cost)
+
+
+def test_whether_another_group_has_finished_the_run_is_read_from_the_end_of_its_record(tmp_path):
+    from litscale.reliability.replica_groups import finished_marker, step_the_run_ended_at
+
+    run = tmp_path / "run"
+    own = group_dir(str(run), 0)
+    assert step_the_run_ended_at(own, 3, 60) is None  # no record yet
+    write_record(run, 0, [{"step": 60, "groups": 1, "committed": True, "time": 1.0}])  # its own: not another's
+    write_record(run, 1, [*({"step": s, "groups": 3, "committed": True, "time": s, "pad": "x" * 80}
+                            for s in range(1, 60)), {"step": 60, "groups": 2, "committed": False, "time": 61.0}])
+    assert step_the_run_ended_at(own, 3, 60) is None  # its final step was dropped
+    with open(steps_log_path(group_dir(str(run), 1)), "a") as record:
+        record.write(json.dumps({"step": 60, "groups": 2, "committed": True, "time": 62.0}) + "\n")
+        record.write('{"step": 61, "gro')  # a row being written
+    assert step_the_run_ended_at(own, 3, 60) == 60
+    assert step_the_run_ended_at(own, 3, 80) is None  # the run goes on to 80
+    Path(finished_marker(own)).write_text("1")
+    assert step_the_run_ended_at(own, 3, -1) == -1  # the epochs end the run: the marker says it

@@ -266,6 +266,8 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
     steps of a group that never stopped (and the median: a step's own time), the steps taken with fewer groups, the steps dropped,
     and each group's lives (a restarted group rejoins at a later step)."""
     records = {g: _group_record(run_dir, g) for g in range(groups)}
+    # Stalled past the groups' timeout, alive, and stopped once it found the run finished without it.
+    behind = sorted(g for g in range(groups) if records[g] and records[g][-1].get("behind_the_finished_run"))
     survivors = [g for g in finished if _lives(records[g]) == 1]
     pauses = [b["time"] - a["time"] for g in survivors for a, b in itertools.pairwise(records[g])]
     reference = [row for row in (records[survivors[0]] if survivors else records[finished[0]])
@@ -273,7 +275,8 @@ def costs(run_dir: str, groups: int, finished: list[int]) -> dict:
     return {
         "groups": groups,
         "finished": sorted(finished),
-        "not_finished": sorted(set(range(groups)) - set(finished)),
+        "not_finished": sorted(set(range(groups)) - set(finished) - set(behind)),
+        "fell_behind": behind,
         "restarted": sorted(g for g in range(groups) if _lives(records[g]) > 1),
         "rejoined_at_step": {str(g): _rejoined_at(records[g]) for g in range(groups) if _lives(records[g]) > 1},
         "seconds_to_rejoin": {str(g): _seconds_to_rejoin(records[g]) for g in range(groups) if _lives(records[g]) > 1},
@@ -327,6 +330,9 @@ def describe(cost: dict) -> str:
                      f"{', '.join(f'{s:.1f}' for s in cost['seconds_to_rejoin'].values())} s")
     if cost["not_finished"]:
         parts.append(f"group(s) {', '.join(map(str, cost['not_finished']))} lost and not back by the end")
+    if cost.get("fell_behind"):
+        parts.append(f"group(s) {', '.join(map(str, cost['fell_behind']))} fell behind and stopped when the others "
+                     "had finished the run (the results are a finished group's)")
     lost = "; ".join(parts) or "no group lost"
     waits = ", ".join(f"{what} {cost[f'median_{name}'] * 1000:.1f} ms" for name, what in WAITS.items()
                       if f"median_{name}" in cost)

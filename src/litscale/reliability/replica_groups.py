@@ -40,7 +40,9 @@ the step in flight when it died, and the survivors' wait for the lighthouse to d
 after its last heartbeat, ``replica_launch.HEARTBEAT_TIMEOUT_MS``). A rejoining group reads
 on from the step it rejoins at; a group that falls out of one quorum while alive (later than
 ``fault_tolerance.straggler_timeout_s``) heals in the middle of its epoch and reads on from its
-own place in the order, which the sampler cannot move once an epoch is under way. Each group writes one line per step to
+own place in the order, which the sampler cannot move once an epoch is under way; one that
+comes back after the others have finished the run stops there (``_run_ended_without_this_group``).
+Each group writes one line per step to
 ``<run dir>/replicas/<group>/steps.jsonl`` (step, time, groups in the quorum, committed) and
 one per start: the record the job's summary, the tests and
 ``experiments/reliability/replica_loss.py`` read.
@@ -151,6 +153,9 @@ class ReplicaFaultTolerance(Callback):
         self._shared = False  # this step's sum set the statistics every group holds
         self._timings: dict[str, float] = {}  # this step's waits on the groups, in its record
         self._overlapped: OverlappedGradientSum | None = None  # a one-process group's sum in backward
+        self._final_step = -1  # the run's last step (trainer.max_steps; -1: the epochs decide)
+        self._ended_without_us: int | None = None  # the step another group finished the run at
+        self._agree: Any = None  # this group's ranks agree on a flag (their own process group)
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -162,6 +167,8 @@ class ReplicaFaultTolerance(Callback):
             raise ValueError("fault_tolerance=replicas gates the optimizer step of automatic optimization; "
                              f"{type(pl_module).__name__} optimizes manually")
         _quiet_torchft()
+        self._final_step = trainer.max_steps
+        self._agree = functools.partial(_any_rank, trainer.world_size, trainer.strategy.root_device)
         self.start_manager(trainer, pl_module, store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                            store_port=int(os.environ["MASTER_PORT"]))
         if trainer.global_rank == 0:
@@ -307,17 +314,41 @@ class ReplicaFaultTolerance(Callback):
         NOTE: torchft's vote is its own round trip to the group's manager, after the step's sum
         (it reports that sum's errors), and torchft offers no way to send it with the sum."""
         self.participants = self.manager.num_participants()
+        if self.participants < self.groups and self._run_ended_without_this_group():
+            self.committed, self._stepped = False, True
+            return False
         started = time.perf_counter()
         self.committed = self.manager.should_commit()
         self._timings["commit_s"] = time.perf_counter() - started
         self._stepped = True
         return self.committed
 
+    def _run_ended_without_this_group(self) -> bool:
+        """Whether another group has finished the run while this one steps with fewer groups:
+        the others went on without it (it stalled past ``fault_tolerance.timeout_s`` and its
+        heartbeat lapsed) and ended the run, so a quorum of this group alone is no live group's,
+        and training on would make the job's last steps its own, on its share of the batch.
+
+        Asked only in a step with fewer groups (a step of every group reads nothing), from the
+        other groups' step records and the finished marker; the group's ranks agree on it in
+        their own process group, since each reads the files at its own moment."""
+        step = step_the_run_ended_at(self.run_dir, self.groups, self._final_step)
+        if self._agree(step is not None):
+            self._ended_without_us = step if step is not None else self._final_step
+        return self._ended_without_us is not None
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self._stepped:
             return  # inside an accumulation: the step is not over
         self._stepped = self._step_open = False
+        if self._ended_without_us is not None:
+            trainer.should_stop = True
+            rank_zero_info(f"litscale: fault tolerance: replica group {self.group} fell behind at step "
+                           f"{trainer.global_step} and the other groups finished the run (step "
+                           f"{self._ended_without_us}) without it; it stops there instead of training on alone")
+            self._write(step=trainer.global_step, stopped_as_finished=True, behind_the_finished_run=True)
+            return
         _set_global_step(trainer, self.manager.current_step())
         if not self.committed:  # the routers' counts of a dropped step go with it (no bias update)
             for module in pl_module.modules():
@@ -460,6 +491,51 @@ def _quorum_now(manager: Any) -> None:
     if manager._healing:
         manager._apply_pending_state_dict()
         manager._healing = False
+
+
+def step_the_run_ended_at(group_dir: str, groups: int, final_step: int) -> int | None:
+    """The step at which another group of the job finished the run, from the groups' dirs
+    (siblings of ``group_dir``, ``<run dir>/replicas/<group>``): a committed row at the run's
+    ``final_step`` in another group's step record (written the moment it steps), else the
+    finished marker (written once that group's ranks have ended; the only sign where the epochs
+    end the run, ``final_step`` -1); None while the run goes on."""
+    replicas, own = os.path.split(group_dir)
+    if final_step > 0:
+        for other in (str(group) for group in range(groups)):
+            step = _last_committed_step(steps_log_path(os.path.join(replicas, other)))
+            if other != own and step is not None and step >= final_step:
+                return step
+    return final_step if os.path.exists(finished_marker(group_dir)) else None
+
+
+def _last_committed_step(path: str, tail_bytes: int = 4096) -> int | None:
+    """The newest committed step in a step record, read from its end (a long run's record is
+    megabytes); a line cut by the seek or still being written is skipped."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - tail_bytes))
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("committed"):
+            return int(row["step"])
+    return None
+
+
+def _any_rank(world_size: int, device: Any, flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of this group (its ranks' own process group)."""
+    if world_size == 1:
+        return flag
+    import torch.distributed as dist
+
+    found = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())
 
 
 def _nothing() -> None:
