@@ -290,6 +290,18 @@ def _resume_one_micro_batch_behind(original):
     return resume_point
 
 
+def _behind_group_trains_on(original):
+    """A replica group that fell behind never asks whether the run has ended without it: back
+    after the others finished, it trains the last steps alone in a quorum of itself."""
+
+    def ended(self):
+        original(self)  # read, as ever, then ignored
+        self._ended_without_us = None
+        return False
+
+    return ended
+
+
 def _groups_ranks_overlap(original):
     """A replica group's ranks numbered from the group's index, not from its first rank over
     the groups (group ``g``'s rank ``r`` is ``g + r``): neighbouring groups draw the same
@@ -482,6 +494,11 @@ _ROWS = [
     Mutant("sample-drawn-twice-across-groups", "replica groups number their ranks from the group's index: two ranks "
            "draw the same samples", "litscale.data.base:ShardedDataModule.train_replicas", _groups_ranks_overlap,
            ("tests/test_fault_tolerance.py::test_the_groups_together_read_what_one_job_of_all_their_ranks_reads",)),
+    Mutant("behind-group-trains-on-alone", "a replica group that stalled past the groups' timeout and comes back "
+           "after the others finished the run trains its last steps alone (and may be the job's summary)",
+           "litscale.reliability.replica_groups:ReplicaFaultTolerance._run_ended_without_this_group",
+           _behind_group_trains_on,
+           ("tests/test_fault_tolerance.py::test_a_group_that_fell_behind_stops_once_another_group_has_finished_the_run",)),
     Mutant("rng-restored-at-load", "the RNG state is restored when the checkpoint is loaded, and the loader draws "
            "from it before the first resumed batch", "litscale.callbacks.rng_state:RNGStateCallback.load_state_dict",
            _rng_restored_at_load,
