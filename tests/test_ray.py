@@ -21,6 +21,7 @@ import pytest
 import torch
 from helpers.cli import explain, run_train, summaries, train_losses
 from helpers.configs import compose_full
+from helpers.one_ray import one_ray_at_a_time
 from omegaconf import OmegaConf
 
 # Whether Ray is installed, without importing it: the sweeps import it in their own processes,
@@ -92,15 +93,16 @@ def sweeps(tmp_path_factory):
         (conf / "experiment" / f"{name}.yaml").write_text(f"# @package _global_\n{text}")
     searchpath = f"hydra.searchpath=[file://{conf}]"
     runs = {}
-    for launcher, jobs in (("ray", "ray_ddp,ray_fsdp,ray_killed,ray_recovered"), ("basic", "ray_ddp,ray_fsdp")):
-        outputs = tmp_path_factory.mktemp(launcher)
-        extra = RAY if launcher == "ray" else ()
-        process = run_train(
-            "-m", *extra, searchpath, f"experiment={jobs}", *TINY, outputs=outputs, timeout=1000
-        )
-        runs[launcher] = (outputs, process)
-    outputs = tmp_path_factory.mktemp("optuna")
-    runs["optuna"] = (outputs, run_train("-m", *STUDY, outputs=outputs, timeout=1000))
+    with one_ray_at_a_time():
+        for launcher, jobs in (("ray", "ray_ddp,ray_fsdp,ray_killed,ray_recovered"), ("basic", "ray_ddp,ray_fsdp")):
+            outputs = tmp_path_factory.mktemp(launcher)
+            extra = RAY if launcher == "ray" else ()
+            process = run_train(
+                "-m", *extra, searchpath, f"experiment={jobs}", *TINY, outputs=outputs, timeout=1000
+            )
+            runs[launcher] = (outputs, process)
+        outputs = tmp_path_factory.mktemp("optuna")
+        runs["optuna"] = (outputs, run_train("-m", *STUDY, outputs=outputs, timeout=1000))
     return runs
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.cli import REPO, cli_env, explain, run_train, train_losses
+from helpers.one_ray import one_ray_at_a_time
 
 # Each test reads the module's 3 runs on its cluster: 413 s on 2 idle cores, 712 s in CI's
 # make test-full, a quarter of its budget, so `make test-soak`. The Ray launcher's settings, its
@@ -62,13 +63,14 @@ ATTEMPT_LINE = "litscale: gpt-nano"
 def cluster():
     from ray.cluster_utils import Cluster
 
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    try:
-        nodes.second = nodes.add_node(num_cpus=1)
-        nodes.wait_for_nodes(timeout=120)
-        yield nodes
-    finally:
-        nodes.shutdown()
+    with one_ray_at_a_time():
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        try:
+            nodes.second = nodes.add_node(num_cpus=1)
+            nodes.wait_for_nodes(timeout=120)
+            yield nodes
+        finally:
+            nodes.shutdown()
 
 
 @pytest.fixture(scope="module")
