@@ -155,7 +155,8 @@ class ReplicaFaultTolerance(Callback):
         self._overlapped: OverlappedGradientSum | None = None  # a one-process group's sum in backward
         self._final_step = -1  # the run's last step (trainer.max_steps; -1: the epochs decide)
         self._ended_without_us: int | None = None  # the step another group finished the run at
-        self._agree: Any = None  # this group's ranks agree on a flag (their own process group)
+        # This group's ranks agree on a flag in their own process group (``setup``: its size).
+        self._agree: Any = functools.partial(_any_rank, 1, None)
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -501,9 +502,9 @@ def step_the_run_ended_at(group_dir: str, groups: int, final_step: int) -> int |
     end the run, ``final_step`` -1); None while the run goes on."""
     replicas, own = os.path.split(group_dir)
     if final_step > 0:
-        for other in (str(group) for group in range(groups)):
+        for other in (str(group) for group in range(groups) if str(group) != own):
             step = _last_committed_step(steps_log_path(os.path.join(replicas, other)))
-            if other != own and step is not None and step >= final_step:
+            if step is not None and step >= final_step:
                 return step
     return final_step if os.path.exists(finished_marker(group_dir)) else None
 
